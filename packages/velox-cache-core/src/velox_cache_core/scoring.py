@@ -1,0 +1,41 @@
+"""Attention logits and weights as the eviction rules see them.
+
+Every policy scores candidates with the attention of a *probe* (the real queries, or the
+incoming keys as a proxy) over the candidate keys, averaged into *decision groups*: one group per
+KV head (scope ``head``; a GQA group's query heads are averaged) or a single group for the whole
+layer (scope ``layer``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import mlx.core as mx
+
+Scope = Literal["layer", "head"]
+
+
+def grouped_logits(probe: mx.array, keys: mx.array, scale: float, scope: Scope) -> mx.array:
+    """Scaled dot products of every probe head with the keys of its KV head.
+
+    probe: ``[B, H_p, L, D]`` with ``H_p % H_kv == 0``; keys: ``[B, H_kv, n, D]``.
+    Returns ``[B, G, H_d, L, n]``: ``G`` decision groups (``H_kv`` for scope ``head``, 1 for
+    ``layer``) of ``H_d`` probe heads each.
+    """
+    B, H_p, L, D = probe.shape
+    H_kv, n = keys.shape[1], keys.shape[2]
+    per_kv = H_p // H_kv
+    q = (probe * scale).reshape(B, H_kv, per_kv, L, D)
+    logits = q @ keys[:, :, None].swapaxes(-1, -2)
+    if scope == "layer":
+        return logits.reshape(B, 1, H_kv * per_kv, L, n)
+    return logits
+
+
+def decision_weights(logits: mx.array) -> mx.array:
+    """Softmax over all ``n`` candidates, averaged within each decision group.
+
+    logits: ``[B, G, H_d, L, n]`` -> ``[B, G, L, n]`` float32.
+    """
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    return probs.mean(axis=2)

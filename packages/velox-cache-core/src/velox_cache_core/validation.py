@@ -1,0 +1,106 @@
+"""Checks at the public boundary: clear messages naming the argument, nothing clamped."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import mlx.core as mx
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """``value`` must be an int (not bool) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return str(value)
+
+
+def check_budget_and_sinks(budget: Any, n_sink: Any, *, prefix: str = "") -> None:
+    """``budget >= 1``; ``0 <= n_sink < budget``."""
+    check_int(f"{prefix}budget", budget, minimum=1)
+    check_int(f"{prefix}n_sink", n_sink, minimum=0)
+    if n_sink and n_sink >= budget:
+        raise ValueError(
+            f"{prefix}n_sink must be < {prefix}budget ({budget}) so that a token can be evicted, "
+            f"got {n_sink}"
+        )
+
+
+def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> mx.array:
+    if not isinstance(x, mx.array):
+        raise TypeError(f"{name} must be an mx.array {layout}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    return x
+
+
+def check_kv(
+    keys: Any,
+    values: Any,
+    *,
+    expect: tuple[int, int, int] | None,
+    dtype: mx.Dtype | None,
+) -> None:
+    """keys/values ``[B, H_kv, L, D]`` of one dtype; ``expect`` = (B, H_kv, D) fixed by the state."""
+    check_tensor("keys", keys, ndim=4, layout="[B, H_kv, L, D]")
+    check_tensor("values", values, ndim=4, layout="[B, H_kv, L, D]")
+    if keys.shape != values.shape:
+        raise ValueError(
+            f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}"
+        )
+    if keys.dtype != values.dtype:
+        raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
+    if expect is not None:
+        B, H, _, D = keys.shape
+        for label, got, want in (("B", B, expect[0]), ("H_kv", H, expect[1]), ("D", D, expect[2])):
+            if got != want:
+                raise ValueError(
+                    f"keys {label} ({got}) differs from the state's {label} ({want}); "
+                    "a state serves one layer of one batch"
+                )
+    if dtype is not None and keys.dtype != dtype:
+        raise TypeError(f"keys dtype {keys.dtype} differs from the state's dtype {dtype}")
+
+
+def check_queries(queries: Any, keys: mx.array) -> mx.array:
+    """queries ``[B, H_q, L, D]`` matching keys ``[B, H_kv, L, D]`` with ``H_q % H_kv == 0``."""
+    check_tensor("queries", queries, ndim=4, layout="[B, H_q, L, D]")
+    B, H_kv, L, D = keys.shape
+    qB, H_q, qL, qD = queries.shape
+    if (qB, qL, qD) != (B, L, D):
+        raise ValueError(
+            f"queries must have shape [B={B}, H_q, L={L}, D={D}], got {tuple(queries.shape)}"
+        )
+    if H_q % H_kv:
+        raise ValueError(f"queries H_q ({H_q}) must be a multiple of keys H_kv ({H_kv})")
+    return queries
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    """Softmax scale: positive finite float; ``None`` means ``1/sqrt(D)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def require_finite(**arrays: mx.array | None) -> None:
+    """Raise if any given array has NaN or inf (forces evaluation: boundary use only)."""
+    for name, x in arrays.items():
+        if x is not None and x.size and not mx.isfinite(x).all().item():
+            raise ValueError(f"{name} contains NaN or inf")
