@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from velox_cache_core.scoring import exp
 from velox_cache_core.selection import lowest_weight
 
 
@@ -46,12 +47,12 @@ def eviction_steps(
     visible = cols[None, :] <= (mx.arange(L) + n_retained)[:, None]  # [L, n]
     # One stabilising max per row over what that row could see; alive is a subset of it.
     row_max = mx.where(visible, logits, -mx.inf).max(axis=-1, keepdims=True)
-    exp = mx.exp(logits - row_max) * visible
+    exp_logits = exp(logits - row_max) * visible
     evict_step = mx.full((B, G, n), L, dtype=mx.int32)
     protected = positions < n_sink
     for i in range(max(0, budget - n_retained), L):
         evict_step = _decide_compiled(
-            exp[:, :, :, i, :],
+            exp_logits[:, :, :, i, :],
             evict_step,
             mx.array(i, dtype=mx.int32),
             visible[i],

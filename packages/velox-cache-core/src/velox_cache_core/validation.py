@@ -53,7 +53,7 @@ def check_kv(
     expect: tuple[int, int, int] | None,
     dtype: mx.Dtype | None,
 ) -> None:
-    """keys/values ``[B, H_kv, L, D]`` of one dtype; ``expect`` = (B, H_kv, D) fixed by the state."""
+    """keys/values ``[B, H_kv, L, D]``, one dtype; ``expect`` = (B, H_kv, D) fixed by the state."""
     check_tensor("keys", keys, ndim=4, layout="[B, H_kv, L, D]")
     check_tensor("values", values, ndim=4, layout="[B, H_kv, L, D]")
     if keys.shape != values.shape:

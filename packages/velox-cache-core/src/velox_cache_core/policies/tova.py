@@ -165,7 +165,10 @@ def tova_update(
     if not isinstance(state, TovaState):
         raise TypeError(f"state must be a TovaState, got {type(state).__name__}")
     slots = state.slots
-    expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
+    expect = None
+    if slots is not None:
+        B0, H0, _, D0 = slots.keys.shape
+        expect = (B0, H0, D0)
     check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
     if queries is not None:
         check_queries(queries, keys)
