@@ -203,13 +203,14 @@ def test_key_signal_evicts_orthogonal_before_aligned(scope) -> None:
 
 
 @pytest.mark.parametrize("combination", COMBINATIONS, ids=IDS)
-def test_equal_weights_evict_lowest_position(combination) -> None:
+@pytest.mark.parametrize("chunks", [[1] * 12, [12], [5, 7]])
+def test_equal_weights_evict_lowest_position(combination, chunks) -> None:
     # Identical keys and queries tie every weight: TOVA then slides a window behind the sinks.
     keys = np.ones((1, 2, 12, 4), dtype=np.float32)
     queries = np.ones((1, 4, 12, 4), dtype=np.float32)
     values = stream(n=12, d=4)[1]
     state = init_tova_state(budget=4, n_sink=1, **settings(combination))
-    state = feed(state, keys, values, queries, [1] * 12)[-1].state
+    state = feed(state, keys, values, queries, chunks)[-1].state
     assert kept(state) == [[[0, 9, 10, 11]] * 2]
 
 
