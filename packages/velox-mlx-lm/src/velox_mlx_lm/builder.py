@@ -1,0 +1,91 @@
+"""Build one cache per layer from a KVCacheConfig and wire the attention hook."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from velox_mlx_lm.cache import TOVAKVCache
+from velox_mlx_lm.config import TOVA_METHODS, KVCacheConfig
+from velox_mlx_lm.hook import install_attention_hook
+
+
+class KVCacheFactory:
+    """One layer's cache for a config."""
+
+    @staticmethod
+    def create(config: KVCacheConfig) -> Any:
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if config.method in TOVA_METHODS:
+            return TOVAKVCache(**config.tova_settings())
+        return KVCache()
+
+
+def _base_caches(model: nn.Module) -> list[Any]:
+    """The caches the model's own class would make (ignoring a ``make_cache`` set on the
+    instance, which may be ours)."""
+    make_cache = getattr(type(model), "make_cache", None)
+    if make_cache is not None:
+        return list(make_cache(model))
+    return [KVCache() for _ in model.layers]
+
+
+def _head_dims(model: nn.Module) -> set[int]:
+    dims = set()
+    for layer in getattr(model, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        n_kv = getattr(attn, "n_kv_heads", None)
+        k_proj = getattr(attn, "k_proj", None)
+        if attn is None:
+            continue
+        if isinstance(getattr(attn, "head_dim", None), int):
+            dims.add(attn.head_dim)
+        elif n_kv and k_proj is not None and hasattr(k_proj, "weight"):
+            out = k_proj.weight.shape[0]
+            if not hasattr(k_proj, "scales"):  # quantized weights pack several values per int
+                dims.add(out // n_kv)
+    return dims
+
+
+class KVCacheBuilder:
+    """Per-model cache lists."""
+
+    @staticmethod
+    def for_model(model: nn.Module, config: KVCacheConfig) -> list[Any]:
+        """One cache per layer, every config field propagated, attention hook installed.
+
+        Full-attention layers (mlx-lm ``KVCache``) get the configured cache; layers the model
+        already bounds (``RotatingKVCache`` sliding windows) and non-attention layers keep theirs.
+        """
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if not hasattr(model, "layers"):
+            raise TypeError("model must be an mlx-lm model (it has no .layers)")
+        dims = _head_dims(model)
+        if config.head_dim is not None and dims and config.head_dim not in dims:
+            raise ValueError(
+                f"head_dim={config.head_dim} does not match the model's head_dim {sorted(dims)}"
+            )
+        if config.method == "full":
+            return _base_caches(model)
+        reached = install_attention_hook(model)
+        if not reached and config.tova_settings()["signal"] == "query":
+            warnings.warn(
+                f"{type(model).__module__} computes attention by hand, so the hook cannot give "
+                "TOVA the true queries; using tova_signal='key' instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            config = replace(config, tova_signal="key")
+        caches = []
+        for base in _base_caches(model):
+            if type(base) is KVCache:
+                caches.append(KVCacheFactory.create(config))
+            else:  # sliding windows, recurrent state: already bounded, keep
+                caches.append(base)
+        return caches
