@@ -1,11 +1,14 @@
 """Sequential prefill: a chunk's evictions taken in order, as if fed token by token.
 
 Query ``i`` of a chunk sees exactly the candidates alive at step ``i``; after attending, if more
-than ``budget`` are alive, the lowest current-step weight goes. The chunk's logits are computed
-once; only the ``L`` cheap decisions run in order.
+than ``budget`` are alive, the candidate with the lowest weight (or, for an accumulating rule,
+the lowest running score) goes. The chunk's logits are computed once; only the cheap per-step
+decisions run in order.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import mlx.core as mx
 
@@ -13,58 +16,111 @@ from velox_cache_core.scoring import exp
 from velox_cache_core.selection import lowest_weight
 
 
+def fuse_rows(weights: mx.array, fusion: str) -> mx.array:
+    """``[B, G, W, n]`` per-row weights -> ``[B, G, n]`` (mean or max over the ``W`` rows)."""
+    return weights.max(axis=2) if fusion == "max" else weights.mean(axis=2)
+
+
 def _decide(
-    exp_row: mx.array,
+    exp_rows: mx.array,
     evict_step: mx.array,
+    scores: mx.array,
     step: mx.array,
-    visible: mx.array,
+    limit: mx.array,
     protected: mx.array,
     positions: mx.array,
-) -> mx.array:
-    """One step: normalise over the alive candidates, evict the lowest, record the step."""
-    alive = visible & (evict_step >= step)
-    e = exp_row * alive[:, :, None, :]
+    *,
+    fusion: str,
+    accumulate: bool,
+    recent: int,
+) -> tuple[mx.array, mx.array]:
+    """One step: weights over the alive candidates, optional running sum, evict the lowest."""
+    alive = (positions <= limit) & (evict_step >= step)
+    e = exp_rows * alive[:, :, None, None, :]
     z = mx.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
-    weights = (e / z).mean(axis=2)
-    victim = lowest_weight(weights, positions, protected | ~alive)
+    weights = fuse_rows((e / z).mean(axis=2), fusion)
+    if accumulate:
+        scores = scores + weights
+        weights = scores
+    excluded = protected | ~alive
+    if recent:
+        excluded = excluded | (positions > limit - recent)
+    victim = lowest_weight(weights, positions, excluded)
     cols = mx.arange(evict_step.shape[-1])
-    return mx.where(cols == victim[..., None], step, evict_step)
+    return mx.where(cols == victim[..., None], step, evict_step), scores
 
 
-_decide_compiled = mx.compile(_decide)
+@cache
+def _compiled(fusion: str, accumulate: bool, recent: int):  # type: ignore[no-untyped-def]
+    def decide(*args: mx.array) -> tuple[mx.array, mx.array]:
+        return _decide(*args, fusion=fusion, accumulate=accumulate, recent=recent)
+
+    return mx.compile(decide)
+
+
+def row_visibility(positions: mx.array, row_positions: mx.array) -> mx.array:
+    """bool ``[B, G, R, n]``: probe row ``r`` may see candidate ``j`` (``pos_j <= pos_r``)."""
+    return positions[:, :, None, :] <= row_positions[:, None]
 
 
 def eviction_steps(
-    logits: mx.array, n_retained: int, budget: int, positions: mx.array, n_sink: int
-) -> mx.array:
-    """Step at which each candidate is evicted (``L`` if it survives the chunk).
+    logits: mx.array,
+    row_positions: mx.array,
+    positions: mx.array,
+    *,
+    start: int,
+    length: int,
+    budget: int,
+    n_sink: int,
+    n_history: int = 0,
+    window: int = 1,
+    fusion: str = "mean",
+    scores: mx.array | None = None,
+    recent: int = 0,
+) -> tuple[mx.array, mx.array | None]:
+    """Step at which each candidate is evicted (``length`` if it survives the chunk).
 
-    logits: ``[B, G, H_d, L, n]`` probe logits over ``retained (n_retained) + chunk (L)``;
-    positions: int32 ``[B, G, n]``. Returns int32 ``[B, G, n]``.
+    logits: ``[B, G, H_d, R, n]`` probe logits over the candidates, ``R = n_history + length``
+    rows at ``row_positions`` (int ``[R]``): earlier probes, then the chunk's. Step ``i`` of the
+    chunk (position ``start + i``) fuses its own row and up to ``window - 1`` rows before it.
+    positions: int32 ``[B, G, n]``. ``scores`` (``[B, G, n]``), if given, accumulate every
+    step's weights and decide instead of them.
+    Returns int32 ``[B, G, n]`` and the final scores.
     """
-    B, G, _, L, n = logits.shape
-    cols = mx.arange(n)
-    visible = cols[None, :] <= (mx.arange(L) + n_retained)[:, None]  # [L, n]
-    # One stabilising max per row over what that row could see; alive is a subset of it.
+    B, G, _, _, n = logits.shape
+    n_live = n - length  # candidates are the live rows, then the chunk
+    assert scores is None or window == 1, "accumulating rules fuse one row per step"
+    visible = row_visibility(positions, row_positions)[:, :, None]  # [B, G, 1, R, n]
     row_max = mx.where(visible, logits, -mx.inf).max(axis=-1, keepdims=True)
-    exp_logits = exp(logits - row_max) * visible
-    evict_step = mx.full((B, G, n), L, dtype=mx.int32)
+    exp_rows = exp(logits - row_max) * visible
+    evict_step = mx.full((B, G, n), length, dtype=mx.int32)
     protected = positions < n_sink
-    for i in range(max(0, budget - n_retained), L):
-        evict_step = _decide_compiled(
-            exp_logits[:, :, :, i, :],
+    first = max(0, budget - n_live)
+    accumulate = scores is not None
+    if accumulate and first:
+        # Before the first eviction nothing is missing: every row sees all it could.
+        e = exp_rows[:, :, :, n_history : n_history + min(first, length)]
+        assert scores is not None
+        scores = scores + (e / e.sum(axis=-1, keepdims=True)).mean(axis=2).sum(axis=2)
+    if scores is None:
+        scores = mx.zeros((1,))
+    decide = _compiled(fusion, accumulate, recent)
+    for i in range(first, length):
+        row = n_history + i
+        evict_step, scores = decide(
+            exp_rows[:, :, :, max(0, row + 1 - window) : row + 1],
             evict_step,
+            scores,
             mx.array(i, dtype=mx.int32),
-            visible[i],
+            mx.array(start + i, dtype=mx.int32),
             protected,
             positions,
         )
-    return evict_step
+    return evict_step, (scores if accumulate else None)
 
 
-def alive_mask(evict_step: mx.array, n_retained: int, length: int) -> mx.array:
+def alive_mask(evict_step: mx.array, positions: mx.array, start: int, length: int) -> mx.array:
     """bool ``[B, G, L, n]``: candidate ``j`` is alive when query ``i`` attends."""
-    n = evict_step.shape[-1]
-    steps = mx.arange(length)[:, None]
-    visible = mx.arange(n)[None, :] <= steps + n_retained
-    return visible & (steps <= evict_step[:, :, None, :])
+    steps = mx.arange(length)
+    arrived = positions[:, :, None, :] <= (steps + start)[:, None]
+    return arrived & (steps[:, None] <= evict_step[:, :, None, :])

@@ -7,24 +7,16 @@ included). Nothing is carried between steps: the state holds no scores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
 
-from velox_cache_core.masks import chunk_causal, expand_heads
-from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
-from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.sequential import alive_mask, eviction_steps
+from velox_cache_core.current_step import Rule, rule_update
+from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.scoring import Scope
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.validation import (
-    check_budget_and_sinks,
-    check_choice,
-    check_kv,
-    check_queries,
-    check_scale,
-    require_finite,
-)
+from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
 Signal = Literal["query", "key"]
 Prefill = Literal["sequential", "oneshot"]
@@ -41,10 +33,11 @@ PRESETS: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True)
-class TovaState:
+class TovaState(SlotStateMixin):
     """One layer's TOVA cache: settings, retained slots and counters.
 
-    ``slots`` is ``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and dtype.
+    ``slots`` is ``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and dtype. Views:
+    ``keys``, ``values``, ``positions``, ``n_kept``, ``nbytes``, ``compression_ratio``.
     """
 
     budget: int
@@ -66,63 +59,13 @@ class TovaState:
             "prefill": self.prefill,
         }
 
-    def _live(self) -> KVSlots | None:
-        return None if self.slots is None else self.slots.compact()
-
     @property
-    def keys(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``)."""
-        live = self._live()
-        return None if live is None else live.keys
-
-    @property
-    def values(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained values."""
-        live = self._live()
-        return None if live is None else live.values
-
-    @property
-    def positions(self) -> mx.array | None:
-        """int32 ``[B, H_kv, n_kept]`` absolute positions of the retained rows."""
-        live = self._live()
-        return None if live is None else live.positions
-
-    @property
-    def n_kept(self) -> int:
-        return 0 if self.slots is None else self.slots.n_kept
-
-    @property
-    def tokens_kept(self) -> int:
-        """Retained tokens per (batch row, KV head)."""
-        return self.n_kept
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the retained keys and values: ``B * H_kv * n_kept * D * 2 * itemsize``."""
-        if self.slots is None:
-            return 0
-        B, H, _, D = self.slots.keys.shape
-        return B * H * self.n_kept * D * 2 * self.slots.keys.dtype.size
-
-    @property
-    def compression_ratio(self) -> float:
-        """Tokens seen per head over tokens kept (1.0 until something is evicted)."""
-        return self.offset / self.n_kept if self.n_kept else 1.0
+    def rule(self) -> Rule:
+        return Rule(self.budget, self.n_sink, self.signal, self.scope, self.prefill)
 
 
-@dataclass(frozen=True)
-class TovaStep:
-    """What one call's queries attend over, and the state after the call's evictions.
-
-    keys, values: ``[B, H_kv, n, D]``; mask: ``None`` (all visible, only for ``L <= 1``) or bool
-    ``[B, H, L, n]`` with ``H`` = 1 (scope ``layer``), ``H_q`` (scope ``head``, queries given) or
-    ``H_kv`` (scope ``head``, no queries: repeat each row over its query group).
-    """
-
-    keys: mx.array
-    values: mx.array
-    mask: mx.array | None
-    state: TovaState
+TovaStep = Step
+"""``keys``/``values`` ``[B, H_kv, n, D]`` attended by this call, ``mask``, next ``state``."""
 
 
 def init_tova_state(
@@ -162,68 +105,15 @@ def tova_update(
     ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
     The input state is never modified; a failed call raises before anything is computed.
     """
-    if not isinstance(state, TovaState):
-        raise TypeError(f"state must be a TovaState, got {type(state).__name__}")
-    slots = state.slots
-    expect = None
-    if slots is not None:
-        B0, H0, _, D0 = slots.keys.shape
-        expect = (B0, H0, D0)
-    check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
-    if queries is not None:
-        check_queries(queries, keys)
-    elif state.signal == "query":
-        raise ValueError("queries are required when signal='query' (or use signal='key')")
-    B, H_kv, L, D = keys.shape
-    scale = check_scale(scale, D)
-    if check_finite:
-        require_finite(keys=keys, values=values, queries=queries)
-
-    if slots is None:
-        slots = KVSlots.empty_like(keys, values)
-    if L == 0:
-        live = slots.compact()
-        return TovaStep(live.keys, live.values, None, replace(state, slots=slots))
-
-    probe = queries if state.signal == "query" else keys
-    assert probe is not None
-    t0, budget = state.offset, state.budget
-    groups = 1 if state.scope == "layer" else H_kv
-    if L == 1:
-        if slots.free is not None:
-            candidates = slots.write_free(keys, values, t0)
-        else:
-            candidates = slots.append(keys, values, mx.array([t0]))
-        kept = candidates
-        if candidates.n_slots > budget:
-            weights = decision_weights(grouped_logits(probe, candidates.keys, scale, state.scope))
-            positions = candidates.positions[:, :groups]
-            victim = lowest_weight(weights[:, :, 0], positions, sinks(positions, state.n_sink))
-            kept = candidates.with_free(victim)
-        mask = None
-    else:
-        candidates = slots.append(keys, values, mx.arange(t0, t0 + L))
-        n = candidates.n_slots
-        n_retained = n - L
-        positions = candidates.positions[:, :groups]
-        kept = candidates
-        if n <= budget:
-            chunk_mask = chunk_causal(n_retained, L)
-        elif state.prefill == "sequential":
-            logits = grouped_logits(probe, candidates.keys, scale, state.scope)
-            evict_step = eviction_steps(logits, n_retained, budget, positions, state.n_sink)
-            chunk_mask = alive_mask(evict_step, n_retained, L)
-            cols = mx.arange(n)
-            survivors = mx.argsort(mx.where(evict_step == L, cols, n + cols), axis=-1)
-            kept = candidates.take(survivors[..., :budget])
-        else:
-            logits = grouped_logits(probe[:, :, -1:], candidates.keys, scale, state.scope)
-            weights = decision_weights(logits)[:, :, 0]
-            protected = sinks(positions, state.n_sink)
-            kept = candidates.take(highest_weights(weights, positions, protected, budget))
-            chunk_mask = chunk_causal(n_retained, L)
-        heads = 1 if state.scope == "layer" else (H_kv if queries is None else queries.shape[1])
-        mask = expand_heads(chunk_mask, B, heads)
-
-    after = replace(state, slots=kept, offset=t0 + L, tokens_seen=state.tokens_seen + B * H_kv * L)
-    return TovaStep(candidates.keys, candidates.values, mask, after)
+    slots, call = open_call(
+        state,
+        TovaState,
+        keys,
+        values,
+        queries,
+        scale,
+        signal=state.signal if isinstance(state, TovaState) else "key",
+        check_finite=check_finite,
+    )
+    out = rule_update(state.rule, slots, call)
+    return Step(out.keys, out.values, out.mask, advance(state, out.kept, call))

@@ -1,0 +1,197 @@
+"""Attention-weight eviction rules on one engine: TOVA, MorphKV and H2O.
+
+Each step the probe rows (the new token's query or key, plus up to ``window - 1`` earlier ones
+for MorphKV) attend over the candidates; their weights, averaged per decision group and fused
+over rows, either decide directly (TOVA, MorphKV: memoryless) or are added to running scores
+that decide (H2O: inertial). The lowest goes; sinks and, for H2O, a recent window never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from velox_cache_core.engine import Call, chunk_candidates, decode_candidates
+from velox_cache_core.masks import chunk_causal
+from velox_cache_core.scoring import Scope, decision_weights, exp, grouped_logits
+from velox_cache_core.selection import highest_weights, lowest_weight, sinks
+from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
+from velox_cache_core.slots import KVSlots
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a policy turns attention weights into evictions."""
+
+    budget: int
+    n_sink: int
+    signal: str
+    scope: Scope
+    prefill: str
+    window: int = 1  # probe rows fused per decision (MorphKV)
+    fusion: str = "mean"
+    recent: int = 0  # newest positions never evicted (H2O)
+
+    def groups(self, n_kv_heads: int) -> int:
+        return 1 if self.scope == "layer" else n_kv_heads
+
+    def protected(self, positions: mx.array, newest: int) -> mx.array:
+        """bool: sinks, and the ``recent`` newest positions when the newest is ``newest``."""
+        out = sinks(positions, self.n_sink)
+        if self.recent:
+            out = out | (positions > newest - self.recent)
+        return out
+
+
+@dataclass(frozen=True)
+class History:
+    """The last probe rows, for windowed rules. probes ``[B, H_p, h, D]``, positions ``[h]``."""
+
+    probes: mx.array
+    positions: mx.array
+
+    def extend(self, probes: mx.array, positions: mx.array, keep: int) -> History | None:
+        if keep == 0:
+            return None
+        return History(
+            mx.concatenate([self.probes, probes], axis=2)[:, :, -keep:],
+            mx.concatenate([self.positions, positions])[-keep:],
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    keys: mx.array
+    values: mx.array
+    mask: mx.array | None
+    kept: KVSlots
+    scores: mx.array | None
+
+
+def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.array, mx.array]:
+    if history is None:
+        return probe, call.positions()
+    return (
+        mx.concatenate([history.probes, probe], axis=2),
+        mx.concatenate([history.positions, call.positions()]),
+    )
+
+
+def _fused_weights(
+    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str
+) -> mx.array:
+    """``[B, G, H_d, R, n]`` logits of rows that all see every candidate they precede ->
+    fused ``[B, G, n]`` weights."""
+    if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA exactly)
+        return decision_weights(logits)[:, :, 0]
+    visible = row_visibility(positions, row_positions)[:, :, None]
+    logits = mx.where(visible, logits.astype(mx.float32), -mx.inf)
+    e = exp(logits - logits.max(axis=-1, keepdims=True))
+    return fuse_rows((e / e.sum(axis=-1, keepdims=True)).mean(axis=2), fusion)
+
+
+def _align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
+    """Scores ``[B, G, S]`` for ``candidates`` laid out by decode/chunk from ``slots``."""
+    B = scores.shape[0]
+    if new == 1 and slots.free is not None:  # the new token reuses the dead slot
+        cols = mx.arange(scores.shape[-1])
+        return mx.where(cols == slots.free[:, :groups, None], 0.0, scores)
+    idx = slots.live_index()
+    if idx is not None:
+        scores = mx.take_along_axis(scores, idx[:, :groups], axis=-1)
+    return mx.concatenate([scores, mx.zeros((B, groups, new), dtype=scores.dtype)], axis=-1)
+
+
+def rule_update(
+    rule: Rule,
+    slots: KVSlots,
+    call: Call,
+    history: History | None = None,
+    scores: mx.array | None = None,
+) -> Outcome:
+    """Append ``call``'s tokens to ``slots`` and evict down to ``rule.budget``.
+
+    ``scores`` (``[B, G, S]`` aligned with the slots) switch the rule to accumulating weights.
+    """
+    _, H_kv, L, _ = call.shape
+    G = rule.groups(H_kv)
+    accumulate = scores is not None
+    if L == 0:
+        live = slots.compact()
+        if scores is not None and slots.free is not None:
+            scores = _align_scores(scores, slots, G, 0)
+        return Outcome(live.keys, live.values, None, slots, scores)
+    if scores is not None:
+        scores = _align_scores(scores, slots, G, L)
+    probe = call.probe(rule.signal)
+    newest = call.start + L - 1
+
+    if L == 1:
+        candidates = decode_candidates(slots, call)
+        kept = candidates
+        evict = candidates.n_slots > rule.budget
+        if evict or accumulate:
+            positions = candidates.positions[:, :G]
+            rows, row_positions = _rows(history, probe, call)
+            logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+            weights = _fused_weights(logits, positions, row_positions, rule.fusion)
+            if scores is not None:
+                scores = weights = scores + weights
+            if evict:
+                excluded = rule.protected(positions, newest)
+                kept = candidates.with_free(lowest_weight(weights, positions, excluded))
+        return Outcome(candidates.keys, candidates.values, None, kept, scores)
+
+    candidates = chunk_candidates(slots, call)
+    n = candidates.n_slots
+    positions = candidates.positions[:, :G]
+    kept = candidates
+    if n <= rule.budget and not accumulate:
+        mask = chunk_causal(n - L, L)
+    elif rule.prefill == "sequential":
+        rows, row_positions = _rows(history, probe, call)
+        logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+        evict_step, scores = eviction_steps(
+            logits,
+            row_positions,
+            positions,
+            start=call.start,
+            length=L,
+            budget=rule.budget,
+            n_sink=rule.n_sink,
+            n_history=rows.shape[2] - L,
+            window=rule.window,
+            fusion=rule.fusion,
+            scores=scores,
+            recent=rule.recent,
+        )
+        mask = alive_mask(evict_step, positions, call.start, L)
+        if n > rule.budget:
+            cols = mx.arange(n)
+            order = mx.argsort(mx.where(evict_step == L, cols, n + cols), axis=-1)
+            survivors = order[..., : rule.budget]
+            kept = candidates.take(survivors)
+            if scores is not None:
+                scores = mx.take_along_axis(scores, survivors, axis=-1)
+    else:
+        mask = chunk_causal(n - L, L)
+        if scores is not None:
+            # Every chunk query attends causally; each adds its weights to the running sums.
+            logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
+            visible = row_visibility(positions, call.positions())[:, :, None]
+            logits = mx.where(visible, logits.astype(mx.float32), -mx.inf)
+            e = exp(logits - logits.max(axis=-1, keepdims=True))
+            scores = weights = scores + (e / e.sum(axis=-1, keepdims=True)).mean(axis=2).sum(2)
+        else:
+            rows, row_positions = _rows(history, probe, call)
+            rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
+            logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+            weights = _fused_weights(logits, positions, row_positions, rule.fusion)
+        if n > rule.budget:
+            protected = rule.protected(positions, newest)
+            keep = highest_weights(weights, positions, protected, rule.budget)
+            kept = candidates.take(keep)
+            if scores is not None:
+                scores = mx.take_along_axis(scores, keep, axis=-1)
+    return Outcome(candidates.keys, candidates.values, call.expand(mask, rule.scope), kept, scores)
