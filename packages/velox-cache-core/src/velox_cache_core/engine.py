@@ -22,9 +22,12 @@ from velox_cache_core.validation import (
 
 
 class SlotState(Protocol):
-    slots: KVSlots | None
-    offset: int
-    tokens_seen: int
+    @property
+    def slots(self) -> KVSlots | None: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def tokens_seen(self) -> int: ...
 
 
 S = TypeVar("S", bound=SlotState)
