@@ -1,5 +1,20 @@
 """Framework-neutral MLX KV-cache eviction primitives."""
 
+from velox_cache_core.engine import Step
+from velox_cache_core.policies import POLICIES, Policy
+from velox_cache_core.policies.h2o import H2OState, h2o_update, init_h2o_state
+from velox_cache_core.policies.morphkv import MorphKVState, init_morphkv_state, morphkv_update
+from velox_cache_core.policies.snapkv import (
+    SnapKVState,
+    init_snapkv_state,
+    snapkv_compress,
+    snapkv_update,
+)
+from velox_cache_core.policies.streaming_llm import (
+    StreamingLLMState,
+    init_streaming_llm_state,
+    streaming_llm_update,
+)
 from velox_cache_core.policies.tova import (
     PRESETS,
     TovaState,
@@ -12,10 +27,26 @@ from velox_cache_core.slots import KVSlots
 __version__ = "0.1.0"
 
 __all__ = [
+    "POLICIES",
     "PRESETS",
+    "H2OState",
     "KVSlots",
+    "MorphKVState",
+    "Policy",
+    "SnapKVState",
+    "Step",
+    "StreamingLLMState",
     "TovaState",
     "TovaStep",
+    "h2o_update",
+    "init_h2o_state",
+    "init_morphkv_state",
+    "init_snapkv_state",
+    "init_streaming_llm_state",
     "init_tova_state",
+    "morphkv_update",
+    "snapkv_compress",
+    "snapkv_update",
+    "streaming_llm_update",
     "tova_update",
 ]

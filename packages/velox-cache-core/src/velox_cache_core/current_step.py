@@ -119,8 +119,6 @@ def rule_update(
     accumulate = scores is not None
     if L == 0:
         live = slots.compact()
-        if scores is not None and slots.free is not None:
-            scores = _align_scores(scores, slots, G, 0)
         return Outcome(live.keys, live.values, None, slots, scores)
     if scores is not None:
         scores = _align_scores(scores, slots, G, L)

@@ -1,0 +1,113 @@
+"""H2O: Heavy-Hitter Oracle (Zhang et al., 2023, https://arxiv.org/abs/2306.14048).
+
+Every retained token accumulates the attention it receives from every query that sees it (the
+prompt's too); the lowest running sum is evicted, except sinks and the ``recent`` newest
+tokens. Inertial where TOVA is memoryless: the state carries the scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.current_step import Rule, rule_update
+from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
+
+
+@dataclass(frozen=True)
+class H2OState(SlotStateMixin):
+    """H2O layer state. scores: float32 ``[B, G, S]`` running attention sums, slot-aligned
+    (``G`` = 1 for scope ``layer``, ``H_kv`` for ``head``)."""
+
+    budget: int
+    n_sink: int
+    recent: int
+    signal: str
+    scope: str
+    prefill: str
+    slots: KVSlots | None = None
+    scores: mx.array | None = None
+    offset: int = 0
+    tokens_seen: int = 0
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "n_sink": self.n_sink,
+            "recent": self.recent,
+            "signal": self.signal,
+            "scope": self.scope,
+            "prefill": self.prefill,
+        }
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(
+            self.budget,
+            self.n_sink,
+            self.signal,
+            self.scope,  # type: ignore[arg-type]
+            self.prefill,
+            recent=self.recent,
+        )
+
+
+def init_h2o_state(
+    budget: int = 512,
+    n_sink: int = 4,
+    recent: int | None = None,
+    signal: str = "query",
+    scope: str = "head",
+    prefill: str = "sequential",
+) -> H2OState:
+    """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
+    ``n_sink + recent <= budget``."""
+    check_budget_and_sinks(budget, n_sink)
+    recent = budget // 2 if recent is None else recent
+    check_int("recent", recent, minimum=0)
+    if n_sink + recent > budget:
+        raise ValueError(
+            f"recent must be <= budget - n_sink ({budget - n_sink}) so a token can be evicted, "
+            f"got {recent}"
+        )
+    return H2OState(
+        budget=budget,
+        n_sink=n_sink,
+        recent=recent,
+        signal=check_choice("signal", signal, SIGNALS),
+        scope=check_choice("scope", scope, SCOPES),
+        prefill=check_choice("prefill", prefill, PREFILLS),
+    )
+
+
+def h2o_update(
+    state: H2OState,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None = None,
+    scale: float | None = None,
+    check_finite: bool = True,
+) -> Step:
+    """As ``tova_update``, evicting by accumulated attention instead of the current step's."""
+    slots, call = open_call(
+        state,
+        H2OState,
+        keys,
+        values,
+        queries,
+        scale,
+        signal=getattr(state, "signal", "key"),
+        check_finite=check_finite,
+    )
+    scores = state.scores
+    if scores is None:
+        B, H_kv = keys.shape[:2]
+        scores = mx.zeros((B, state.rule.groups(H_kv), 0), dtype=mx.float32)
+    out = rule_update(state.rule, slots, call, scores=scores)
+    return Step(out.keys, out.values, out.mask, advance(state, out.kept, call, scores=out.scores))

@@ -1,0 +1,123 @@
+"""MorphKV: TOVA's current-step weights fused over the last ``window`` probe rows.
+
+Ghadia et al., 2025, "Dialogue Without Limits: Constant-Sized KV Caches for Extended Responses
+in LLMs" (https://arxiv.org/abs/2503.00979): the recent tokens' attention decides which older
+tokens stay. Each of the last ``window`` queries (or keys, signal ``key``) attends over the
+candidates it precedes; the weights are averaged (``mean``) or max-fused (``max``). The
+``window - 1`` newest tokens, which not every row can see, are kept (the paper's recent
+window). With ``window=1`` this is TOVA, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.current_step import History, Rule, rule_update
+from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.policies.tova import PREFILLS, PRESETS, SCOPES, SIGNALS
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
+
+FUSIONS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class MorphKVState(SlotStateMixin):
+    """MorphKV layer state: TOVA's plus the last ``window - 1`` probe rows."""
+
+    budget: int
+    n_sink: int
+    window: int
+    fusion: str
+    signal: str
+    scope: str
+    prefill: str
+    slots: KVSlots | None = None
+    history: History | None = None
+    offset: int = 0
+    tokens_seen: int = 0
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "n_sink": self.n_sink,
+            "window": self.window,
+            "fusion": self.fusion,
+            "signal": self.signal,
+            "scope": self.scope,
+            "prefill": self.prefill,
+        }
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(
+            self.budget,
+            self.n_sink,
+            self.signal,
+            self.scope,  # type: ignore[arg-type]
+            self.prefill,
+            window=self.window,
+            fusion=self.fusion,
+            recent=self.window - 1,
+        )
+
+
+def init_morphkv_state(
+    budget: int = 512,
+    n_sink: int = 4,
+    window: int = 8,
+    fusion: str = "mean",
+    signal: str | None = None,
+    scope: str | None = None,
+    prefill: str | None = None,
+) -> MorphKVState:
+    """Empty MorphKV state; signal/scope/prefill default to the ``tova`` preset's."""
+    check_budget_and_sinks(budget, n_sink)
+    check_int("window", window, minimum=1)
+    if n_sink + window - 1 > budget:
+        raise ValueError(
+            f"window must be <= budget - n_sink + 1 ({budget - n_sink + 1}) so a token can be "
+            f"evicted, got {window}"
+        )
+    check_choice("fusion", fusion, FUSIONS)
+    defaults = PRESETS["tova"]
+    return MorphKVState(
+        budget=budget,
+        n_sink=n_sink,
+        window=window,
+        fusion=fusion,
+        signal=check_choice("signal", signal or defaults["signal"], SIGNALS),
+        scope=check_choice("scope", scope or defaults["scope"], SCOPES),
+        prefill=check_choice("prefill", prefill or defaults["prefill"], PREFILLS),
+    )
+
+
+def morphkv_update(
+    state: MorphKVState,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None = None,
+    scale: float | None = None,
+    check_finite: bool = True,
+) -> Step:
+    """As ``tova_update``; the state also keeps the last ``window - 1`` probe rows."""
+    slots, call = open_call(
+        state,
+        MorphKVState,
+        keys,
+        values,
+        queries,
+        scale,
+        signal=getattr(state, "signal", "key"),
+        check_finite=check_finite,
+    )
+    out = rule_update(state.rule, slots, call, history=state.history)
+    probe = call.probe(state.signal)
+    past = state.history or History(probe[:, :, :0], call.positions()[:0])
+    history = past.extend(probe, call.positions(), state.window - 1)
+    after = advance(state, out.kept, call)
+    return Step(out.keys, out.values, out.mask, replace(after, history=history))

@@ -1,0 +1,149 @@
+"""SnapKV: compress the prompt once, by what its last queries attend to (Li et al., 2024,
+https://arxiv.org/abs/2404.14469).
+
+While the prompt streams in nothing is evicted; the last ``window`` probe rows are remembered.
+``snapkv_compress`` then scores every earlier prompt token by the softmax of those rows
+(summed over the rows, averaged within each GQA group), smooths the scores with
+``avg_pool1d`` (``kernel``, zero padding, stride 1), and keeps the window plus the top scores up
+to ``budget`` per KV head. Afterwards the cache grows: decode tokens are never evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.current_step import History
+from velox_cache_core.engine import (
+    SlotStateMixin,
+    Step,
+    advance,
+    chunk_candidates,
+    decode_candidates,
+    open_call,
+)
+from velox_cache_core.masks import chunk_causal
+from velox_cache_core.policies.tova import SIGNALS
+from velox_cache_core.scoring import grouped_logits, softmax
+from velox_cache_core.sequential import row_visibility
+from velox_cache_core.validation import check_choice, check_int
+
+
+@dataclass(frozen=True)
+class SnapKVState(SlotStateMixin):
+    """SnapKV layer state; ``compressed`` once the prompt has been cut to ``budget``."""
+
+    budget: int
+    window: int
+    kernel: int
+    signal: str
+    slots: Any = None
+    history: History | None = None
+    scale: float | None = None
+    compressed: bool = False
+    offset: int = 0
+    tokens_seen: int = 0
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "window": self.window,
+            "kernel": self.kernel,
+            "signal": self.signal,
+        }
+
+
+def init_snapkv_state(
+    budget: int = 512, window: int = 32, kernel: int = 5, signal: str = "query"
+) -> SnapKVState:
+    """Empty SnapKV state: ``1 <= window < budget``, odd ``kernel >= 1``."""
+    check_int("budget", budget, minimum=2)
+    check_int("window", window, minimum=1)
+    if window >= budget:
+        raise ValueError(f"window must be < budget ({budget}), got {window}")
+    check_int("kernel", kernel, minimum=1)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (avg_pool1d keeps length), got {kernel}")
+    return SnapKVState(budget, window, kernel, check_choice("signal", signal, SIGNALS))
+
+
+def avg_pool1d(x: mx.array, kernel: int) -> mx.array:
+    """Zero-padded moving average over the last axis (torch ``avg_pool1d``, stride 1,
+    ``padding=kernel // 2``, ``count_include_pad=True``)."""
+    if kernel == 1:
+        return x
+    pad = kernel // 2
+    widths = [(0, 0)] * (x.ndim - 1) + [(pad, pad)]
+    c = mx.cumsum(mx.pad(x, widths), axis=-1)
+    c = mx.pad(c, [(0, 0)] * (x.ndim - 1) + [(1, 0)])
+    return (c[..., kernel:] - c[..., :-kernel]) / kernel
+
+
+def snapkv_update(
+    state: SnapKVState,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None = None,
+    scale: float | None = None,
+    check_finite: bool = True,
+) -> Step:
+    """Append ``[B, H_kv, L, D]`` tokens without evicting; remember the last probe rows
+    until the prompt is compressed."""
+    slots, call = open_call(
+        state,
+        SnapKVState,
+        keys,
+        values,
+        queries,
+        scale,
+        signal=getattr(state, "signal", "key"),
+        check_finite=check_finite,
+    )
+    L = call.length
+    if L == 0:
+        live = slots.compact()
+        return Step(live.keys, live.values, None, advance(state, slots, call))
+    if L == 1:
+        candidates, mask = decode_candidates(slots, call), None
+    else:
+        candidates = chunk_candidates(slots, call)
+        mask = call.expand(chunk_causal(candidates.n_slots - L, L), "layer")
+    after = advance(state, candidates, call)
+    if not state.compressed:
+        probe = call.probe(state.signal)
+        history = state.history or History(probe[:, :, :0], call.positions()[:0])
+        after = replace(
+            after,
+            history=history.extend(probe, call.positions(), state.window),
+            scale=call.scale,
+        )
+    return Step(candidates.keys, candidates.values, mask, after)
+
+
+def snapkv_compress(state: SnapKVState) -> SnapKVState:
+    """End of the prompt: cut to ``budget`` per KV head (no-op if already compressed)."""
+    if not isinstance(state, SnapKVState):
+        raise TypeError(f"state must be a SnapKVState, got {type(state).__name__}")
+    if state.compressed:
+        return state
+    done = replace(state, compressed=True, history=None)
+    if state.slots is None or state.n_kept <= state.budget or state.history is None:
+        return done
+    live = state.slots.compact()
+    n, W = live.n_slots, state.window
+    history = state.history
+    assert state.scale is not None
+    logits = grouped_logits(history.probes, live.keys, state.scale, "head")  # [B,H,G,w,n]
+    visible = row_visibility(live.positions, history.positions)[:, :, None]
+    probs = softmax(mx.where(visible, logits.astype(mx.float32), -mx.inf))
+    scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]
+    # Prompt slots are in arrival order until the first cut: the last W are the window.
+    scores = avg_pool1d(scores[..., : n - W], state.kernel)
+    top = mx.argsort(-scores, axis=-1)[..., : state.budget - W]
+    B, H = scores.shape[:2]
+    window = mx.broadcast_to(mx.arange(n - W, n), (B, H, W))
+    keep = mx.sort(mx.concatenate([top, window], axis=-1), axis=-1)
+    return replace(done, slots=live.take(keep.astype(mx.int32)))
