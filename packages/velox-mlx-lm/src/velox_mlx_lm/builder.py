@@ -10,8 +10,22 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from velox_mlx_lm.cache import TOVAKVCache
-from velox_mlx_lm.config import TOVA_METHODS, KVCacheConfig
+from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.hook import install_attention_hook
+from velox_mlx_lm.policy_cache import (
+    H2OKVCache,
+    MorphKVCache,
+    SnapKVCache,
+    StreamingLLMKVCache,
+)
+
+CACHE_CLASSES: dict[str, type] = {
+    "tova": TOVAKVCache,
+    "h2o": H2OKVCache,
+    "streaming_llm": StreamingLLMKVCache,
+    "snapkv": SnapKVCache,
+    "morphkv": MorphKVCache,
+}
 
 
 class KVCacheFactory:
@@ -21,9 +35,9 @@ class KVCacheFactory:
     def create(config: KVCacheConfig) -> Any:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if config.method in TOVA_METHODS:
-            return TOVAKVCache(**config.tova_settings())
-        return KVCache()
+        if config.policy is None:
+            return KVCache()
+        return CACHE_CLASSES[config.policy](**config.settings())
 
 
 def _base_caches(model: nn.Module) -> list[Any]:
@@ -74,14 +88,15 @@ class KVCacheBuilder:
         if config.method == "full":
             return _base_caches(model)
         reached = install_attention_hook(model)
-        if not reached and config.tova_settings()["signal"] == "query":
+        if not reached and config.signal == "query":
+            field = f"{config.policy}_signal"
             warnings.warn(
                 f"{type(model).__module__} computes attention by hand, so the hook cannot give "
-                "TOVA the true queries; using tova_signal='key' instead.",
+                f"the cache the true queries; using {field}='key' instead.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            config = replace(config, tova_signal="key")
+            config = replace(config, **{field: "key"})  # type: ignore[arg-type]
         caches = []
         for base in _base_caches(model):
             if type(base) is KVCache:

@@ -44,7 +44,7 @@ def install_attention_hook(model: nn.Module) -> int:
     """
     reached: set[str] = set()
     for _, module in model.named_modules():
-        call = getattr(type(module), "__call__", None)
+        call = getattr(type(module), "__call__", None)  # noqa: B004 (want the function)
         module_globals = getattr(call, "__globals__", None)
         if not module_globals or _NAME not in module_globals:
             continue
