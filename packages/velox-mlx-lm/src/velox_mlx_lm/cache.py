@@ -16,8 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
+
 from velox_cache_core.policies.tova import TovaState, TovaStep, init_tova_state, tova_update
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.validation import check_kv
 
 _warned_no_hook = False
 
@@ -120,6 +122,14 @@ class TOVAKVCache(VeloxKVCache):
         """
         self._settle()
         if self._state.signal == "query":
+            # Check now: a bad chunk must not become pending (it would shift offset and poison
+            # the next call); tova_update checks the same when the queries arrive.
+            slots = self._state.slots
+            if slots is None:
+                check_kv(keys, values, expect=None, dtype=None)
+            else:
+                B, H, _, D = slots.keys.shape
+                check_kv(keys, values, expect=(B, H, D), dtype=slots.keys.dtype)
             self._pending = (keys, values)
             if self._state.slots is None:
                 return keys, values
