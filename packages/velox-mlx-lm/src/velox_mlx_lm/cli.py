@@ -1,0 +1,341 @@
+"""``velox-generate``: generate with a Velox cache, optionally side by side with the full cache.
+
+Flags follow ``mlx_lm.generate`` where they overlap. On Linux the command re-executes itself
+once with OpenBLAS preloaded when the system has it (MLX's CPU wheel links the slow reference
+BLAS otherwise); set ``VELOX_BLAS=default`` to keep the default. It always prints which ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SIGNAL_POLICIES = ("tova", "h2o", "snapkv", "morphkv")
+SCOPE_POLICIES = ("tova", "h2o", "morphkv")
+PREFILL_POLICIES = ("tova", "h2o", "morphkv")
+SINK_POLICIES = ("tova", "h2o", "streaming_llm", "morphkv")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from velox_mlx_lm.config import METHODS
+
+    p = argparse.ArgumentParser(
+        prog="velox-generate",
+        description="Generate text with a fixed-budget Velox KV cache (TOVA and siblings).",
+    )
+    p.add_argument("--model", help="mlx-lm model path/repo or a .gguf file (default: embedded)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text ('-' reads standard input)")
+    src.add_argument("--prompt-file", help="file holding the prompt")
+    src.add_argument(
+        "--demo", action="store_true", help="the built-in long document and its question"
+    )
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument(
+        "--method", choices=[m for m in METHODS if m != "full"] + ["full"], default="tova"
+    )
+    p.add_argument("--budget", type=int, help="tokens kept per layer (method's default: 512)")
+    p.add_argument("--n-sink", type=int, help="first positions never evicted")
+    p.add_argument("--signal", choices=("query", "key"))
+    p.add_argument("--scope", choices=("layer", "head"))
+    p.add_argument("--prefill", choices=("sequential", "oneshot"))
+    p.add_argument("--window", type=int, help="snapkv/morphkv window")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on for --demo)",
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep a GGUF's 4/8-bit layers quantized (default: float32, faster on CPU)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the full cache and print both answers side by side",
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable stats only")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The KVCacheConfig the flags describe; flags that the method has no use for are errors."""
+    from velox_mlx_lm.config import KVCacheConfig
+
+    method = args.method
+    policy = "tova" if method.startswith("tova") else method
+    given = {
+        "budget": args.budget,
+        "n_sink": args.n_sink,
+        "signal": args.signal,
+        "scope": args.scope,
+        "prefill": args.prefill,
+        "window": args.window,
+    }
+    allowed = {
+        "budget": policy != "full",
+        "n_sink": policy in SINK_POLICIES,
+        "signal": policy in SIGNAL_POLICIES,
+        "scope": policy in SCOPE_POLICIES,
+        "prefill": policy in PREFILL_POLICIES,
+        "window": policy in ("snapkv", "morphkv"),
+    }
+    fields = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if not allowed[name]:
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {method}")
+        fields[f"{policy}_{name}"] = value
+    return KVCacheConfig(method=method, **fields)
+
+
+@dataclass
+class Run:
+    label: str
+    answer: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _kv_bytes(cache: Any) -> int:
+    """Bytes of the keys and values a cache holds for its tokens (mlx-lm's KVCache reports its
+    allocation, rounded up to 256-token steps; count the rows in use for a fair comparison)."""
+    keys = getattr(cache, "keys", None)
+    if isinstance(getattr(cache, "offset", None), int) and hasattr(keys, "shape"):
+        rows = min(int(cache.size()), keys.shape[2])
+        return int(2 * keys.nbytes * rows // max(keys.shape[2], 1))
+    return int(cache.nbytes)
+
+
+def _kv_stats(caches: list[Any]) -> dict[str, Any]:
+    kept = [int(c.size()) for c in caches]
+    ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
+    return {
+        "tokens_kept_per_layer": max(kept) if kept else 0,
+        "compression_ratio": max(ratios) if ratios else 1.0,
+        "kv_bytes": sum(_kv_bytes(c) for c in caches),
+    }
+
+
+def generate_once(
+    model: Any,
+    tokenizer: Any,
+    prompt: list[int],
+    caches: list[Any],
+    args: argparse.Namespace,
+    label: str,
+    echo: bool,
+) -> Run:
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+    from tqdm import tqdm
+
+    mx.random.seed(args.seed)
+    mx.reset_peak_memory()
+    bar = tqdm(
+        total=len(prompt),
+        desc=f"prefill ({label})",
+        unit="tok",
+        file=sys.stderr,
+        disable=args.json or len(prompt) <= args.prefill_step_size,
+        leave=False,
+    )
+
+    def progress(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+
+    if echo:
+        print(f"\n=== {label} ===", flush=True)
+    run = Run(label)
+    last = None
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(temp=args.temp),
+        prompt_cache=caches,
+        prefill_step_size=args.prefill_step_size,
+        prompt_progress_callback=progress,
+    ):
+        run.answer += response.text
+        last = response
+        if echo:
+            print(response.text, end="", flush=True)
+    bar.close()
+    if echo:
+        print(flush=True)
+    assert last is not None
+    run.stats = {
+        "prompt_tokens": last.prompt_tokens,
+        "generated_tokens": last.generation_tokens,
+        "prefill_tokens_per_s": round(last.prompt_tps, 2),
+        "decode_tokens_per_s": round(last.generation_tps, 2),
+        **_kv_stats(caches),
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+    }
+    return run
+
+
+def _table(runs: list[Run]) -> str:
+    rows = list(runs[0].stats)
+    width = max(len(r) for r in rows) + 2
+    cols = [max(14, len(r.label) + 2) for r in runs]
+    lines = ["".ljust(width) + "".join(r.label.rjust(c) for r, c in zip(runs, cols, strict=True))]
+    for key in rows:
+        cells = "".join(str(r.stats[key]).rjust(c) for r, c in zip(runs, cols, strict=True))
+        lines.append(key.ljust(width) + cells)
+    return "\n".join(lines)
+
+
+def _side_by_side(runs: list[Run], width: int = 48) -> str:
+    import textwrap
+
+    wrapped = [textwrap.wrap(r.answer.strip(), width) or [""] for r in runs]
+    height = max(len(w) for w in wrapped)
+    lines = [" | ".join(r.label.ljust(width) for r in runs)]
+    lines.append("-+-".join("-" * width for _ in runs))
+    for i in range(height):
+        lines.append(" | ".join((w[i] if i < len(w) else "").ljust(width) for w in wrapped))
+    return "\n".join(lines)
+
+
+def _ensure_blas(argv: Sequence[str]) -> None:
+    """Re-execute once with OpenBLAS preloaded (Linux, when present and not yet loaded)."""
+    from velox_mlx_lm.blas import _candidates
+
+    if sys.platform != "linux" or os.environ.get("VELOX_BLAS") == "default":
+        return
+    if "openblas" in os.environ.get("LD_PRELOAD", "") or os.environ.get("_VELOX_REEXEC"):
+        return
+    lib = next((p for p in _candidates() if os.path.isfile(p)), None)
+    if lib is None:
+        return
+    env = dict(os.environ, LD_PRELOAD=lib, _VELOX_REEXEC="1")
+    os.execve(sys.executable, [sys.executable, "-m", "velox_mlx_lm.cli", *argv], env)
+
+
+def _blas_name() -> str:
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "openblas" in preload:
+        return f"OpenBLAS ({preload}, preloaded)"
+    return "default (MLX's bundled reference BLAS; apt-get install libopenblas0-pthread is faster)"
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    from velox_mlx_lm.embedded import default_model_path, load_gguf
+
+    dequantize = not args.quantized
+    if args.model is None:
+        path = default_model_path()
+        return (*load_gguf(path, dequantize=dequantize), f"embedded SmolLM2-135M ({path.name})")
+    if args.model.endswith(".gguf"):
+        if not os.path.isfile(args.model):
+            raise FileNotFoundError(f"--model: no such GGUF file: {args.model}")
+        return (*load_gguf(args.model, dequantize=dequantize), args.model)
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(args.model)[:2]
+    return model, tokenizer, args.model
+
+
+def _prompt_tokens(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    chat = args.chat
+    if args.demo:
+        from velox_mlx_lm.embedded import demo_prompt
+
+        messages = demo_prompt().messages()
+        chat = True if chat is None else chat
+        text = messages[0]["content"]
+    elif args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise ValueError("give a prompt: --prompt TEXT, --prompt-file FILE or --demo")
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from_command_line = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        if args.prefill_step_size < 1:
+            raise ValueError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    if from_command_line:
+        _ensure_blas(argv)
+    from velox_mlx_lm.builder import KVCacheBuilder
+    from velox_mlx_lm.config import KVCacheConfig
+
+    echo = not args.json
+    try:
+        started = time.perf_counter()
+        model, tokenizer, model_name = _load(args)
+        prompt = _prompt_tokens(args, tokenizer)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        print(f"velox-generate: error: {exc}", file=sys.stderr)
+        return 1
+    if echo:
+        print(f"model: {model_name}  |  BLAS: {_blas_name()}  |  prompt: {len(prompt)} tokens")
+    runs = []
+    if args.compare and config.method != "full":
+        full = KVCacheBuilder.for_model(model, KVCacheConfig(method="full"))
+        runs.append(generate_once(model, tokenizer, prompt, full, args, "full", echo))
+    caches = KVCacheBuilder.for_model(model, config)
+    label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
+    runs.append(generate_once(model, tokenizer, prompt, caches, args, label, echo))
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": model_name,
+                    "blas": _blas_name(),
+                    "config": {"method": config.method, **config.settings()},
+                    "runs": [{"label": r.label, "answer": r.answer, **r.stats} for r in runs],
+                    "seconds": round(elapsed, 2),
+                },
+                indent=2,
+            )
+        )
+        return 0
+    if len(runs) > 1:
+        print("\n" + _side_by_side(runs))
+    print("\n" + _table(runs))
+    print(f"\ntotal time: {elapsed:.1f} s")
+    return 0
+
+
+def _budget(config: Any) -> int:
+    return int(config.settings()["budget"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
