@@ -15,6 +15,21 @@ def _tova(cache):
     return [c for c in cache if isinstance(c, TOVAKVCache)]
 
 
+@pytest.fixture
+def sizes(monkeypatch):
+    """Rows held by every TOVA cache right after each of its attention calls."""
+    seen = []
+    attend = TOVAKVCache.attend
+
+    def record(cache, queries, scale, mask, sinks):
+        out = attend(cache, queries, scale, mask, sinks)
+        seen.append((cache.settings["budget"], cache.tova_state.n_kept))
+        return out
+
+    monkeypatch.setattr(TOVAKVCache, "attend", record)
+    return seen
+
+
 def _manual_greedy(model, cache, prompt, steps, prefill_step_size):
     """generate_step's schedule written out: prefill all but the last token in chunks, then
     one token per step, greedy."""
@@ -37,7 +52,7 @@ def _manual_greedy(model, cache, prompt, steps, prefill_step_size):
 
 @pytest.mark.parametrize("method", ["tova", "tova_adapted"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
-def test_generate_step_runs_within_budget(tiny_model, h, arch, method):
+def test_generate_step_runs_within_budget(tiny_model, h, sizes, arch, method):
     model = tiny_model(arch)
     budget = 12
     config = KVCacheConfig(method=method, tova_budget=budget, tova_n_sink=2)
@@ -53,6 +68,8 @@ def test_generate_step_runs_within_budget(tiny_model, h, arch, method):
             assert c.size() <= budget and c.tova_state.n_kept <= budget
             assert c.offset in (40 + i, 40 + i + 1)  # one step is computed ahead
     assert len(tokens) == 25
+    assert len(sizes) >= 25 * len(_tova(cache))
+    assert all(n <= budget for budget, n in sizes)
     # Same tokens and log-probabilities as the loop written by hand.
     want_tokens, want_logprobs = _manual_greedy(
         model, KVCacheBuilder.for_model(model, config), prompt, 25, 16
@@ -61,7 +78,7 @@ def test_generate_step_runs_within_budget(tiny_model, h, arch, method):
     np.testing.assert_allclose(np.stack(logprobs), np.stack(want_logprobs), atol=1e-5)
 
 
-def test_generate_and_stream_generate_with_a_tokenizer(tiny_model, tiny_tokenizer, h):
+def test_generate_and_stream_generate_with_a_tokenizer(tiny_model, tiny_tokenizer, h, sizes):
     model = tiny_model("mistral")
     budget = 10
     config = KVCacheConfig(tova_budget=budget, tova_n_sink=2)
@@ -88,6 +105,7 @@ def test_generate_and_stream_generate_with_a_tokenizer(tiny_model, tiny_tokenize
     # The cache carries on into a second turn without growing.
     more = generate(model, tiny_tokenizer, "w3 w4 w5", prompt_cache=cache, max_tokens=5)
     assert isinstance(more, str) and all(c.size() <= budget for c in cache)
+    assert sizes and all(n <= budget for _, n in sizes)
 
 
 def test_long_decode_keeps_rows_bytes_and_memory_bounded(tiny_model, h):

@@ -531,3 +531,13 @@ def test_make_mask_refuses_a_window():
 def test_llama_module_is_hooked_by_the_builder(tiny_model):
     KVCacheBuilder.for_model(tiny_model("llama"), KVCacheConfig())
     assert llama.scaled_dot_product_attention is velox_scaled_dot_product_attention
+
+
+def test_duck_typing_keeps_mlx_lm_on_the_plain_path():
+    """No ``bits`` (would route to quantized attention); truthy even when empty (mlx-lm skips a
+    falsy cache in ``if cache and hasattr(cache, "make_mask")``)."""
+    cache = TOVAKVCache(budget=4, n_sink=1)
+    assert not hasattr(cache, "bits")
+    assert cache.empty() and bool(cache)
+    assert base.create_attention_mask(mx.zeros((1, 3, 8)), cache) == "causal"
+    assert cache.offset == 0 and isinstance(cache.offset, int)
