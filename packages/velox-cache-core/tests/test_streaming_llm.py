@@ -1,0 +1,171 @@
+"""StreamingLLM against the numpy reference (reference_siblings.ReferenceStreamingLLM): sinks plus
+the most recent tokens, the oldest non-sink dropped before attending; and mlx-lm's
+RotatingKVCache at decode."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from velox_cache_core import init_streaming_llm_state, streaming_llm_update
+
+
+def _sibling(name: str) -> ModuleType:
+    # pytest runs in importlib mode, so tests/ is not on sys.path: load by file path.
+    qualified = f"_velox_cache_core_tests_{name}"
+    if qualified not in sys.modules:
+        path = Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(qualified, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[qualified] = module
+        spec.loader.exec_module(module)
+    return sys.modules[qualified]
+
+
+helpers = _sibling("helpers")
+harness = _sibling("sibling_harness")
+ReferenceStreamingLLM = _sibling("reference_siblings").ReferenceStreamingLLM
+
+SETTINGS = settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def check_mask(step) -> None:
+    # The rule ignores attention: one mask for every head.
+    if step.mask is not None:
+        assert step.mask.shape[1] == 1
+        assert step.mask.dtype == mx.bool_
+
+
+@SETTINGS
+@given(
+    shape=harness.shapes(),
+    budget=st.integers(1, 10),
+    sink_fraction=st.floats(0, 0.99),
+    give_queries=st.booleans(),
+    chunks=harness.chunk_sizes(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_engine_matches_reference(shape, budget, sink_fraction, give_queries, chunks, seed):
+    options = {"budget": budget, "n_sink": int(sink_fraction * budget)}
+    harness.run_stream(
+        helpers,
+        streaming_llm_update,
+        init_streaming_llm_state(**options),
+        ReferenceStreamingLLM(**options),
+        harness.make_stream(*shape, sum(chunks), seed),
+        chunks,
+        give_queries=give_queries,
+        close_call=harness.assert_clear,  # no scores: no near ties to skip
+        after_call=lambda step, ref: check_mask(step),
+    )
+
+
+@SETTINGS
+@given(
+    splits=harness.two_splits(),
+    budget=st.integers(1, 10),
+    sink_fraction=st.floats(0, 0.99),
+    shape=harness.shapes(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_chunk_invariant(splits, budget, sink_fraction, shape, seed):
+    length, split_a, split_b = splits
+    options = {"budget": budget, "n_sink": int(sink_fraction * budget)}
+    stream = harness.make_stream(*shape, length, seed)
+    state_a, out_a = harness.run_engine(
+        streaming_llm_update, init_streaming_llm_state(**options), stream, split_a, helpers
+    )
+    state_b, out_b = harness.run_engine(
+        streaming_llm_update, init_streaming_llm_state(**options), stream, split_b, helpers
+    )
+    harness.assert_same_states(helpers, state_a, state_b)
+    np.testing.assert_allclose(out_a, out_b, atol=harness.ATOL, rtol=harness.RTOL)
+
+
+@pytest.mark.parametrize("chunks", [[20], [1] * 20, [3, 9, 1, 7]])
+def test_keeps_sinks_and_most_recent(chunks) -> None:
+    keys, values, queries = harness.make_stream(2, 2, 1, 4, 20, seed=5)
+    state, _ = harness.run_engine(
+        streaming_llm_update,
+        init_streaming_llm_state(budget=6, n_sink=2),
+        (keys, values, queries),
+        chunks,
+        helpers,
+    )
+    assert helpers.state_positions(state) == [[[0, 1, 16, 17, 18, 19]] * 2] * 2
+
+
+def test_chunk_mask_by_hand() -> None:
+    # budget 4, 1 sink, one chunk of 6: query i sees sink 0 and positions i-2..i.
+    keys, values, _ = harness.make_stream(1, 1, 1, 4, 6, seed=0)
+    step = streaming_llm_update(
+        init_streaming_llm_state(budget=4, n_sink=1), mx.array(keys), mx.array(values)
+    )
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 0, 1, 1, 1, 0],
+            [1, 0, 0, 1, 1, 1],
+        ],
+        dtype=bool,
+    )
+    assert step.mask.shape == (1, 1, 6, 6)
+    np.testing.assert_array_equal(np.array(step.mask)[0, 0], expected)
+    assert helpers.state_positions(step.state) == [[[0, 3, 4, 5]]]
+
+
+def test_ignores_queries_and_scale() -> None:
+    keys, values, queries = harness.make_stream(1, 2, 2, 4, 9, seed=2)
+    state = init_streaming_llm_state(budget=4, n_sink=1)
+    plain = streaming_llm_update(state, mx.array(keys), mx.array(values))
+    hooked = streaming_llm_update(
+        state, mx.array(keys), mx.array(values), mx.array(queries), scale=0.1
+    )
+    harness.assert_same_states(helpers, plain.state, hooked.state)
+    np.testing.assert_array_equal(np.array(plain.mask), np.array(hooked.mask))
+
+
+@pytest.mark.parametrize(
+    ("budget", "n_sink", "prompt"), [(6, 2, 0), (6, 2, 4), (5, 0, 3), (4, 3, 2)]
+)
+def test_decode_matches_mlx_lm_rotating_cache(budget, n_sink, prompt) -> None:
+    cache_module = pytest.importorskip("mlx_lm.models.cache")
+    length = 18
+    keys, values, _ = harness.make_stream(1, 2, 1, 4, length, seed=budget + n_sink + prompt)
+    rotating = cache_module.RotatingKVCache(max_size=budget, keep=n_sink)
+    state = init_streaming_llm_state(budget=budget, n_sink=n_sink)
+    if prompt:  # a prompt that fits the budget: both keep all of it
+        part = slice(0, prompt)
+        rotating.update_and_fetch(mx.array(keys[:, :, part]), mx.array(values[:, :, part]))
+        state = streaming_llm_update(
+            state, mx.array(keys[:, :, part]), mx.array(values[:, :, part])
+        ).state
+    for t in range(prompt, length):
+        part = slice(t, t + 1)
+        theirs, _ = rotating.update_and_fetch(
+            mx.array(keys[:, :, part]), mx.array(values[:, :, part])
+        )
+        step = streaming_llm_update(state, mx.array(keys[:, :, part]), mx.array(values[:, :, part]))
+        ours = helpers.identify_rows(np.array(step.keys), keys)
+        found = helpers.identify_rows(np.array(theirs), keys)
+        assert (ours >= 0).all() and (found >= 0).all()
+        assert sorted(ours[0, 0].tolist()) == sorted(found[0, 0].tolist()), f"t={t}"
+        assert sorted(ours[0, 1].tolist()) == sorted(found[0, 1].tolist()), f"t={t}"
+        state = step.state
+        assert rotating.offset == state.offset
