@@ -64,7 +64,7 @@ NO_HOOK_CHUNKS = [5, 1, 1, 9, 1, 3, 1, 1, 1, 12, 1]
 @pytest.mark.parametrize("signal", ["query", "key"])
 def test_without_hook_returns_retained_then_new_and_stays_in_budget(monkeypatch, signal, scope):
     budget = 8
-    monkeypatch.setattr(vcache, "_warned_no_hook", False)
+    monkeypatch.setattr(vcache, "_warned_no_hook", set())
     cache = TOVAKVCache(budget=budget, n_sink=2, signal=signal, scope=scope)
     seen = 0
     with warnings.catch_warnings(record=True) as caught:
@@ -109,7 +109,7 @@ def _assert_retained_plus_one(got, retained, new):
 
 
 def test_without_hook_query_signal_settles_like_key_signal(monkeypatch):
-    monkeypatch.setattr(vcache, "_warned_no_hook", True)
+    monkeypatch.setattr(vcache, "_warned_no_hook", {"tova"})
     by_query = TOVAKVCache(budget=8, n_sink=2, signal="query")
     by_key = TOVAKVCache(budget=8, n_sink=2, signal="key")
     for i, L in enumerate(NO_HOOK_CHUNKS):
@@ -180,7 +180,7 @@ def hand_model():
 
 
 def test_hand_written_attention_model(monkeypatch, hand_model, h):
-    monkeypatch.setattr(vcache, "_warned_no_hook", True)
+    monkeypatch.setattr(vcache, "_warned_no_hook", {"tova"})
     assert install_attention_hook(hand_model) == 0
     with pytest.warns(RuntimeWarning, match="tova_signal='key'"):
         cache = KVCacheBuilder.for_model(hand_model, KVCacheConfig(tova_budget=40))
@@ -427,7 +427,7 @@ def test_cache_reused_for_another_model_is_refused_unchanged(tiny_model, h, sign
 
 @pytest.mark.parametrize("signal", ["query", "key"])
 def test_cache_rejects_other_head_dim_or_dtype_unchanged(monkeypatch, signal):
-    monkeypatch.setattr(vcache, "_warned_no_hook", True)
+    monkeypatch.setattr(vcache, "_warned_no_hook", {"tova"})
     cache = TOVAKVCache(budget=4, n_sink=1, signal=signal)
     cache.update_and_fetch(*_kv(6, seed=1))
     before = _snapshot(cache)
@@ -456,10 +456,10 @@ def test_loaded_prompt_cache_keeps_its_own_settings(tmp_path, tiny_model, h):
     loaded = load_prompt_cache(path)
     assert all(c.settings == saved.tova_settings() != expected.tova_settings() for c in loaded)
     state = dict(cache[0].state)
-    state["settings"] = json.dumps({**json.loads(state["settings"]), "budget": 4})
-    with pytest.raises(ValueError, match="more rows than budget 4"):
+    state["meta"] = json.dumps({**json.loads(state["meta"]), "budget": 4})
+    with pytest.raises(ValueError, match=r"more rows \(8\) than budget 4"):
         TOVAKVCache.from_state(state)
-    state["settings"] = json.dumps({**json.loads(state["settings"]), "budget": 8, "scope": "x"})
+    state["meta"] = json.dumps({**json.loads(state["meta"]), "budget": 8, "scope": "x"})
     with pytest.raises(ValueError, match="scope"):
         TOVAKVCache.from_state(state)
 

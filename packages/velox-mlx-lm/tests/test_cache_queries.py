@@ -8,6 +8,7 @@ from it by hand in numpy (projection, RoPE at the true position) and compared wi
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +27,8 @@ class Recorder:
         self.layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.layers)}
         self.inputs, self.updates, self.outputs = [], [], []
         attn_call = llama.Attention.__call__
-        tova_update = vcache.tova_update
+        tova = vcache.POLICIES["tova"]
+        tova_update = tova.update
         attend = TOVAKVCache.attend
 
         def record_attention(attn, x, mask=None, cache=None):
@@ -44,7 +46,7 @@ class Recorder:
             return out
 
         monkeypatch.setattr(llama.Attention, "__call__", record_attention)
-        monkeypatch.setattr(vcache, "tova_update", record_update)
+        monkeypatch.setitem(vcache.POLICIES, "tova", replace(tova, update=record_update))
         monkeypatch.setattr(TOVAKVCache, "attend", record_attend)
 
 

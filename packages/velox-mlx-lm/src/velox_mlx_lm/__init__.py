@@ -1,23 +1,39 @@
-"""Velox for mlx-lm: drop-in KV-cache eviction caches (TOVA) with true queries via a hook."""
+"""Velox for mlx-lm: drop-in fixed-budget KV caches (TOVA and siblings), true queries via a hook."""
 
 import mlx_lm.models.cache as _mlx_cache
 
-from velox_mlx_lm.builder import KVCacheBuilder, KVCacheFactory
-from velox_mlx_lm.cache import TOVAKVCache, VeloxKVCache
+from velox_mlx_lm.builder import CACHE_CLASSES, KVCacheBuilder, KVCacheFactory
+from velox_mlx_lm.cache import (
+    H2OKVCache,
+    MorphKVCache,
+    PolicyKVCache,
+    SnapKVCache,
+    StreamingLLMKVCache,
+    TOVAKVCache,
+    VeloxKVCache,
+)
 from velox_mlx_lm.config import METHODS, KVCacheConfig
 from velox_mlx_lm.hook import install_attention_hook
+from velox_mlx_lm.prompt_cache import load_prompt_cache
 
-# load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
-_mlx_cache.TOVAKVCache = TOVAKVCache  # type: ignore[attr-defined]
+# mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
+for _cls in CACHE_CLASSES.values():
+    setattr(_mlx_cache, _cls.__name__, _cls)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "H2OKVCache",
     "KVCacheBuilder",
     "KVCacheConfig",
     "KVCacheFactory",
+    "MorphKVCache",
+    "PolicyKVCache",
+    "SnapKVCache",
+    "StreamingLLMKVCache",
     "TOVAKVCache",
     "VeloxKVCache",
     "install_attention_hook",
+    "load_prompt_cache",
 ]

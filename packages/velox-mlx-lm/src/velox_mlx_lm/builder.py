@@ -9,15 +9,15 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from velox_mlx_lm.cache import TOVAKVCache
-from velox_mlx_lm.config import KVCacheConfig
-from velox_mlx_lm.hook import install_attention_hook
-from velox_mlx_lm.policy_cache import (
+from velox_mlx_lm.cache import (
     H2OKVCache,
     MorphKVCache,
     SnapKVCache,
     StreamingLLMKVCache,
+    TOVAKVCache,
 )
+from velox_mlx_lm.config import KVCacheConfig
+from velox_mlx_lm.hook import install_attention_hook
 
 CACHE_CLASSES: dict[str, type] = {
     "tova": TOVAKVCache,

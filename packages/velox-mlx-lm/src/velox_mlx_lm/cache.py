@@ -1,39 +1,88 @@
-"""TOVAKVCache: a per-layer mlx-lm cache that keeps at most ``budget`` tokens.
+"""Velox caches for mlx-lm: one layer cache class per core policy, on one implementation.
 
 Protocol (``mlx_lm/models/cache.py``): the model reads ``offset`` for RoPE, calls
 ``update_and_fetch`` with rotated keys/values ``[B, H_kv, L, D]`` and attends over what it
 returns. With the attention hook installed (``velox_mlx_lm.hook``) the attention call comes back
-here (``attend``) with the true queries, which is where signal ``query`` decides and where the
-per-layer, per-head masks of sequential prefill are applied.
+here (``attend``) with the true queries: a policy that reads them (signal ``query``) decides
+there, and the per-layer, per-head masks of sequential prefill are applied there. Any other
+policy decides at once in ``update_and_fetch``. Without the hook a pending query-signal chunk is
+settled at the next call with signal ``key`` (and a warning). State round-trips through
+mlx-lm's prompt-cache files as arrays plus one JSON string of scalars.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from velox_cache_core.policies.tova import TovaState, TovaStep, init_tova_state, tova_update
+from velox_cache_core.current_step import History
+from velox_cache_core.engine import Step
+from velox_cache_core.policies import POLICIES, Policy, snapkv_compress
+from velox_cache_core.policies.tova import TovaState
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.validation import check_kv
 
-_warned_no_hook = False
+_warned_no_hook: set[str] = set()
 
 
-def _warn_no_hook() -> None:
-    global _warned_no_hook
-    if not _warned_no_hook:
-        _warned_no_hook = True
-        warnings.warn(
-            "TOVAKVCache was used without the attention hook (KVCacheBuilder.for_model installs "
-            "it): signal 'query' has no queries there, so eviction fell back to signal 'key'.",
-            RuntimeWarning,
-            stacklevel=3,
+def _encode(state: Any) -> dict[str, Any]:
+    """Policy state -> arrays and one JSON string (what mlx-lm can save and ``mx.eval``)."""
+    out: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if f.name == "slots":
+            for name in ("keys", "values", "positions", "free"):
+                out[f"slots_{name}"] = None if value is None else getattr(value, name)
+        elif f.name == "history":
+            out["history_probes"] = None if value is None else value.probes
+            out["history_positions"] = None if value is None else value.positions
+        elif isinstance(value, mx.array) or (value is None and f.name == "scores"):
+            out[f.name] = value
+        else:
+            meta[f.name] = value
+    out["meta"] = json.dumps(meta, sort_keys=True)
+    return out
+
+
+def _decode(policy: Policy, data: dict[str, Any]) -> Any:
+    meta = json.loads(data["meta"])
+    settings_fields = {f.name for f in dataclasses.fields(policy.state_type)}
+    counters = {
+        k: meta.pop(k) for k in ("offset", "tokens_seen", "compressed", "scale") if k in meta
+    }
+    unknown = set(meta) - settings_fields
+    if unknown:
+        raise ValueError(f"saved {policy.name} state has unknown fields {sorted(unknown)}")
+    state = policy.init(**meta)  # validates the settings
+    changes: dict[str, Any] = dict(counters)
+    if data.get("slots_keys") is not None:
+        slots = KVSlots(
+            data["slots_keys"],
+            data["slots_values"],
+            data["slots_positions"].astype(mx.int32),
+            None if data.get("slots_free") is None else data["slots_free"].astype(mx.int32),
         )
+        grows = getattr(state, "compressed", False) or policy.name == "snapkv"
+        if not grows and slots.n_kept > state.budget:
+            raise ValueError(
+                f"saved {policy.name} state holds more rows ({slots.n_kept}) than budget "
+                f"{state.budget}"
+            )
+        changes["slots"] = slots
+    if data.get("history_probes") is not None:
+        changes["history"] = History(
+            data["history_probes"], data["history_positions"].astype(mx.int32)
+        )
+    if "scores" in settings_fields and data.get("scores") is not None:
+        changes["scores"] = data["scores"]
+    return replace(state, **changes)
 
 
 class VeloxKVCache(_BaseCache):
@@ -53,92 +102,86 @@ class VeloxKVCache(_BaseCache):
         )
 
 
-class TOVAKVCache(VeloxKVCache):
-    """TOVA eviction as an mlx-lm layer cache (see ``velox_cache_core.tova_update``)."""
+class PolicyKVCache(VeloxKVCache):
+    """A core policy (``velox_cache_core.POLICIES[policy_name]``) as an mlx-lm layer cache."""
 
-    def __init__(
-        self,
-        budget: int = 512,
-        n_sink: int = 4,
-        signal: str | None = None,
-        scope: str | None = None,
-        prefill: str | None = None,
-        preset: str = "tova",
-    ) -> None:
-        self._state = init_tova_state(budget, n_sink, signal, scope, prefill, preset)  # type: ignore[arg-type]
+    policy_name: ClassVar[str]
+
+    def __init__(self, **settings: Any) -> None:
+        self._state = self._policy.init(**settings)
         self._pending: tuple[mx.array, mx.array] | None = None
-        self._step: TovaStep | None = None
+        self._step: Step | None = None
+        self._step_length = 0
+
+    @property
+    def _policy(self) -> Policy:
+        return POLICIES[self.policy_name]
 
     # -- what users read -------------------------------------------------------------------
     @property
-    def tova_state(self) -> TovaState:
-        """The core state after every pending eviction (arrays stay lazy)."""
+    def policy_state(self) -> Any:
+        """The core state after every pending decision (arrays stay lazy)."""
         self._settle()
         return self._state
 
     @property
     def settings(self) -> dict[str, Any]:
-        return self._state.settings
+        return dict(self._state.settings)
 
     @property
     def offset(self) -> int:
         """True absolute position of the next token (tokens seen, not tokens kept)."""
         pending = 0 if self._pending is None else self._pending[0].shape[2]
-        return self._state.offset + pending
+        return int(self._state.offset) + pending
 
     @property
     def tokens_seen(self) -> int:
-        return self.tova_state.tokens_seen
+        return int(self.policy_state.tokens_seen)
 
     @property
     def tokens_kept(self) -> int:
-        return self.tova_state.tokens_kept
+        return int(self.policy_state.tokens_kept)
 
     @property
     def compression_ratio(self) -> float:
-        return self.tova_state.compression_ratio
+        return float(self.policy_state.compression_ratio)
 
     @property
     def nbytes(self) -> int:
-        return self.tova_state.nbytes
+        return int(self.policy_state.nbytes)
 
     @property
     def positions(self) -> mx.array | None:
         """int32 ``[B, H_kv, n_kept]`` absolute positions of the retained tokens."""
-        return self.tova_state.positions
+        return self.policy_state.positions
 
     def size(self) -> int:
-        return self.tova_state.n_kept
+        return int(self.policy_state.n_kept)
 
     def empty(self) -> bool:
         return self._state.slots is None and self._pending is None
 
     # -- the model's calls -------------------------------------------------------------------
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new``.
+    def _defers(self) -> bool:
+        return getattr(self._state, "signal", None) == "query"
 
-        Signal ``key`` decides right here; signal ``query`` waits for the queries in ``attend``
-        (or, without the hook, for the next call, which then falls back to signal ``key``).
-        """
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new``."""
         self._settle()
-        if self._state.signal == "query":
-            # Check now: a bad chunk must not become pending (it would shift offset and poison
-            # the next call); tova_update checks the same when the queries arrive.
+        if self._defers():
             slots = self._state.slots
-            if slots is None:
-                check_kv(keys, values, expect=None, dtype=None)
-            else:
-                B, H, _, D = slots.keys.shape
-                check_kv(keys, values, expect=(B, H, D), dtype=slots.keys.dtype)
+            expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
+            check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
             self._pending = (keys, values)
-            if self._state.slots is None:
+            if slots is None:
                 return keys, values
-            live = self._state.slots.compact()
+            live = slots.compact()
             return (
                 mx.concatenate([live.keys, keys], axis=2),
                 mx.concatenate([live.values, values], axis=2),
             )
-        self._step = tova_update(self._state, keys, values, check_finite=False)
+        self._step = self._policy.update(self._state, keys, values, check_finite=False)
+        self._step_length = keys.shape[2]
         self._state = self._step.state
         return self._step.keys, self._step.values
 
@@ -149,13 +192,15 @@ class TOVAKVCache(VeloxKVCache):
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
-            step = tova_update(self._state, keys, values, queries, scale, check_finite=False)
-            self._state = step.state
+            step = self._policy.update(
+                self._state, keys, values, queries, scale, check_finite=False
+            )
         elif self._step is not None:
             step = self._step
         else:
             raise RuntimeError("attend() called before update_and_fetch()")
         self._step = None
+        self._state = self._after_call(step.state, queries.shape[2])
         policy_mask = step.mask
         if policy_mask is not None and policy_mask.shape[1] not in (1, queries.shape[1]):
             policy_mask = mx.repeat(policy_mask, queries.shape[1] // policy_mask.shape[1], axis=1)
@@ -163,79 +208,142 @@ class TOVAKVCache(VeloxKVCache):
             queries, step.keys, step.values, scale=scale, mask=policy_mask, sinks=sinks
         )
 
+    def _after_call(self, state: Any, length: int) -> Any:
+        """Policy hook run once a call's attention is built (SnapKV's prompt end)."""
+        return state
+
     def _settle(self) -> None:
-        """Apply a chunk the hook never saw (no queries): evict by signal ``key``."""
+        """Decide a chunk the hook never saw: signal ``key`` stands in for the queries."""
+        if self._step is not None:  # decided in update_and_fetch, attention never came back
+            self._state = self._after_call(self._state, self._step_length)
         self._step = None
         if self._pending is None:
             return
-        _warn_no_hook()
+        if self.policy_name not in _warned_no_hook:
+            _warned_no_hook.add(self.policy_name)
+            warnings.warn(
+                f"{type(self).__name__} was used without the attention hook "
+                "(KVCacheBuilder.for_model installs it): eviction fell back to signal 'key'.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         keys, values = self._pending
         self._pending = None
-        by_key = replace(self._state, signal="key")
-        step = tova_update(by_key, keys, values, check_finite=False)
-        self._state = replace(step.state, signal=self._state.signal)
+        signal = self._state.signal
+        step = self._policy.update(
+            replace(self._state, signal="key"), keys, values, check_finite=False
+        )
+        self._state = self._after_call(replace(step.state, signal=signal), keys.shape[2])
 
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """Causal mask over ``retained + N`` (what the model sees without the hook)."""
         if window_size is not None:
             raise ValueError(
-                f"TOVAKVCache cannot serve a sliding-window layer (window_size={window_size}); "
-                "keep mlx-lm's RotatingKVCache there (KVCacheBuilder.for_model does)."
+                f"{type(self).__name__} cannot serve a sliding-window layer "
+                f"(window_size={window_size}); keep mlx-lm's RotatingKVCache there "
+                "(KVCacheBuilder.for_model does)."
             )
         if N == 1:
             return None
         if not return_array:
             return "causal"
-        n_kept = self.tova_state.n_kept
+        n_kept = self.policy_state.n_kept
         return mx.arange(n_kept + N)[None, :] <= (mx.arange(N) + n_kept)[:, None]
 
-    # -- trimming, serialisation ---------------------------------------------------------------
     def is_trimmable(self) -> bool:
-        """False: after an eviction the last appends cannot all be undone exactly."""
+        """False: evictions cannot be undone, so the last appends cannot always be trimmed."""
         return False
 
     def trim(self, n: int) -> int:
         """Undo the last ``n`` appends; only possible while nothing has been evicted."""
-        state = self.tova_state
+        state = self.policy_state
         if n == 0:
             return 0
         if state.slots is None or state.n_kept != state.offset or not 0 < n <= state.offset:
             raise ValueError(
-                f"cannot trim {n} tokens from a TOVA cache that has evicted tokens or holds fewer "
-                "(eviction is not reversible; speculative decoding needs method='full')"
+                f"cannot trim {n} tokens from a {type(self).__name__} that has evicted tokens or "
+                "holds fewer (eviction is not reversible; speculative decoding needs "
+                "method='full')"
             )
         keep = state.offset - n
         s = state.slots
         slots = KVSlots(s.keys[:, :, :keep], s.values[:, :, :keep], s.positions[:, :, :keep])
-        self._state = replace(state, slots=slots, offset=keep)
+        changes: dict[str, Any] = {"slots": slots, "offset": keep}
+        if getattr(state, "scores", None) is not None:
+            changes["scores"] = state.scores[..., :keep]
+        self._state = replace(state, **changes)
         return n
 
     @property
-    def state(self) -> dict[str, Any]:  # type: ignore[override]
-        """Arrays and scalars only (``mx.eval``-ed after prefill chunks, saved by mlx-lm)."""
-        st = self.tova_state
-        slots = st.slots
-        return {
-            "keys": None if slots is None else slots.keys,
-            "values": None if slots is None else slots.values,
-            "positions": None if slots is None else slots.positions,
-            "free": None if slots is None else slots.free,
-            "offset": st.offset,
-            "tokens_seen": st.tokens_seen,
-            "settings": json.dumps(st.settings, sort_keys=True),
-        }
+    def state(self) -> dict[str, Any]:
+        """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm)."""
+        return _encode(self.policy_state)
 
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
-        settings = json.loads(v["settings"])
-        state = init_tova_state(**settings)
-        if v["keys"] is not None:
-            slots = KVSlots(v["keys"], v["values"], v["positions"].astype(mx.int32), v["free"])
-            if slots.n_slots > state.budget + (0 if slots.free is None else 1):
-                raise ValueError(f"saved TOVA state holds more rows than budget {state.budget}")
-            state = replace(state, slots=slots)
-        self._state = replace(state, offset=int(v["offset"]), tokens_seen=int(v["tokens_seen"]))
+        self._state = _decode(self._policy, v)
         self._pending = None
         self._step = None
+        self._step_length = 0
+
+
+class TOVAKVCache(PolicyKVCache):
+    """TOVA eviction as an mlx-lm layer cache (see ``velox_cache_core.tova_update``)."""
+
+    policy_name = "tova"
+
+    def __init__(
+        self,
+        budget: int = 512,
+        n_sink: int = 4,
+        signal: str | None = None,
+        scope: str | None = None,
+        prefill: str | None = None,
+        preset: str = "tova",
+    ) -> None:
+        super().__init__(
+            budget=budget, n_sink=n_sink, signal=signal, scope=scope, prefill=prefill, preset=preset
+        )
+
+    @property
+    def tova_state(self) -> TovaState:
+        """The core state after every pending eviction (arrays stay lazy)."""
+        return self.policy_state
+
+
+class H2OKVCache(PolicyKVCache):
+    """H2O: evict the lowest accumulated attention (sinks and a recent window kept)."""
+
+    policy_name = "h2o"
+
+
+class StreamingLLMKVCache(PolicyKVCache):
+    """StreamingLLM: sinks plus the most recent tokens."""
+
+    policy_name = "streaming_llm"
+
+
+class MorphKVCache(PolicyKVCache):
+    """MorphKV: TOVA's weights fused over the last ``window`` queries."""
+
+    policy_name = "morphkv"
+
+
+class SnapKVCache(PolicyKVCache):
+    """SnapKV: cut the prompt once at its end, then grow.
+
+    The prompt ends with the first single-token call (mlx-lm feeds the prompt's last token
+    alone before decoding), or when ``finish_prefill()`` is called.
+    """
+
+    policy_name = "snapkv"
+
+    def _after_call(self, state: Any, length: int) -> Any:
+        if length == 1 and not state.compressed:
+            return snapkv_compress(state)
+        return state
+
+    def finish_prefill(self) -> None:
+        """Compress the prompt now (for callers that do not end it with a 1-token call)."""
+        self._settle()
+        self._state = snapkv_compress(self._state)

@@ -111,7 +111,7 @@ class Run:
 def _kv_bytes(cache: Any) -> int:
     """Bytes of the keys and values a cache holds for its tokens (mlx-lm's KVCache reports its
     allocation, rounded up to 256-token steps; count the rows in use for a fair comparison)."""
-    keys = getattr(cache, "keys", None)
+    keys: Any = getattr(cache, "keys", None)
     if isinstance(getattr(cache, "offset", None), int) and hasattr(keys, "shape"):
         rows = min(int(cache.size()), keys.shape[2])
         return int(2 * keys.nbytes * rows // max(keys.shape[2], 1))
@@ -140,7 +140,7 @@ def generate_once(
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     mx.random.seed(args.seed)
     mx.reset_peak_memory()

@@ -1,0 +1,45 @@
+"""Load a saved prompt cache and check it was made with the settings you expect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import load_prompt_cache as _mlx_load
+
+from velox_cache_core.policies import POLICIES
+from velox_mlx_lm.cache import PolicyKVCache
+from velox_mlx_lm.config import KVCacheConfig
+
+
+def load_prompt_cache(
+    path: str, config: KVCacheConfig | None = None, return_metadata: bool = False
+) -> Any:
+    """``mlx_lm.models.cache.load_prompt_cache``, refusing a file made with other settings.
+
+    With ``config``, every Velox layer cache must hold that policy with those settings, and a
+    full cache must come from ``method="full"``; otherwise ``ValueError`` names the first layer
+    that differs. Nothing is returned on error.
+    """
+    caches, metadata = _mlx_load(path, return_metadata=True)
+    if config is not None:
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        settings = None if config.policy is None else config.settings()
+        if config.policy is not None:  # resolve defaults (e.g. h2o recent) as a cache would
+            settings = POLICIES[config.policy].init(**config.settings()).settings
+        for i, cache in enumerate(caches):
+            if isinstance(cache, PolicyKVCache):
+                saved = (cache.policy_name, cache.settings)
+                wanted = (config.policy, settings)
+                if saved != wanted:
+                    raise ValueError(
+                        f"prompt cache layer {i} was saved as {saved[0]} {saved[1]}, "
+                        f"but config asks for {wanted[0]} {wanted[1]}"
+                    )
+            elif type(cache) is KVCache and config.policy is not None:
+                raise ValueError(
+                    f"prompt cache layer {i} is a full KVCache, but config asks for "
+                    f"method={config.method!r}"
+                )
+    return (caches, metadata) if return_metadata else caches
