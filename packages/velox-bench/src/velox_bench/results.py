@@ -1,0 +1,125 @@
+"""Compact per-suite results: machine info, medians and ratios, written as JSON at session end.
+
+pytest-benchmark keeps every round in its own JSON; these files keep what the docs quote.
+``VELOX_BENCH_RESULTS_DIR`` redirects them (the smoke test writes to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO_ROOT",
+    "SuiteResults",
+    "figures_dirs",
+    "loglog_slope",
+    "machine_info",
+    "median_seconds",
+    "results_dir",
+    "smoke",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+
+
+def smoke() -> bool:
+    """``VELOX_BENCH_SMOKE=1``: tiny sizes, one round (the code paths, not the numbers)."""
+    return os.environ.get("VELOX_BENCH_SMOKE", "") not in ("", "0")
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get("VELOX_BENCH_RESULTS_DIR") or REPO_ROOT / "benchmarks" / "results")
+
+
+def figures_dirs() -> list[Path]:
+    """Where figures go: next to the results, and under docs/ for the site (real runs only)."""
+    override = os.environ.get("VELOX_BENCH_RESULTS_DIR")
+    if override:
+        return [Path(override) / "figures"]
+    return [REPO_ROOT / "benchmarks" / "figures", REPO_ROOT / "docs" / "figures"]
+
+
+def machine_info() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import mlx.core as mx
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "device": str(mx.default_device()),
+    }
+    try:
+        with open("/proc/loadavg", encoding="utf-8") as f:
+            info["loadavg_at_end"] = f.read().split()[:3]
+    except OSError:
+        pass
+    return info
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of log(y) against log(x): the exponent of ``y ~ x^k``."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx_, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    sxx = sum((x - mx_) ** 2 for x in lx)
+    return (
+        sum((x - mx_) * (y - my) for x, y in zip(lx, ly, strict=True)) / sxx
+        if sxx
+        else float("nan")
+    )
+
+
+@dataclass
+class SuiteResults:
+    """Rows (one per measured configuration) and a summary of one suite."""
+
+    suite: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+
+    def write(self, blas: dict[str, Any], directory: Path | None = None) -> Path:
+        directory = directory or results_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.suite}.json"
+        payload = {
+            "suite": self.suite,
+            "machine": machine_info(),
+            "blas": blas,
+            "smoke": smoke(),
+            "settings": self.settings,
+            "summary": self.summary,
+            "rows": self.rows,
+        }
+        path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n", encoding="utf-8")
+        return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def median_seconds(benchmark: Any) -> float | None:
+    """The median round of a pytest-benchmark fixture, ``None`` under ``--benchmark-disable``."""
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:
+        return None
+    return float(stats.stats.median)

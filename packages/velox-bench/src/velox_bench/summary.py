@@ -1,0 +1,111 @@
+"""Per-suite summaries (ratios, fits, targets) computed from the rows a session measured."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from velox_bench.results import loglog_slope
+
+__all__ = ["TARGETS", "summarize"]
+
+# DESIGN.md section 7, on the 2-core CPU machine (float32).
+TARGETS = {
+    "micro_tova_over_sdpa_budget512_hkv8_d128": ("<=", 0.5),
+    "prefill_tova_sequential_4096_over_causal_sdpa": ("<=", 3.0),
+    "model_8192_tova_decode_speedup_vs_full": (">=", 1.6),
+    "model_8192_tova_decode_speedup_vs_rotating": (">=", 0.9),
+    "model_8192_tova_prefill_time_vs_full": ("<=", 1.15),
+    "model_8192_tova_oneshot_prefill_time_vs_full": ("<=", 1.15),
+}
+
+
+def _check(name: str, value: float | None) -> dict[str, Any]:
+    op, bound = TARGETS[name]
+    met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+    return {"value": value, "target": f"{op} {bound}", "met": met}
+
+
+def _micro(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds: dict[str, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        seconds[r["config"]][r["method"]] = r["seconds"]
+    ratios: dict[str, dict[str, float]] = {
+        config: {m: s / by_method["sdpa"] for m, s in by_method.items()}
+        for config, by_method in seconds.items()
+        if "sdpa" in by_method
+    }
+    out: dict[str, Any] = {"ratio_vs_sdpa": dict(ratios)}
+    key = "budget512-hkv8-hq32-d128"
+    if key in ratios:
+        out["targets"] = {
+            "micro_tova_over_sdpa_budget512_hkv8_d128": _check(
+                "micro_tova_over_sdpa_budget512_hkv8_d128", ratios[key].get("tova_query_layer")
+            )
+        }
+    return out
+
+
+def _prefill(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[tuple[Any, ...], list[tuple[int, float]]] = defaultdict(list)
+    sdpa = tova = None
+    for r in rows:
+        if r.get("kind") == "sweep":
+            groups[(r["mode"], r["budget"], r["n_sink"])].append((r["seq_len"], r["seconds"]))
+        elif r.get("kind") == "vs_sdpa":
+            if r["method"] == "causal_sdpa":
+                sdpa = r["seconds"]
+            else:
+                tova = r["seconds"]
+    exponents = {}
+    for (mode, budget, n_sink), points in sorted(groups.items()):
+        points.sort()
+        if len(points) >= 2:
+            exponents[f"{mode}-budget{budget}-sink{n_sink}"] = loglog_slope(
+                [p[0] for p in points], [p[1] for p in points]
+            )
+    out: dict[str, Any] = {"loglog_exponent": exponents}
+    if sdpa and tova:
+        name = "prefill_tova_sequential_4096_over_causal_sdpa"
+        out["tova_sequential_over_causal_sdpa"] = tova / sdpa
+        out["targets"] = {name: _check(name, tova / sdpa)}
+    return out
+
+
+def _model(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        by[(r["phase"], r["context"])][r["method"]] = r
+    ratios: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for (phase, ctx), methods in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for method, r in methods.items():
+            entry: dict[str, float] = {}
+            for base in ("full", "rotating"):
+                if base in methods:
+                    if phase == "decode":  # speed-up: how many times faster per token
+                        entry[f"speedup_vs_{base}"] = methods[base]["seconds"] / r["seconds"]
+                    else:  # time ratio: how many times longer to prefill
+                        entry[f"time_vs_{base}"] = r["seconds"] / methods[base]["seconds"]
+            ratios[f"{phase}-{ctx}"][method] = entry
+    out: dict[str, Any] = {"ratios": dict(ratios)}
+    d8 = ratios.get("decode-8192", {}).get("tova", {})
+    p8 = ratios.get("prefill-8192", {})
+    targets = {
+        "model_8192_tova_decode_speedup_vs_full": d8.get("speedup_vs_full"),
+        "model_8192_tova_decode_speedup_vs_rotating": d8.get("speedup_vs_rotating"),
+        "model_8192_tova_prefill_time_vs_full": p8.get("tova", {}).get("time_vs_full"),
+        "model_8192_tova_oneshot_prefill_time_vs_full": p8.get("tova_oneshot", {}).get(
+            "time_vs_full"
+        ),
+    }
+    out["targets"] = {k: _check(k, v) for k, v in targets.items() if v is not None}
+    return out
+
+
+def _soak(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return rows[-1] if rows else {}
+
+
+def summarize(suite: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summarizer = {"micro": _micro, "prefill": _prefill, "model": _model, "soak": _soak}.get(suite)
+    return summarizer(rows) if summarizer else {}
