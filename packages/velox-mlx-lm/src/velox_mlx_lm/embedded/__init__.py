@@ -90,7 +90,7 @@ def paragraph() -> str:
 class DemoPrompt:
     """A long real text with a question about a fact stated early in it."""
 
-    text: str  # the document, a few thousand tokens
+    text: str  # the document, a few thousand tokens, with one planted sentence early on
     question: str
     answer: str  # expected answer (the embedded model gives it with the full cache)
     source: str
