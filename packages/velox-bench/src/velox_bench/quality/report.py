@@ -1,0 +1,234 @@
+"""Tables, figures and docs sections from :func:`velox_bench.quality.run.evaluate` results."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("benchmarks/results/quality.json")
+FIGURES = Path("benchmarks/figures")
+DOCS_FIGURES = Path("docs/figures")
+BENCHMARKS_DOC = Path("docs/benchmarks.md")
+TOVA_DOC = Path("docs/methods/tova.md")
+TOVA_PRESET = "tova (query/layer)"
+TOVA_VARIANTS = (
+    "tova (query/layer)",
+    "tova (query/head)",
+    "tova (key/layer)",
+    "tova_adapted (key/head)",
+)
+
+
+def _ppl(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return dict(results["perplexity"]["ppl"])
+
+
+def perplexity_table(results: dict[str, Any]) -> str:
+    """Rows methods, columns budgets then the full cache (TOVA paper, Table 3 layout)."""
+    ppl = _ppl(results)
+    budgets = [str(b) for b in results["perplexity"]["budgets"]]
+    full = ppl["full"]["full"]
+    lines = [
+        "| Method | " + " | ".join(budgets) + " | full |",
+        "| --- | " + " | ".join("---:" for _ in budgets) + " | ---: |",
+    ]
+    for name, row in ppl.items():
+        if name == "full":
+            continue
+        best = [min(ppl[n][b] for n in ppl if n != "full") for b in budgets]
+        cells = [
+            f"**{row[b]:.2f}**" if row[b] == best[i] else f"{row[b]:.2f}"
+            for i, b in enumerate(budgets)
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {full:.2f} |")
+    return "\n".join(lines)
+
+
+def retrieval_table(results: dict[str, Any]) -> str:
+    r = results["retrieval"]
+    depths = [f"{d:.1f}" for d in r["depths"]]
+    head = " | ".join(f"{float(d):.0%} acc | {float(d):.0%} Δlogp" for d in depths)
+    lines = [
+        f"| Method | budget | {head} |",
+        "| --- | ---: | " + " | ".join("---: | ---:" for _ in depths) + " |",
+    ]
+    for name, by_budget in r["results"].items():
+        for budget, rows in by_budget.items():
+            cells = " | ".join(
+                f"{rows[d]['accuracy']:.0%} | {rows[d]['logprob_vs_full']:+.2f}" for d in depths
+            )
+            lines.append(f"| {name} | {budget} | {cells} |")
+    return "\n".join(lines)
+
+
+def findings(results: dict[str, Any]) -> dict[str, Any]:
+    """The paper's ordering checks, T/8 closeness, and the best TOVA variant.
+
+    Checks whose methods were not measured are left out.
+    """
+    ppl = _ppl(results)
+    budgets = [str(b) for b in results["perplexity"]["budgets"]]
+    full = ppl["full"]["full"]
+    out: dict[str, Any] = {}
+    if TOVA_PRESET not in ppl:
+        return out
+    tova = ppl[TOVA_PRESET]
+    others = [n for n in ppl if n not in ("full", TOVA_PRESET)]
+    out["tova_layer_best_at_every_budget"] = {
+        b: all(tova[b] <= ppl[n][b] for n in others) for b in budgets
+    }
+    for key, name in (
+        ("key_head_behind_tova", "tova_adapted (key/head)"),
+        ("h2o_behind_tova", "h2o"),
+        ("streaming_llm_behind_tova", "streaming_llm"),
+    ):
+        if name in ppl:
+            out[key] = {b: ppl[name][b] > tova[b] for b in budgets}
+    t8 = str(results["perplexity"]["tokens_per_document"] // 8)
+    if t8 in tova:
+        out["tova_vs_full_at_T_over_8"] = {
+            "budget": int(t8),
+            "ratio": tova[t8] / full,
+            "within_5_percent": tova[t8] <= 1.05 * full,
+        }
+    variants = [n for n in TOVA_VARIANTS if n in ppl]
+    out["best_tova_variant_per_budget"] = {
+        b: min(variants, key=lambda n: ppl[n][b]) for b in budgets
+    }
+    mean_ratio = {n: sum(ppl[n][b] / full for b in budgets) / len(budgets) for n in variants}
+    out["tova_variant_mean_ppl_ratio"] = mean_ratio
+    out["best_tova_variant"] = min(mean_ratio, key=lambda n: mean_ratio[n])
+    return out
+
+
+def summary(results: dict[str, Any]) -> str:
+    r = results["retrieval"]
+    return "\n\n".join(
+        [
+            f"BLAS: {results['environment']['blas']}; runtime {results['runtime_s'] / 60:.1f} min",
+            "Streaming perplexity (lower is better)\n" + perplexity_table(results),
+            f"Retrieval ({r['questions_per_depth']} questions per depth; full-cache exact match "
+            f"{r['full_exact_match']:.0%}; measure: {r['measure']})\n" + retrieval_table(results),
+            "Findings\n" + json.dumps(findings(results), indent=2),
+        ]
+    )
+
+
+def plot_perplexity(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppl = _ppl(results)
+    budgets = results["perplexity"]["budgets"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in ppl.items():
+        if name != "full":
+            ax.plot(budgets, [row[str(b)] for b in budgets], marker="o", label=name)
+    ax.axhline(ppl["full"]["full"], color="black", linestyle="--", label="full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("cache budget (tokens per layer)")
+    ax.set_ylabel("perplexity")
+    p = results["perplexity"]
+    ax.set_title(
+        f"Streaming perplexity, SmolLM2-135M, {len(p['documents'])} SOTU addresses "
+        f"× {p['tokens_per_document']} tokens",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_retrieval(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = results["retrieval"]
+    depths = [f"{d:.1f}" for d in r["depths"]]
+    likelihood = r["measure"] == "likelihood"
+    bars = [
+        (f"{name} ({budget})" if budget != "full" else name, rows)
+        for name, by_budget in r["results"].items()
+        for budget, rows in by_budget.items()
+    ]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(bars)
+    for i, (label, rows) in enumerate(bars):
+        values = [rows[d]["logprob_vs_full" if likelihood else "accuracy"] for d in depths]
+        ax.bar([j + i * width for j in range(len(depths))], values, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(depths))])
+    ax.set_xticklabels([f"fact at {float(d):.0%} depth" for d in depths])
+    ax.set_ylabel("log p(answer) − full cache" if likelihood else "exact-match accuracy")
+    ax.set_title(
+        f"Pass-key retrieval, {r['document_tokens']}-token document, "
+        f"{r['questions_per_depth']} questions per depth",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _replace_between(text: str, start: str, end: str, body: str) -> str:
+    """Replace what lies between the two marker lines, adding them at the end if absent."""
+    if start not in text or end not in text:
+        return text.rstrip("\n") + f"\n\n{start}\n{body}\n{end}\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text, count=1)
+
+
+def benchmarks_section(results: dict[str, Any]) -> str:
+    from velox_bench.quality.docs_text import benchmarks_markdown
+
+    return benchmarks_markdown(
+        results, perplexity_table(results), retrieval_table(results), findings(results)
+    )
+
+
+def write(results: dict[str, Any], root: Path) -> list[Path]:
+    """Results JSON, figures (also under docs/figures/) and the two docs sections."""
+    from velox_bench.quality.docs_text import tova_numbers_markdown
+
+    written = []
+    path = root / RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**results, "findings": findings(results)}, indent=2) + "\n")
+    written.append(path)
+    (root / FIGURES).mkdir(parents=True, exist_ok=True)
+    (root / DOCS_FIGURES).mkdir(parents=True, exist_ok=True)
+    for name, plot in (("ppl_vs_budget.png", plot_perplexity), ("retrieval.png", plot_retrieval)):
+        plot(results, root / FIGURES / name)
+        shutil.copyfile(root / FIGURES / name, root / DOCS_FIGURES / name)
+        written += [root / FIGURES / name, root / DOCS_FIGURES / name]
+    doc = root / BENCHMARKS_DOC
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if "<!-- perf:start -->" not in text:
+        text = text.rstrip("\n") + "\n\n<!-- perf:start -->\n<!-- perf:end -->\n"
+    text = _replace_between(
+        text, "<!-- quality:start -->", "<!-- quality:end -->", benchmarks_section(results)
+    )
+    doc.write_text(text)
+    written.append(doc)
+    tova = root / TOVA_DOC
+    if tova.exists():
+        tova.write_text(
+            _replace_between(
+                tova.read_text(),
+                "<!-- quality-numbers:start -->",
+                "<!-- quality-numbers:end -->",
+                tova_numbers_markdown(results, findings(results)),
+            )
+        )
+        written.append(tova)
+    return written

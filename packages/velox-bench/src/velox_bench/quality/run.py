@@ -1,0 +1,276 @@
+"""The quality evaluation: settings, the run itself, and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from velox_bench.quality import corpus, retrieval
+from velox_bench.quality.methods import (
+    FULL,
+    PERPLEXITY_VARIANTS,
+    RETRIEVAL_VARIANTS,
+    Variant,
+)
+from velox_bench.quality.perplexity import perplexity, token_nll
+
+# A single-token decode step costs about this many prefill tokens (for the time estimate).
+DECODE_WEIGHT = 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures. The defaults are the full run (see docs/benchmarks.md)."""
+
+    n_tokens: int = 1024  # T: tokens scored per document
+    n_documents: int = 2
+    budgets: tuple[int, ...] = (64, 128, 256, 512)
+    chunk: int = 256
+    retrieval_tokens: int = 1000  # document length before the facts are planted
+    retrieval_budgets: tuple[int, ...] = (256,)
+    n_trials: int = 6  # trials of the fixed pool used; each asks one fact per depth
+    quick: bool = False
+
+    @classmethod
+    def quick_run(cls) -> Settings:
+        return cls(
+            n_tokens=256,
+            n_documents=1,
+            budgets=(64, 128),
+            retrieval_tokens=400,
+            retrieval_budgets=(128,),
+            n_trials=2,
+            quick=True,
+        )
+
+
+@dataclass
+class Progress:
+    """A tqdm bar counted in prefill-token equivalents, with a printed total estimate."""
+
+    total: int
+    bar: Any = None
+    started: float = field(default_factory=time.perf_counter)
+    estimated: bool = False
+
+    def __post_init__(self) -> None:
+        self.bar = tqdm(total=self.total, unit="tok", desc="quality", smoothing=0.05)
+
+    def advance(self, n: int) -> None:
+        self.bar.update(n)
+        done = self.bar.n
+        if not self.estimated and done >= 0.03 * self.total:
+            self.estimated = True
+            elapsed = time.perf_counter() - self.started
+            self.bar.write(f"estimated total time: {elapsed * self.total / done / 60:.1f} min")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _work(
+    settings: Settings, n_ppl: int, n_retrieval: int, prompt_tokens: int, answer_tokens: int
+) -> int:
+    budgets = [b for b in settings.budgets if b < settings.n_tokens]
+    ppl = settings.n_documents * settings.n_tokens * (1 + n_ppl * len(budgets))
+    configs = 1 + n_retrieval * len(settings.retrieval_budgets)
+    per_trial = prompt_tokens + answer_tokens * DECODE_WEIGHT
+    return ppl + configs * settings.n_trials * per_trial
+
+
+def evaluate(
+    settings: Settings,
+    perplexity_variants: Sequence[Variant] = PERPLEXITY_VARIANTS,
+    retrieval_variants: Sequence[Variant] = RETRIEVAL_VARIANTS,
+    loaded: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Run every measurement of ``settings``; return the JSON-ready results.
+
+    The full cache is always measured first; the variants default to the whole comparison.
+    ``loaded``: the embedded ``(model, tokenizer)`` if already loaded.
+    """
+    import mlx.core as mx
+
+    from velox_mlx_lm.embedded import load_default
+
+    started = time.perf_counter()
+    model, tokenizer = load_default() if loaded is None else loaded
+    encode = tokenizer.encode
+    documents = corpus.most_recent(settings.n_documents, settings.n_tokens + 1, encode)
+    source = corpus.most_recent(1, settings.retrieval_tokens, encode)[0]
+    base = retrieval.cut_document(source.text(), settings.retrieval_tokens, encode)
+    prompts = [
+        retrieval.build_prompt(tokenizer, base, retrieval.facts(trial))
+        for trial in range(settings.n_trials)
+    ]
+    n_prompt = sum(len(p.document) + sum(map(len, p.questions)) for p in prompts) // len(prompts)
+    n_answer = sum(sum(map(len, p.answers)) for p in prompts) // len(prompts)
+    progress = Progress(
+        _work(settings, len(perplexity_variants), len(retrieval_variants), n_prompt, n_answer)
+    )
+
+    def step(n: int) -> None:
+        progress.advance(n)
+
+    # Perplexity: every variant on the same tokens; budget >= T would equal the full cache.
+    budgets = [b for b in settings.budgets if b < settings.n_tokens]
+    nll: dict[str, dict[str, list[np.ndarray]]] = {}
+    for doc in documents:
+        tokens = encode(doc.text())[: settings.n_tokens + 1]
+        runs = [(FULL, 0)] + [(v, b) for v in perplexity_variants for b in budgets]
+        for variant, budget in runs:
+            key = "full" if variant is FULL else str(budget)
+            scores = token_nll(model, variant.config(budget), tokens, settings.chunk, step)
+            nll.setdefault(variant.name, {}).setdefault(key, []).append(scores)
+    ppl = {
+        name: {key: perplexity(np.concatenate(runs)) for key, runs in by_budget.items()}
+        for name, by_budget in nll.items()
+    }
+    per_document = {
+        name: {key: [perplexity(r) for r in runs] for key, runs in by_budget.items()}
+        for name, by_budget in nll.items()
+    }
+
+    # Retrieval: the full cache first (it decides the measure), then every variant.
+    answers: dict[str, dict[str, list[list[retrieval.Answer]]]] = {}
+    runs_r = [(FULL, 0)] + [(v, b) for v in retrieval_variants for b in settings.retrieval_budgets]
+    for variant, budget in runs_r:
+        key = "full" if variant is FULL else str(budget)
+
+        def on_tokens(n: int) -> None:
+            step(n)
+
+        answers.setdefault(variant.name, {})[key] = [
+            retrieval.run_trial(model, variant.config(budget), p, settings.chunk, on_tokens)
+            for p in prompts
+        ]
+    progress.close()
+    full_answers = answers["full"]["full"]
+    full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
+    measure = "exact_match" if full_accuracy >= 0.8 else "likelihood"
+    by_depth: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, by_budget in answers.items():
+        for key, trials in by_budget.items():
+            rows = {}
+            for d, depth in enumerate(retrieval.DEPTHS):
+                got = [trial[d] for trial in trials]
+                ref = [trial[d] for trial in full_answers]
+                rows[f"{depth:.1f}"] = {
+                    "accuracy": float(np.mean([a.correct for a in got])),
+                    "logprob": float(np.mean([a.logprob for a in got])),
+                    "logprob_vs_full": float(
+                        np.mean([a.logprob - r.logprob for a, r in zip(got, ref, strict=True)])
+                    ),
+                    "correct": [a.correct for a in got],
+                }
+            by_depth.setdefault(name, {})[key] = rows
+
+    return {
+        "settings": asdict(settings),
+        "environment": {
+            "blas": _blas(),
+            "mlx": getattr(mx, "__version__", "unknown"),
+            "python": platform.python_version(),
+            "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
+            "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized float32)",
+        },
+        "runtime_s": round(time.perf_counter() - started, 1),
+        "perplexity": {
+            "documents": [
+                {"name": d.name, "year": d.year, "president": d.president} for d in documents
+            ],
+            "tokens_per_document": settings.n_tokens,
+            "budgets": budgets,
+            "ppl": ppl,
+            "ppl_per_document": per_document,
+            "excluded": {"snapkv": "compresses once at a prompt end; streaming text has none"},
+        },
+        "retrieval": {
+            "document": source.name,
+            "document_tokens": len(prompts[0].document) if prompts else 0,
+            "depths": list(retrieval.DEPTHS),
+            "measured_depths": [round(x, 3) for x in np.mean([p.depths for p in prompts], 0)],
+            "budgets": list(settings.retrieval_budgets),
+            "questions_per_depth": settings.n_trials,
+            "full_exact_match": full_accuracy,
+            "measure": measure,
+            "results": by_depth,
+        },
+    }
+
+
+def _blas() -> str:
+    from velox_mlx_lm.blas import blas_in_use
+
+    return blas_in_use()
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The nearest directory at or above ``start`` (default: cwd) holding noxfile.py."""
+    here = (start or Path.cwd()).resolve()
+    for path in (here, *here.parents):
+        if (path / "noxfile.py").is_file():
+            return path
+    raise FileNotFoundError(f"no noxfile.py at or above {here}: pass --out")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m velox_bench.quality", description="Velox quality evaluation."
+    )
+    parser.add_argument("--quick", action="store_true", help="a small run (~3 min)")
+    parser.add_argument("--trials", type=int, help="retrieval questions per depth")
+    parser.add_argument("--documents", type=int, help="perplexity documents")
+    parser.add_argument("--tokens", type=int, help="tokens scored per document (T)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="repository root to write results, figures and docs into "
+        "(default: this repository for a full run; a quick run writes nothing unless given)",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="skip the measurements: rebuild the report from a saved quality.json",
+    )
+    args = parser.parse_args(argv)
+    if args.from_json is not None:
+        from velox_bench.quality import report
+
+        saved = json.loads(args.from_json.read_text())
+        saved.pop("findings", None)
+        print(report.summary(saved))
+        for path in report.write(saved, args.out if args.out is not None else repo_root()):
+            print(f"wrote {path}")
+        return 0
+    settings = Settings.quick_run() if args.quick else Settings()
+    changes = {"n_trials": args.trials, "n_documents": args.documents, "n_tokens": args.tokens}
+    settings = Settings(
+        **{**asdict(settings), **{k: v for k, v in changes.items() if v is not None}}
+    )
+    print(f"BLAS: {_blas()}")
+    results = evaluate(settings)
+
+    from velox_bench.quality import report
+
+    print(report.summary(results))
+    out = args.out if args.out is not None else (None if settings.quick else repo_root())
+    if out is not None:
+        for path in report.write(results, out):
+            print(f"wrote {path}")
+    return 0

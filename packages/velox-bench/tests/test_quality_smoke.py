@@ -1,0 +1,88 @@
+"""Smoke test of the quality harness on one short document (no OpenBLAS needed)."""
+
+from __future__ import annotations
+
+from velox_bench.blas import preload
+
+preload()  # OpenBLAS if mlx is not imported yet (a run of this file alone); harmless otherwise
+
+import math  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytestmark = [pytest.mark.quality, pytest.mark.model, pytest.mark.corpus, pytest.mark.slow]
+
+N_TOKENS = 64
+Loaded = tuple[Any, Any, list[int]]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokens() -> Loaded:
+    pytest.importorskip("mlx_lm")
+    from velox_bench.quality import corpus
+    from velox_mlx_lm.embedded import ModelNotFoundError, load_default
+
+    try:
+        model, tokenizer = load_default()
+        speech = corpus.most_recent(1, N_TOKENS + 1, tokenizer.encode)[0]
+    except (ModelNotFoundError, FileNotFoundError) as exc:
+        pytest.skip(str(exc))
+    return model, tokenizer, tokenizer.encode(speech.text())[: N_TOKENS + 1]
+
+
+def test_chunked_scoring_equals_token_by_token(model_and_tokens: Loaded) -> None:
+    # The premise of streaming perplexity: sequential chunks see what decoding would see.
+    from velox_bench.quality.methods import TOVA
+    from velox_bench.quality.perplexity import token_nll
+
+    model, _, tokens = model_and_tokens
+    config = TOVA.config(16)
+    chunked = token_nll(model, config, tokens, chunk=24)
+    one_by_one = token_nll(model, config, tokens, chunk=1)
+    assert chunked.shape == (N_TOKENS,)
+    np.testing.assert_allclose(chunked, one_by_one, rtol=0, atol=2e-4)
+
+
+def test_budget_at_least_t_equals_full(model_and_tokens: Loaded) -> None:
+    from velox_bench.quality.methods import FULL, TOVA
+    from velox_bench.quality.perplexity import perplexity, token_nll
+
+    model, _, tokens = model_and_tokens
+    full = token_nll(model, FULL.config(0), tokens, chunk=64)
+    kept = token_nll(model, TOVA.config(N_TOKENS), tokens, chunk=64)
+    assert 1 < perplexity(full) < 200
+    np.testing.assert_allclose(kept, full, rtol=0, atol=1e-5)
+
+
+def test_evaluate_structure(model_and_tokens: Loaded) -> None:
+    from velox_bench.quality import report
+    from velox_bench.quality.methods import SNAPKV, STREAMING_LLM, TOVA
+    from velox_bench.quality.run import Settings, evaluate
+
+    settings = Settings(
+        n_tokens=32,
+        n_documents=1,
+        budgets=(16, 32),
+        chunk=16,
+        retrieval_tokens=120,
+        retrieval_budgets=(64,),
+        n_trials=1,
+    )
+    model, tokenizer, _ = model_and_tokens
+    results = evaluate(settings, (TOVA, STREAMING_LLM), (SNAPKV,), (model, tokenizer))
+    ppl = results["perplexity"]["ppl"]
+    assert results["perplexity"]["budgets"] == [16]  # budget >= T is the full cache
+    assert set(ppl) == {"full", TOVA.name, STREAMING_LLM.name}
+    assert all(math.isfinite(v) and v > 1 for row in ppl.values() for v in row.values())
+    retrieval = results["retrieval"]
+    assert set(retrieval["results"]) == {"full", SNAPKV.name}
+    for by_budget in retrieval["results"].values():
+        for rows in by_budget.values():
+            assert set(rows) == {"0.1", "0.5", "0.9"}
+    full_rows = retrieval["results"]["full"]["full"]
+    assert all(row["logprob_vs_full"] == 0 for row in full_rows.values())
+    assert retrieval["measure"] in ("exact_match", "likelihood")
+    assert "| tova (query/layer) |" in report.perplexity_table(results)
+    assert "best_tova_variant" in report.findings(results)
