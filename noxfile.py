@@ -85,6 +85,20 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *test_dirs, *session.posargs)
 
 
+# The mlx-lm releases velox-mlx-lm declares (`mlx-lm>=0.32,<0.33`): the hook and the cache
+# protocol rest on mlx-lm internals, so the lowest and the newest allowed release are tested.
+MLX_LM_RANGE = ["0.32.0", "0.32.2"]
+
+
+@nox.session
+@nox.parametrize("mlx_lm", MLX_LM_RANGE)
+def compat(session: nox.Session, mlx_lm: str) -> None:
+    """The mlx-lm integration's tests against one pinned mlx-lm release of the declared range."""
+    install_packages(session)
+    session.install(*TEST_DEPS, f"mlx-lm=={mlx_lm}")
+    session.run("pytest", "packages/velox-mlx-lm/tests", "-m", "not model", *session.posargs)
+
+
 def bench_selection(posargs: list[str]) -> tuple[list[str], list[str]]:
     """Split `nox -s bench -- ...` arguments into (selected paths, other pytest arguments).
 

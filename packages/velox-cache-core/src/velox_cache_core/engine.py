@@ -6,7 +6,7 @@ into the slot freed by the last eviction (in place), for a chunk appended after 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
@@ -33,11 +33,26 @@ class SlotState(Protocol):
 S = TypeVar("S", bound=SlotState)
 
 
+# Dataclass fields of a policy state that change as tokens arrive; every other field is a setting.
+RUNNING_FIELDS = frozenset(
+    {"slots", "history", "scores", "offset", "tokens_seen", "compressed", "scale"}
+)
+
+
 class SlotStateMixin:
     """Read-only views and accounting shared by every policy's state dataclass."""
 
     slots: KVSlots | None
     offset: int
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The policy's settings (every dataclass field that is not running state)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)  # type: ignore[arg-type]
+            if f.name not in RUNNING_FIELDS
+        }
 
     def _live(self) -> KVSlots | None:
         return None if self.slots is None else self.slots.compact()

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from velox_cache_core.current_step import History
-from velox_cache_core.engine import Step
+from velox_cache_core.engine import RUNNING_FIELDS, Step
 from velox_cache_core.policies import POLICIES, Policy, snapkv_compress
 from velox_cache_core.policies.tova import TovaState
 from velox_cache_core.slots import KVSlots
@@ -54,9 +54,7 @@ def _encode(state: Any) -> dict[str, Any]:
 def _decode(policy: Policy, data: dict[str, Any]) -> Any:
     meta = json.loads(data["meta"])
     settings_fields = {f.name for f in dataclasses.fields(policy.state_type)}
-    counters = {
-        k: meta.pop(k) for k in ("offset", "tokens_seen", "compressed", "scale") if k in meta
-    }
+    counters = {k: meta.pop(k) for k in RUNNING_FIELDS if k in meta}
     unknown = set(meta) - settings_fields
     if unknown:
         raise ValueError(f"saved {policy.name} state has unknown fields {sorted(unknown)}")

@@ -8,7 +8,6 @@ tokens. Inertial where TOVA is memoryless: the state carries the scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
@@ -34,17 +33,6 @@ class H2OState(SlotStateMixin):
     scores: mx.array | None = None
     offset: int = 0
     tokens_seen: int = 0
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "budget": self.budget,
-            "n_sink": self.n_sink,
-            "recent": self.recent,
-            "signal": self.signal,
-            "scope": self.scope,
-            "prefill": self.prefill,
-        }
 
     @property
     def rule(self) -> Rule:

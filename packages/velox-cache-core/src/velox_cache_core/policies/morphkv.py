@@ -11,7 +11,6 @@ window). With ``window=1`` this is TOVA, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import mlx.core as mx
 
@@ -39,18 +38,6 @@ class MorphKVState(SlotStateMixin):
     history: History | None = None
     offset: int = 0
     tokens_seen: int = 0
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "budget": self.budget,
-            "n_sink": self.n_sink,
-            "window": self.window,
-            "fusion": self.fusion,
-            "signal": self.signal,
-            "scope": self.scope,
-            "prefill": self.prefill,
-        }
 
     @property
     def rule(self) -> Rule:

@@ -46,15 +46,6 @@ class SnapKVState(SlotStateMixin):
     offset: int = 0
     tokens_seen: int = 0
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "budget": self.budget,
-            "window": self.window,
-            "kernel": self.kernel,
-            "signal": self.signal,
-        }
-
 
 def init_snapkv_state(
     budget: int = 512, window: int = 32, kernel: int = 5, signal: str = "query"

@@ -9,7 +9,6 @@ Position ``t`` attends the ``n_sink`` first tokens and the ``budget - n_sink`` m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
@@ -26,10 +25,6 @@ class StreamingLLMState(SlotStateMixin):
     slots: KVSlots | None = None
     offset: int = 0
     tokens_seen: int = 0
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"budget": self.budget, "n_sink": self.n_sink}
 
 
 def init_streaming_llm_state(budget: int = 512, n_sink: int = 4) -> StreamingLLMState:

@@ -8,7 +8,7 @@ included). Nothing is carried between steps: the state holds no scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import mlx.core as mx
 
@@ -48,16 +48,6 @@ class TovaState(SlotStateMixin):
     slots: KVSlots | None = None
     offset: int = 0
     tokens_seen: int = 0
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "budget": self.budget,
-            "n_sink": self.n_sink,
-            "signal": self.signal,
-            "scope": self.scope,
-            "prefill": self.prefill,
-        }
 
     @property
     def rule(self) -> Rule:
