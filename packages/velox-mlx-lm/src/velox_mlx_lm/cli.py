@@ -20,6 +20,7 @@ SIGNAL_POLICIES = ("tova", "h2o", "snapkv", "morphkv")
 SCOPE_POLICIES = ("tova", "h2o", "morphkv")
 PREFILL_POLICIES = ("tova", "h2o", "morphkv")
 SINK_POLICIES = ("tova", "h2o", "streaming_llm", "morphkv")
+NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE or --demo"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,7 +270,7 @@ def _prompt_tokens(args: argparse.Namespace, tokenizer: Any) -> list[int]:
     elif args.prompt is not None:
         text = args.prompt
     else:
-        raise ValueError("give a prompt: --prompt TEXT, --prompt-file FILE or --demo")
+        raise ValueError(NO_PROMPT)
     if chat and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": text}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
@@ -287,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         if args.prefill_step_size < 1:
             raise ValueError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+        if args.prompt is None and args.prompt_file is None and not args.demo:
+            raise ValueError(NO_PROMPT)  # before loading a model for nothing
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     if from_command_line:
