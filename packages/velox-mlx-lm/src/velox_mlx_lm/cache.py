@@ -253,23 +253,28 @@ class PolicyKVCache(VeloxKVCache):
         return False
 
     def trim(self, n: int) -> int:
-        """Undo the last ``n`` appends; only possible while nothing has been evicted."""
+        """Undo the last ``n`` appends; only while nothing has been evicted, and only for
+        policies whose state is just the slots (TOVA, StreamingLLM): running scores (H2O) or
+        remembered queries (MorphKV, SnapKV) already hold the trimmed tokens' attention."""
         state = self.policy_state
         if n == 0:
             return 0
-        if state.slots is None or state.n_kept != state.offset or not 0 < n <= state.offset:
+        carries = any(getattr(state, name, None) is not None for name in ("scores", "history"))
+        if (
+            carries
+            or state.slots is None
+            or state.n_kept != state.offset
+            or not 0 < n <= state.offset
+        ):
             raise ValueError(
-                f"cannot trim {n} tokens from a {type(self).__name__} that has evicted tokens or "
-                "holds fewer (eviction is not reversible; speculative decoding needs "
-                "method='full')"
+                f"cannot trim {n} tokens from this {type(self).__name__}: eviction is not "
+                "reversible, and running scores or remembered queries cannot be rolled back "
+                "(speculative decoding needs method='full')"
             )
         keep = state.offset - n
         s = state.slots
         slots = KVSlots(s.keys[:, :, :keep], s.values[:, :, :keep], s.positions[:, :, :keep])
-        changes: dict[str, Any] = {"slots": slots, "offset": keep}
-        if getattr(state, "scores", None) is not None:
-            changes["scores"] = state.scores[..., :keep]
-        self._state = replace(state, **changes)
+        self._state = replace(state, slots=slots, offset=keep)
         return n
 
     @property
