@@ -9,7 +9,7 @@ from velox_cache_core import TovaState, init_tova_state, tova_update
 
 __all__ = ["CHUNK", "random_prompt", "tova_prefill"]
 
-CHUNK = 512  # as mlx-lm's generate feeds a prompt (prefill_step_size)
+CHUNK = 512  # prefill chunk (mlx-lm prefill_step_size: 2048 in generate_step, 512 speculative)
 
 
 def random_prompt(
