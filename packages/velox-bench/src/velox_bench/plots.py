@@ -51,7 +51,7 @@ def _line_plot(
         ax.set_yscale("log")
     else:
         ax.set_xscale("log", base=2)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
@@ -72,7 +72,7 @@ def plot_all(directory: Path | None = None) -> list[Path]:
     model = _load("model", directory)
     if model and model["rows"]:
         rows = model["rows"]
-        note = f" ({model['settings'].get('model', '')}, budget {model['settings'].get('budget')})"
+        note = f"\n{model['settings'].get('model', '')}, budget {model['settings'].get('budget')}"
         seconds = _series(rows, "decode", "seconds")
         latency = {m: [(c, s * 1e3) for c, s in pts] for m, pts in seconds.items()}
         written.append(
@@ -87,7 +87,7 @@ def plot_all(directory: Path | None = None) -> list[Path]:
         written.append(
             _line_plot(
                 _series(rows, "decode", "tokens_per_s"),
-                "Decode tokens/s vs context",
+                "Decode tokens/s vs context" + note,
                 "context (tokens)",
                 "decode tokens/s",
                 out_dir / "decode_tokens_per_s.png",
@@ -100,7 +100,7 @@ def plot_all(directory: Path | None = None) -> list[Path]:
         written.append(
             _line_plot(
                 kv,
-                "KV cache memory vs context (after decode)",
+                "KV cache memory vs context (after decode)" + note,
                 "context (tokens)",
                 "KV bytes (MiB)",
                 out_dir / "kv_memory.png",

@@ -58,8 +58,9 @@ def _prefill(rows: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 tova = r["seconds"]
     exponents = {}
-    for (mode, budget, n_sink), points in sorted(groups.items()):
-        points.sort()
+    for (mode, budget, n_sink), all_points in sorted(groups.items()):
+        # Only prompts that overflow the budget: below it nothing is evicted (a different path).
+        points = sorted(p for p in all_points if p[0] > budget)
         if len(points) >= 2:
             exponents[f"{mode}-budget{budget}-sink{n_sink}"] = loglog_slope(
                 [p[0] for p in points], [p[1] for p in points]
