@@ -1,5 +1,15 @@
 """Velox for mlx-lm: drop-in fixed-budget KV caches (TOVA and siblings), true queries via a hook."""
 
+import os as _os
+
+if _os.environ.get("VELOX_BLAS") != "default":
+    # Linux: load OpenBLAS before mlx is first imported (MLX's CPU wheel links the ~20x slower
+    # reference BLAS). A no-op when mlx is already imported, off Linux, or without OpenBLAS;
+    # VELOX_BLAS=default opts out. velox_mlx_lm.blas.blas_in_use() says what happened.
+    from velox_mlx_lm.blas import preload_openblas as _preload_openblas
+
+    _preload_openblas()
+
 import mlx_lm.models.cache as _mlx_cache
 
 from velox_mlx_lm.builder import CACHE_CLASSES, KVCacheBuilder, KVCacheFactory

@@ -1,7 +1,7 @@
 """``velox-generate``: generate with a Velox cache, optionally side by side with the full cache.
 
-Flags follow ``mlx_lm.generate`` where they overlap. On Linux the command re-executes itself
-once with OpenBLAS preloaded when the system has it (MLX's CPU wheel links the slow reference
+Flags follow ``mlx_lm.generate`` where they overlap. On Linux, importing ``velox_mlx_lm``
+loads OpenBLAS before mlx when the system has it (MLX's CPU wheel links the slow reference
 BLAS otherwise); set ``VELOX_BLAS=default`` to keep the default. It always prints which ran.
 """
 
@@ -213,28 +213,13 @@ def _side_by_side(runs: list[Run], width: int = 48) -> str:
     return "\n".join(lines)
 
 
-def _ensure_blas(argv: Sequence[str]) -> None:
-    """Re-execute once with OpenBLAS preloaded (Linux, when present and not yet loaded)."""
-    from velox_mlx_lm.blas import _candidates
-
-    if sys.platform != "linux" or os.environ.get("VELOX_BLAS") == "default":
-        return
-    if "openblas" in os.environ.get("LD_PRELOAD", "") or os.environ.get("_VELOX_REEXEC"):
-        return
-    lib = next((p for p in _candidates() if os.path.isfile(p)), None)
-    if lib is None:
-        return
-    env = dict(os.environ, LD_PRELOAD=lib, _VELOX_REEXEC="1")
-    os.execve(sys.executable, [sys.executable, "-m", "velox_mlx_lm.cli", *argv], env)
-
-
 def _blas_name() -> str:
-    if sys.platform == "darwin":
-        return "Accelerate (macOS)"
-    preload = os.environ.get("LD_PRELOAD", "")
-    if "openblas" in preload:
-        return f"OpenBLAS ({preload}, preloaded)"
-    return "default (MLX's bundled reference BLAS; apt-get install libopenblas0-pthread is faster)"
+    from velox_mlx_lm.blas import blas_in_use
+
+    name = blas_in_use()
+    if name.startswith("default") and sys.platform.startswith("linux"):
+        name += "; apt-get install libopenblas0-pthread makes the float32 model ~20x faster"
+    return name
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
@@ -278,7 +263,6 @@ def _prompt_tokens(args: argparse.Namespace, tokenizer: Any) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -292,8 +276,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(NO_PROMPT)  # before loading a model for nothing
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    if from_command_line:
-        _ensure_blas(argv)
     from velox_mlx_lm.builder import KVCacheBuilder
     from velox_mlx_lm.config import KVCacheConfig
 
