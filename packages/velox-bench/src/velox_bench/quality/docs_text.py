@@ -10,6 +10,17 @@ def _yes_no(checks: dict[str, bool]) -> str:
     return "yes, at every budget" if not failed else f"no (not at budget {', '.join(failed)})"
 
 
+def _beaten(ppl: dict[str, dict[str, float]], name: str, budgets: list[str]) -> str:
+    """Where ``name`` is not lowest: which method is, and by how much (percent)."""
+    notes = []
+    for b in budgets:
+        best = min((n for n in ppl if n != "full"), key=lambda n: ppl[n][b])
+        if best != name:
+            gap = 100 * (ppl[name][b] / ppl[best][b] - 1)
+            notes.append(f"{b}: `{best}` {ppl[best][b]:.2f} vs {ppl[name][b]:.2f}, {gap:.1f}%")
+    return "; ".join(notes)
+
+
 def benchmarks_markdown(
     results: dict[str, Any], ppl_table: str, retrieval_table: str, found: dict[str, Any]
 ) -> str:
@@ -32,6 +43,9 @@ def benchmarks_markdown(
         "cache), because the full cache's exact match was below 80%"
     )
     best = _yes_no(found["tova_layer_best_at_every_budget"])
+    beaten = _beaten(p["ppl"], "tova (query/layer)", [str(b) for b in p["budgets"]])
+    if beaten:
+        best = f"no; budget {beaten}"
     streaming = _yes_no(found["streaming_llm_behind_tova"])
     winner = found["best_tova_variant"]
     minutes = f"{results['runtime_s'] / 60:.0f}"
