@@ -50,34 +50,36 @@ def test_budget_at_least_t_equals_full(model_and_tokens: Loaded) -> None:
     from velox_bench.quality.perplexity import perplexity, token_nll
 
     model, _, tokens = model_and_tokens
-    full = token_nll(model, FULL.config(0), tokens, chunk=64)
-    kept = token_nll(model, TOVA.config(N_TOKENS), tokens, chunk=64)
+    tokens = tokens[:33]  # T = 32: budget 32 never evicts
+    full = token_nll(model, FULL.config(0), tokens, chunk=16)
+    kept = token_nll(model, TOVA.config(32), tokens, chunk=16)
     assert 1 < perplexity(full) < 200
     np.testing.assert_allclose(kept, full, rtol=0, atol=1e-5)
 
 
 def test_evaluate_structure(model_and_tokens: Loaded) -> None:
     from velox_bench.quality import report
-    from velox_bench.quality.methods import SNAPKV, STREAMING_LLM, TOVA
+    from velox_bench.quality.methods import STREAMING_LLM, TOVA
     from velox_bench.quality.run import Settings, evaluate
 
     settings = Settings(
-        n_tokens=32,
+        n_tokens=16,
         n_documents=1,
-        budgets=(16, 32),
-        chunk=16,
-        retrieval_tokens=120,
+        budgets=(8, 16),
+        chunk=8,
+        retrieval_tokens=30,
         retrieval_budgets=(64,),
         n_trials=1,
     )
     model, tokenizer, _ = model_and_tokens
-    results = evaluate(settings, (TOVA, STREAMING_LLM), (SNAPKV,), (model, tokenizer))
+    # Retrieval is the slow part: only the full cache here (the full run covers the policies).
+    results = evaluate(settings, (TOVA, STREAMING_LLM), (), (model, tokenizer))
     ppl = results["perplexity"]["ppl"]
-    assert results["perplexity"]["budgets"] == [16]  # budget >= T is the full cache
+    assert results["perplexity"]["budgets"] == [8]  # budget >= T is the full cache
     assert set(ppl) == {"full", TOVA.name, STREAMING_LLM.name}
     assert all(math.isfinite(v) and v > 1 for row in ppl.values() for v in row.values())
     retrieval = results["retrieval"]
-    assert set(retrieval["results"]) == {"full", SNAPKV.name}
+    assert set(retrieval["results"]) == {"full"}
     for by_budget in retrieval["results"].values():
         for rows in by_budget.values():
             assert set(rows) == {"0.1", "0.5", "0.9"}
