@@ -3,10 +3,7 @@ sinks and a protected recent window; what is special to H2O beyond the shared co
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -16,23 +13,11 @@ from hypothesis import strategies as st
 
 from velox_cache_core import H2OState, h2o_update, init_h2o_state
 
+support = sys.modules["velox_core_tests"]  # loaded by conftest.py
 
-def _sibling(name: str) -> ModuleType:
-    # pytest runs in importlib mode, so tests/ is not on sys.path: load by file path.
-    qualified = f"_velox_cache_core_tests_{name}"
-    if qualified not in sys.modules:
-        path = Path(__file__).with_name(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(qualified, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-helpers = _sibling("helpers")
-harness = _sibling("sibling_harness")
-ReferenceH2O = _sibling("reference_siblings").ReferenceH2O
+helpers = support.helpers
+harness = support.sibling_harness
+ReferenceH2O = support.reference_siblings.ReferenceH2O
 
 SETTINGS = settings(
     max_examples=30,
@@ -214,7 +199,7 @@ def test_inertial_not_memoryless() -> None:
         ).state
     assert 1 in helpers.state_positions(state)[0][0]
     assert helpers.state_positions(state) == ref.positions()
-    tova = _sibling("reference").ReferenceTova(3, 0, "query", "head", "sequential")
+    tova = support.reference.ReferenceTova(3, 0, "query", "head", "sequential")
     tova.feed(keys, keys, queries, scale=1.0)
     assert tova.positions() == [[[2, 3, 4]]]  # memoryless TOVA lets it go
 

@@ -3,10 +3,7 @@ over the last `window` probe rows; `window=1` is TOVA bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -22,23 +19,11 @@ from velox_cache_core import (
     tova_update,
 )
 
+support = sys.modules["velox_core_tests"]  # loaded by conftest.py
 
-def _sibling(name: str) -> ModuleType:
-    # pytest runs in importlib mode, so tests/ is not on sys.path: load by file path.
-    qualified = f"_velox_cache_core_tests_{name}"
-    if qualified not in sys.modules:
-        path = Path(__file__).with_name(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(qualified, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-helpers = _sibling("helpers")
-harness = _sibling("sibling_harness")
-ReferenceMorphKV = _sibling("reference_siblings").ReferenceMorphKV
+helpers = support.helpers
+harness = support.sibling_harness
+ReferenceMorphKV = support.reference_siblings.ReferenceMorphKV
 
 SETTINGS = settings(
     max_examples=30,
@@ -280,7 +265,7 @@ def test_settings_are_checked() -> None:
 
 
 def test_reference_window_one_is_tova_reference() -> None:
-    tova_reference = _sibling("reference").ReferenceTova
+    tova_reference = support.reference.ReferenceTova
     keys, values, queries = harness.make_stream(2, 2, 2, 8, 18, seed=6)
     for prefill in PREFILLS:
         for scope in SCOPES:

@@ -4,10 +4,7 @@ RotatingKVCache at decode."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -17,23 +14,11 @@ from hypothesis import strategies as st
 
 from velox_cache_core import init_streaming_llm_state, streaming_llm_update
 
+support = sys.modules["velox_core_tests"]  # loaded by conftest.py
 
-def _sibling(name: str) -> ModuleType:
-    # pytest runs in importlib mode, so tests/ is not on sys.path: load by file path.
-    qualified = f"_velox_cache_core_tests_{name}"
-    if qualified not in sys.modules:
-        path = Path(__file__).with_name(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(qualified, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-helpers = _sibling("helpers")
-harness = _sibling("sibling_harness")
-ReferenceStreamingLLM = _sibling("reference_siblings").ReferenceStreamingLLM
+helpers = support.helpers
+harness = support.sibling_harness
+ReferenceStreamingLLM = support.reference_siblings.ReferenceStreamingLLM
 
 SETTINGS = settings(
     max_examples=30,

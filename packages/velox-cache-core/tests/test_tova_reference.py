@@ -7,11 +7,8 @@ produce the same attention outputs to fp32 tolerance.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -21,22 +18,10 @@ from hypothesis import strategies as st
 
 from velox_cache_core import init_tova_state, tova_update
 
+support = sys.modules["velox_core_tests"]  # loaded by conftest.py
 
-def _sibling(name: str) -> ModuleType:
-    # pytest runs in importlib mode, so tests/ is not on sys.path: load by file path.
-    qualified = f"_velox_cache_core_tests_{name}"
-    if qualified not in sys.modules:
-        path = Path(__file__).with_name(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(qualified, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-reference = _sibling("reference")
-helpers = _sibling("helpers")
+reference = support.reference
+helpers = support.helpers
 ReferenceTova = reference.ReferenceTova
 
 SIGNALS = ("query", "key")
