@@ -160,12 +160,16 @@ def open_call(
     queries: Any,
     scale: Any,
     *,
-    signal: str,
     check_finite: bool,
 ) -> tuple[KVSlots, Call]:
-    """Validate one update call against ``state``; nothing is computed or changed on error."""
+    """Validate one update call against ``state``; nothing is computed or changed on error.
+
+    Queries are required when the state scores with signal ``query`` (a state without a
+    ``signal`` setting, like StreamingLLM's, only validates them if given).
+    """
     if not isinstance(state, state_type):
         raise TypeError(f"state must be a {state_type.__name__}, got {type(state).__name__}")
+    signal = getattr(state, "signal", None)
     slots = state.slots
     expect = None
     if slots is not None:

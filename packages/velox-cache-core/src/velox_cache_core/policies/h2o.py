@@ -90,7 +90,6 @@ def h2o_update(
         values,
         queries,
         scale,
-        signal=getattr(state, "signal", "key"),
         check_finite=check_finite,
     )
     scores = state.scores

@@ -99,7 +99,6 @@ def morphkv_update(
         values,
         queries,
         scale,
-        signal=getattr(state, "signal", "key"),
         check_finite=check_finite,
     )
     out = rule_update(state.rule, slots, call, history=state.history)

@@ -90,7 +90,6 @@ def snapkv_update(
         values,
         queries,
         scale,
-        signal=getattr(state, "signal", "key"),
         check_finite=check_finite,
     )
     L = call.length

@@ -59,7 +59,6 @@ def streaming_llm_update(
         values,
         queries,
         scale,
-        signal="key",
         check_finite=check_finite,
     )
     L, budget = call.length, state.budget

@@ -102,7 +102,6 @@ def tova_update(
         values,
         queries,
         scale,
-        signal=state.signal if isinstance(state, TovaState) else "key",
         check_finite=check_finite,
     )
     out = rule_update(state.rule, slots, call)
