@@ -16,10 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SIGNAL_POLICIES = ("tova", "h2o", "snapkv", "morphkv")
-SCOPE_POLICIES = ("tova", "h2o", "morphkv")
-PREFILL_POLICIES = ("tova", "h2o", "morphkv")
-SINK_POLICIES = ("tova", "h2o", "streaming_llm", "morphkv")
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE or --demo"
 
 
@@ -72,10 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The KVCacheConfig the flags describe; flags that the method has no use for are errors."""
+    from dataclasses import fields as dataclass_fields
+
     from velox_mlx_lm.config import KVCacheConfig
 
     method = args.method
     policy = "tova" if method.startswith("tova") else method
+    # A flag applies when the method's policy has the config field `<policy>_<flag>`.
+    known = {f.name for f in dataclass_fields(KVCacheConfig)}
     given = {
         "budget": args.budget,
         "n_sink": args.n_sink,
@@ -84,19 +84,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "prefill": args.prefill,
         "window": args.window,
     }
-    allowed = {
-        "budget": policy != "full",
-        "n_sink": policy in SINK_POLICIES,
-        "signal": policy in SIGNAL_POLICIES,
-        "scope": policy in SCOPE_POLICIES,
-        "prefill": policy in PREFILL_POLICIES,
-        "window": policy in ("snapkv", "morphkv"),
-    }
     fields = {}
     for name, value in given.items():
         if value is None:
             continue
-        if not allowed[name]:
+        if f"{policy}_{name}" not in known:
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {method}")
         fields[f"{policy}_{name}"] = value
     return KVCacheConfig(method=method, **fields)
