@@ -88,3 +88,33 @@ def test_evaluate_structure(model_and_tokens: Loaded) -> None:
     assert retrieval["measure"] in ("exact_match", "likelihood")
     assert "| tova (query/layer) |" in report.perplexity_table(results)
     assert "best_tova_variant" in report.findings(results)
+
+
+def test_batched_trials_equal_trials_alone(model_and_tokens: Loaded) -> None:
+    # Retrieval runs trials of one prompt shape as a batch: each row must see only its own prompt.
+    from velox_bench.quality import retrieval
+    from velox_bench.quality.methods import FULL, SNAPKV, TOVA
+
+    model, tokenizer, tokens = model_and_tokens
+    document = retrieval.cut_document(tokenizer.decode(tokens), 48, tokenizer.encode)
+    prompts = [retrieval.build_prompt(tokenizer, document, retrieval.facts(t)) for t in range(3)]
+    assert len({p.shape() for p in prompts}) == 1  # one-token cities: one batch
+    for config in (FULL.config(0), TOVA.config(24), SNAPKV.config(40)):
+        batched = retrieval.run_trials(model, config, prompts, chunk=16, batch=3)
+        alone = retrieval.run_trials(model, config, prompts, chunk=16, batch=1)
+        assert [[a.correct for a in t] for t in batched] == [[a.correct for a in t] for t in alone]
+        np.testing.assert_allclose(
+            [[a.logprob for a in t] for t in batched],
+            [[a.logprob for a in t] for t in alone],
+            rtol=0,
+            atol=2e-3,
+        )
+
+
+def test_run_trials_rejects_bad_batch(model_and_tokens: Loaded) -> None:
+    from velox_bench.quality import retrieval
+    from velox_bench.quality.methods import FULL
+
+    model, _, _ = model_and_tokens
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        retrieval.run_trials(model, FULL.config(0), [], batch=0)

@@ -3,7 +3,8 @@
 Each trial plants three facts ("The pass key of <city> is <5 digits>.") in one document, at
 relative depths 10%, 50% and 90%, then asks for each through the chat template, the answer
 primed with "The pass key of <city> is". The document prefix is run once per trial and its cache
-state copied for each question. Measures per question: exact match (greedy decoding yields the
+state copied for each question; trials whose prompts have the same shape run as one batch (rows
+never see each other, tested). Measures per question: exact match (greedy decoding yields the
 five digits) and the log-probability of the true answer tokens.
 """
 
@@ -22,12 +23,14 @@ import numpy as np
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 
 DEPTHS = (0.1, 0.5, 0.9)
-N_FACTS = 30  # fixed pool: trial i always plants the same three facts
+N_FACTS = 40  # fixed pool: trial i always plants the same three facts
+# One token each (with a leading space), so every trial's prompt has the same shape and trials
+# run as one batch (``run_trials``); prompts that differ in shape would still run, apart.
 CITIES = (
-    "Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Dublin", "Quito", "Perth", "Tunis", "Riga",
-    "Accra", "Bogota", "Cairo", "Dakar", "Havana", "Kyoto", "Lagos", "Manila", "Naples", "Porto",
-    "Sofia", "Tallinn", "Vienna", "Warsaw", "Zagreb", "Madrid", "Geneva", "Denver", "Austin",
-    "Boston",
+    "Lisbon", "Oslo", "Nairobi", "Lima", "Dublin", "Perth", "Tunis", "Cairo", "Havana", "Kyoto",
+    "Manila", "Naples", "Sofia", "Vienna", "Warsaw", "Madrid", "Geneva", "Denver", "Austin",
+    "Boston", "Paris", "London", "Rome", "Berlin", "Tokyo", "Moscow", "Chicago", "Dallas",
+    "Seattle", "Miami",
 )  # fmt: skip
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -100,6 +103,10 @@ class Prompt:
     answers: list[list[int]]
     depths: list[float]  # where each fact starts, as a fraction of the document's tokens
 
+    def shape(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """Prompts of equal shape can run as one batch."""
+        return len(self.document), tuple(map(len, self.questions)), tuple(map(len, self.answers))
+
 
 def build_prompt(tokenizer: Any, document: str, planted: Sequence[Fact]) -> Prompt:
     """Plant ``planted`` at ``DEPTHS`` of ``document`` and tokenize through the chat template."""
@@ -138,41 +145,80 @@ class Answer:
     logprob: float  # log p(answer tokens | document, question), natural log
 
 
-def ask(model: nn.Module, caches: list[Any], question: list[int], answer: list[int]) -> Answer:
-    """Feed the question as one chunk, then the answer one token at a time (teacher forcing).
+def ask(
+    model: nn.Module, caches: list[Any], questions: mx.array, answers: mx.array
+) -> list[Answer]:
+    """Feed ``questions`` ``[B, Q]`` as one chunk, then ``answers`` ``[B, A]`` one token at a time.
 
-    Single-token steps are what decoding does (and where SnapKV compresses its prompt).
+    Teacher forcing: each row's true answer token is fed, whatever was predicted. Single-token
+    steps are what decoding does (and where SnapKV compresses its prompt). One answer per row.
     """
-    logits = model(mx.array(question, dtype=mx.int32)[None], cache=caches)[0, -1]
-    total, correct = 0.0, True
-    for i, token in enumerate(answer):
-        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
-        mx.eval(logprobs)
-        total += float(logprobs[token].item())
-        correct = correct and int(np.array(mx.argmax(logprobs))) == token
-        if i + 1 < len(answer):
-            logits = model(mx.array([[token]], dtype=mx.int32), cache=caches)[0, -1]
-    return Answer(correct, total)
+    logits = model(questions, cache=caches)[:, -1]
+    total = np.zeros(answers.shape[0])
+    correct = np.ones(answers.shape[0], dtype=bool)
+    for i in range(answers.shape[1]):
+        scores = logits.astype(mx.float32)
+        logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        token = answers[:, i]
+        picked = mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+        best = mx.argmax(logprobs, axis=-1)
+        mx.eval(picked, best)
+        total += np.array(picked, dtype=np.float64)
+        correct &= np.array(best) == np.array(token)
+        if i + 1 < answers.shape[1]:
+            logits = model(answers[:, i : i + 1], cache=caches)[:, -1]
+    return [Answer(bool(c), float(t)) for c, t in zip(correct, total, strict=True)]
 
 
-def run_trial(
+def run_batch(
     model: nn.Module,
     config: KVCacheConfig,
-    prompt: Prompt,
+    prompts: Sequence[Prompt],
     chunk: int = 256,
     on_tokens: Callable[[int], Any] | None = None,
-) -> list[Answer]:
-    """One answer per planted fact; the document is run once and its cache copied."""
+) -> list[list[Answer]]:
+    """Prompts of one shape as one batch; the documents run once and the caches are copied."""
+    if len({p.shape() for p in prompts}) != 1:
+        raise ValueError("run_batch needs prompts of one shape: group them with run_trials")
     caches = KVCacheBuilder.for_model(model, config)
-    ids = mx.array(prompt.document, dtype=mx.int32)[None]
+    ids = mx.array([p.document for p in prompts], dtype=mx.int32)
     for start in range(0, ids.shape[1], chunk):
         model(ids[:, start : start + chunk], cache=caches)
         mx.eval([c.state for c in caches])
         if on_tokens is not None:
-            on_tokens(min(chunk, ids.shape[1] - start))
-    out = []
-    for question, answer in zip(prompt.questions, prompt.answers, strict=True):
-        out.append(ask(model, clone(caches), question, answer))
+            on_tokens(len(prompts) * min(chunk, ids.shape[1] - start))
+    out: list[list[Answer]] = [[] for _ in prompts]
+    for q in range(len(prompts[0].questions)):
+        questions = mx.array([p.questions[q] for p in prompts], dtype=mx.int32)
+        answers = mx.array([p.answers[q] for p in prompts], dtype=mx.int32)
+        for row, answer in zip(out, ask(model, clone(caches), questions, answers), strict=True):
+            row.append(answer)
         if on_tokens is not None:
-            on_tokens(len(question) + len(answer))
+            on_tokens(len(prompts) * (questions.shape[1] + answers.shape[1]))
     return out
+
+
+def run_trials(
+    model: nn.Module,
+    config: KVCacheConfig,
+    prompts: Sequence[Prompt],
+    chunk: int = 256,
+    batch: int = 10,
+    on_tokens: Callable[[int], Any] | None = None,
+) -> list[list[Answer]]:
+    """One answer per planted fact of each prompt, in order; batches of up to ``batch`` prompts.
+
+    Batching only groups prompts of the same shape, so every row is computed exactly as alone.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    groups: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt.shape(), []).append(i)
+    out: dict[int, list[Answer]] = {}
+    for indices in groups.values():
+        for start in range(0, len(indices), batch):
+            part = indices[start : start + batch]
+            answers = run_batch(model, config, [prompts[i] for i in part], chunk, on_tokens)
+            out.update(zip(part, answers, strict=True))
+    return [out[i] for i in range(len(prompts))]

@@ -23,21 +23,19 @@ from velox_bench.quality.methods import (
 )
 from velox_bench.quality.perplexity import perplexity, token_nll
 
-# A single-token decode step costs about this many prefill tokens (for the time estimate).
-DECODE_WEIGHT = 4
-
 
 @dataclass(frozen=True)
 class Settings:
     """What one run measures. The defaults are the full run (see docs/benchmarks.md)."""
 
-    n_tokens: int = 1024  # T: tokens scored per document
-    n_documents: int = 2
-    budgets: tuple[int, ...] = (64, 128, 256, 512)
+    n_tokens: int = 2048  # T: tokens scored per document
+    n_documents: int = 1
+    budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
     chunk: int = 256
-    retrieval_tokens: int = 1000  # document length before the facts are planted
-    retrieval_budgets: tuple[int, ...] = (256,)
-    n_trials: int = 6  # trials of the fixed pool used; each asks one fact per depth
+    retrieval_tokens: int = 1800  # document length before the facts are planted
+    retrieval_budgets: tuple[int, ...] = (512,)
+    n_trials: int = 30  # trials of the fixed pool used; each asks one fact per depth
+    retrieval_batch: int = 10  # trials of one prompt shape run together
     quick: bool = False
 
     @classmethod
@@ -83,7 +81,7 @@ def _work(
     budgets = [b for b in settings.budgets if b < settings.n_tokens]
     ppl = settings.n_documents * settings.n_tokens * (1 + n_ppl * len(budgets))
     configs = 1 + n_retrieval * len(settings.retrieval_budgets)
-    per_trial = prompt_tokens + answer_tokens * DECODE_WEIGHT
+    per_trial = prompt_tokens + answer_tokens
     return ppl + configs * settings.n_trials * per_trial
 
 
@@ -146,13 +144,9 @@ def evaluate(
     for variant, budget in runs_r:
         key = "full" if variant is FULL else str(budget)
 
-        def on_tokens(n: int) -> None:
-            step(n)
-
-        answers.setdefault(variant.name, {})[key] = [
-            retrieval.run_trial(model, variant.config(budget), p, settings.chunk, on_tokens)
-            for p in prompts
-        ]
+        answers.setdefault(variant.name, {})[key] = retrieval.run_trials(
+            model, variant.config(budget), prompts, settings.chunk, settings.retrieval_batch, step
+        )
     progress.close()
     full_answers = answers["full"]["full"]
     full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
