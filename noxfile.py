@@ -181,6 +181,8 @@ def bench(session: nox.Session) -> None:
     ):
         (ROOT / BENCH_JSON).parent.mkdir(parents=True, exist_ok=True)
         args += ["--benchmark-json", str(BENCH_JSON)]
+    if not any(a == "-s" or a.startswith("--capture") for a in args):
+        args.insert(0, "--capture=no")  # show progress bars and summary tables as they come
     if paths or "-k" in args or "-m" in args:
         # A selection that matches nothing is an error (pytest exits 5).
         session.run("pytest", *(paths or [str(BENCH_DIR)]), *args)

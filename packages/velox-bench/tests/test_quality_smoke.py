@@ -118,3 +118,13 @@ def test_run_trials_rejects_bad_batch(model_and_tokens: Loaded) -> None:
     model, _, _ = model_and_tokens
     with pytest.raises(ValueError, match="batch must be >= 1"):
         retrieval.run_trials(model, FULL.config(0), [], batch=0)
+
+
+def test_quick_and_full_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    from velox_bench.quality.run import Settings, main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--full"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    full = Settings.full_run()
+    assert (full.n_tokens, full.retrieval_budgets, full.n_trials) == (4096, (256, 512, 1024), 30)

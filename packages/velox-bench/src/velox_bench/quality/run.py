@@ -50,6 +50,11 @@ class Settings:
             quick=True,
         )
 
+    @classmethod
+    def full_run(cls) -> Settings:
+        """The issue's full run: T = 4096 and three retrieval budgets (several hours on 2 CPUs)."""
+        return cls(n_tokens=4096, retrieval_budgets=(256, 512, 1024))
+
 
 @dataclass
 class Progress:
@@ -227,7 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m velox_bench.quality", description="Velox quality evaluation."
     )
-    parser.add_argument("--quick", action="store_true", help="a small run (~3 min)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a small run (~3 min)")
+    size.add_argument(
+        "--full", action="store_true", help="T = 4096, retrieval budgets 256/512/1024 (hours)"
+    )
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
     parser.add_argument("--documents", type=int, help="perplexity documents")
     parser.add_argument("--tokens", type=int, help="tokens scored per document (T)")
@@ -252,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in report.write(saved, args.out if args.out is not None else repo_root()):
             print(f"wrote {path}")
         return 0
-    settings = Settings.quick_run() if args.quick else Settings()
+    settings = (
+        Settings.quick_run() if args.quick else Settings.full_run() if args.full else Settings()
+    )
     changes = {"n_trials": args.trials, "n_documents": args.documents, "n_tokens": args.tokens}
     settings = Settings(
         **{**asdict(settings), **{k: v for k, v in changes.items() if v is not None}}
