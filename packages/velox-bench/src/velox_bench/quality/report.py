@@ -140,7 +140,8 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("perplexity")
     p = results["perplexity"]
     ax.set_title(
-        f"Streaming perplexity, SmolLM2-135M, {len(p['documents'])} SOTU addresses "
+        f"Streaming perplexity, SmolLM2-135M, {len(p['documents'])} SOTU "
+        f"address{'es' if len(p['documents']) != 1 else ''} "
         f"× {p['tokens_per_document']} tokens",
         fontsize=9,
     )
