@@ -97,10 +97,10 @@ def test_batched_trials_equal_trials_alone(model_and_tokens: Loaded) -> None:
 
     model, tokenizer, tokens = model_and_tokens
     document = retrieval.cut_document(tokenizer.decode(tokens), 48, tokenizer.encode)
-    prompts = [retrieval.build_prompt(tokenizer, document, retrieval.facts(t)) for t in range(3)]
+    prompts = [retrieval.build_prompt(tokenizer, document, retrieval.facts(t)) for t in range(2)]
     assert len({p.shape() for p in prompts}) == 1  # one-token cities: one batch
     for config in (FULL.config(0), TOVA.config(24), SNAPKV.config(40)):
-        batched = retrieval.run_trials(model, config, prompts, chunk=16, batch=3)
+        batched = retrieval.run_trials(model, config, prompts, chunk=16, batch=2)
         alone = retrieval.run_trials(model, config, prompts, chunk=16, batch=1)
         assert [[a.correct for a in t] for t in batched] == [[a.correct for a in t] for t in alone]
         np.testing.assert_allclose(
