@@ -128,3 +128,5 @@ def test_quick_and_full_exclude_each_other(capsys: pytest.CaptureFixture[str]) -
     assert "not allowed with argument" in capsys.readouterr().err
     full = Settings.full_run()
     assert (full.n_tokens, full.retrieval_budgets, full.n_trials) == (4096, (256, 512, 1024), 30)
+    assert full.describe() == "T = 4096, retrieval budgets 256, 512 and 1024"
+    assert Settings(retrieval_budgets=(512,)).describe() == "T = 2048, retrieval budget 512"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from velox_bench.quality.retrieval import N_FACTS
+from velox_bench.quality.run import Settings
 
 
 def _yes_no(checks: dict[str, bool]) -> str:
@@ -51,6 +52,7 @@ def benchmarks_markdown(
     streaming = _yes_no(found["streaming_llm_behind_tova"])
     winner = found["best_tova_variant"]
     minutes = f"{results['runtime_s'] / 60:.0f}"
+    full_run = Settings.full_run()
     return f"""## Quality
 
 Produced by `nox -s bench -- quality` (equivalently `python -m velox_bench.quality`; add
@@ -104,7 +106,7 @@ OpenBLAS (this run: {minutes} minutes). Retrieval is the expensive part: every m
 the ~{r["document_tokens"]}-token document once per trial (trials of one prompt shape run as
 batches of {s["retrieval_batch"]}; a smoke test checks that batching changes nothing), which is
 why retrieval runs at one budget ({", ".join(map(str, r["budgets"]))}). `--full` runs the larger
-setting (T = 4096, retrieval budgets 256, 512 and 1024) and prints its own time estimate after
+setting ({full_run.describe()}) and prints its own time estimate after
 3% of the work. Each accuracy cell is {r["questions_per_depth"]} questions: one question moves
 it by {100 / r["questions_per_depth"]:.0f} points, so read small differences as noise."""
 

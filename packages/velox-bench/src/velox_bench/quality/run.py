@@ -55,6 +55,12 @@ class Settings:
         """The issue's full run: T = 4096 and three retrieval budgets (several hours on 2 CPUs)."""
         return cls(n_tokens=4096, retrieval_budgets=(256, 512, 1024))
 
+    def describe(self) -> str:
+        """``T = 4096, retrieval budgets 256, 512 and 1024``: what ``--full`` changes."""
+        *rest, last = map(str, self.retrieval_budgets)
+        budgets = f"{', '.join(rest)} and {last}" if rest else last
+        return f"T = {self.n_tokens}, retrieval budget{'s' if rest else ''} {budgets}"
+
 
 @dataclass
 class Progress:
@@ -235,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a small run (~3 min)")
     size.add_argument(
-        "--full", action="store_true", help="T = 4096, retrieval budgets 256/512/1024 (hours)"
+        "--full", action="store_true", help=f"{Settings.full_run().describe()} (hours)"
     )
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
     parser.add_argument("--documents", type=int, help="perplexity documents")
