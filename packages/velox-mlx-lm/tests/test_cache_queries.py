@@ -8,14 +8,13 @@ from it by hand in numpy (projection, RoPE at the true position) and compared wi
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-import velox_mlx_lm.cache as vcache
+from velox_cache_core import Policy
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, TOVAKVCache
 
 
@@ -27,16 +26,15 @@ class Recorder:
         self.layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.layers)}
         self.inputs, self.updates, self.outputs = [], [], []
         attn_call = llama.Attention.__call__
-        tova = vcache.POLICIES["tova"]
-        tova_update = tova.update
+        policy_update = Policy.update
         attend = TOVAKVCache.attend
 
         def record_attention(attn, x, mask=None, cache=None):
             self.inputs.append((self.layer_of[id(attn)], np.array(x), cache.offset))
             return attn_call(attn, x, mask, cache)
 
-        def record_update(state, keys, values, queries=None, scale=None, check_finite=True):
-            step = tova_update(state, keys, values, queries, scale, check_finite)
+        def record_update(policy, state, keys, values, queries=None, scale=None, check_finite=True):
+            step = policy_update(policy, state, keys, values, queries, scale, check_finite)
             self.updates.append((state, keys, values, queries, scale, step))
             return step
 
@@ -46,7 +44,7 @@ class Recorder:
             return out
 
         monkeypatch.setattr(llama.Attention, "__call__", record_attention)
-        monkeypatch.setitem(vcache.POLICIES, "tova", replace(tova, update=record_update))
+        monkeypatch.setattr(Policy, "update", record_update)
         monkeypatch.setattr(TOVAKVCache, "attend", record_attend)
 
 

@@ -1,7 +1,7 @@
 """Framework-neutral MLX KV-cache eviction primitives."""
 
-from velox_cache_core.engine import Step
-from velox_cache_core.policies import POLICIES, Policy
+from velox_cache_core.engine import Call, Decision, Step
+from velox_cache_core.policies import POLICIES, Policy, register
 from velox_cache_core.policies.h2o import H2OState, h2o_update, init_h2o_state
 from velox_cache_core.policies.morphkv import MorphKVState, init_morphkv_state, morphkv_update
 from velox_cache_core.policies.snapkv import (
@@ -22,17 +22,22 @@ from velox_cache_core.policies.tova import (
     init_tova_state,
     tova_update,
 )
+from velox_cache_core.registry import policy_for_method, unregister
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
 
 __version__ = "0.1.0"
 
 __all__ = [
     "POLICIES",
     "PRESETS",
+    "Call",
+    "Decision",
     "H2OState",
     "KVSlots",
     "MorphKVState",
     "Policy",
+    "PolicyState",
     "SnapKVState",
     "Step",
     "StreamingLLMState",
@@ -45,8 +50,12 @@ __all__ = [
     "init_streaming_llm_state",
     "init_tova_state",
     "morphkv_update",
+    "policy_for_method",
+    "register",
+    "running",
     "snapkv_compress",
     "snapkv_update",
     "streaming_llm_update",
     "tova_update",
+    "unregister",
 ]

@@ -1,18 +1,21 @@
-"""What every policy's update does around its own rule: validate, lay out candidates, advance.
+"""The one update path every policy goes through: validate, lay out candidates, decide, advance.
 
-A call feeds ``L`` new tokens. Candidates are ``retained + new``: for a single token written
-into the slot freed by the last eviction (in place), for a chunk appended after the live rows.
+A call feeds ``L`` new tokens. Candidates are ``retained + new``: a single token is written
+into the slot freed by the last eviction (in place), a chunk is appended after the live rows.
+The policy's rule (``Policy.rule``) only says which candidates survive and, for a chunk, which
+each query may see; everything else happens here once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
-from velox_cache_core.masks import expand_heads
+from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState
 from velox_cache_core.validation import (
     check_kv,
     check_queries,
@@ -20,82 +23,10 @@ from velox_cache_core.validation import (
     require_finite,
 )
 
+if TYPE_CHECKING:
+    from velox_cache_core.registry import Policy
 
-class SlotState(Protocol):
-    @property
-    def slots(self) -> KVSlots | None: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def tokens_seen(self) -> int: ...
-
-
-S = TypeVar("S", bound=SlotState)
-
-
-# Dataclass fields of a policy state that change as tokens arrive; every other field is a setting.
-RUNNING_FIELDS = frozenset(
-    {"slots", "history", "scores", "offset", "tokens_seen", "compressed", "scale"}
-)
-
-
-class SlotStateMixin:
-    """Read-only views and accounting shared by every policy's state dataclass."""
-
-    slots: KVSlots | None
-    offset: int
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The policy's settings (every dataclass field that is not running state)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)  # type: ignore[arg-type]
-            if f.name not in RUNNING_FIELDS
-        }
-
-    def _live(self) -> KVSlots | None:
-        return None if self.slots is None else self.slots.compact()
-
-    @property
-    def keys(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``)."""
-        live = self._live()
-        return None if live is None else live.keys
-
-    @property
-    def values(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained values."""
-        live = self._live()
-        return None if live is None else live.values
-
-    @property
-    def positions(self) -> mx.array | None:
-        """int32 ``[B, H_kv, n_kept]`` absolute positions of the retained rows."""
-        live = self._live()
-        return None if live is None else live.positions
-
-    @property
-    def n_kept(self) -> int:
-        return 0 if self.slots is None else self.slots.n_kept
-
-    @property
-    def tokens_kept(self) -> int:
-        """Retained tokens per (batch row, KV head)."""
-        return self.n_kept
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the retained keys and values: ``B * H_kv * n_kept * D * 2 * itemsize``."""
-        if self.slots is None:
-            return 0
-        B, H, _, D = self.slots.keys.shape
-        return B * H * self.n_kept * D * 2 * self.slots.keys.dtype.size
-
-    @property
-    def compression_ratio(self) -> float:
-        """Tokens seen per head over tokens kept (1.0 until something is evicted)."""
-        return self.offset / self.n_kept if self.n_kept else 1.0
+S = TypeVar("S", bound=PolicyState)
 
 
 @dataclass(frozen=True)
@@ -142,18 +73,24 @@ class Call:
     def positions(self) -> mx.array:
         return mx.arange(self.start, self.start + self.length, dtype=mx.int32)
 
-    def mask_heads(self, scope: str) -> int:
-        """Heads of the returned mask: 1 for a layer-wide decision, else per (query) head."""
-        if scope == "layer":
-            return 1
-        return self.keys.shape[1] if self.queries is None else self.queries.shape[1]
 
-    def expand(self, mask: mx.array, scope: str) -> mx.array:
-        return expand_heads(mask, self.keys.shape[0], self.mask_heads(scope))
+@dataclass(frozen=True)
+class Decision:
+    """A rule's verdict on one call's candidates.
+
+    kept: the surviving slots (the candidates themselves when nothing goes).
+    mask: for a chunk, bool ``[B?, G, L, n]`` or ``[L, n]`` visibility of candidate ``j`` to
+    query ``i`` (``G`` = 1 or one group per KV head); ``None`` means plain causal.
+    changes: new values of the policy's own running fields.
+    """
+
+    kept: KVSlots
+    mask: mx.array | None = None
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 def open_call(
-    state: SlotState,
+    state: PolicyState,
     state_type: type,
     keys: Any,
     values: Any,
@@ -188,25 +125,68 @@ def open_call(
     return slots, Call(keys, values, queries, scale, state.offset)
 
 
-def decode_candidates(slots: KVSlots, call: Call) -> KVSlots:
-    """``retained + new`` for a single token: into the dead slot if there is one, else appended."""
-    if slots.free is not None:
+def layout(slots: KVSlots, call: Call) -> KVSlots:
+    """``retained + new``: one token into the dead slot if there is one, else appended (a
+    chunk always after the live rows, so the causal mask aligns bottom-right)."""
+    if call.length == 1 and slots.free is not None:
         return slots.write_free(call.keys, call.values, call.start)
-    return slots.append(call.keys, call.values, call.positions())
-
-
-def chunk_candidates(slots: KVSlots, call: Call) -> KVSlots:
-    """``retained + new`` for a chunk, in that order (the causal mask aligns bottom-right)."""
     return slots.append(call.keys, call.values, call.positions())
 
 
 def advance(state: S, slots: KVSlots, call: Call, **changes: Any) -> S:
     """The state after ``call``: new slots, offset and token count, plus policy fields."""
     B, H, L, _ = call.shape
-    return replace(  # type: ignore[type-var]
+    return replace(
         state,
         slots=slots,
         offset=call.start + L,
         tokens_seen=state.tokens_seen + B * H * L,
         **changes,
     )
+
+
+def _full_mask(mask: mx.array | None, call: Call, n: int, scope: str) -> mx.array | None:
+    """The rule's chunk mask (or the causal one) as ``[B, H, L, n]``: ``H`` = 1 for a
+    layer-wide decision, else one per query head (per KV head when no queries were given)."""
+    B, H_kv, L, _ = call.shape
+    if L == 1:
+        return mask
+    if mask is None:
+        mask = chunk_causal(n - L, L)
+    heads = 1
+    if scope != "layer":
+        heads = H_kv if call.queries is None else call.queries.shape[1]
+    return expand_heads(mask, B, heads)
+
+
+def update(
+    policy: Policy,
+    state: Any,
+    keys: Any,
+    values: Any,
+    queries: Any = None,
+    scale: Any = None,
+    *,
+    check_finite: bool = True,
+) -> Step:
+    """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
+
+    keys, values: ``[B, H_kv, L, D]`` already position-encoded; queries: ``[B, H_q, L, D]``,
+    required for signal ``query``; scale: softmax scale (default ``1/sqrt(D)``).
+    ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
+    The input state is never modified; a failed call raises before anything is computed.
+    """
+    slots, call = open_call(
+        state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
+    )
+    if call.length == 0:
+        live = slots.compact()
+        return Step(live.keys, live.values, None, advance(state, slots, call))
+    if call.length == 1 and policy.evict_before is not None:
+        slots = policy.evict_before(state, slots, call)
+    candidates = layout(slots, call)
+    decision = policy.rule(state, call, slots, candidates)
+    scope = getattr(state, "scope", "layer")  # policies without the setting decide per layer
+    mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
+    after = advance(state, decision.kept, call, **decision.changes)
+    return Step(candidates.keys, candidates.values, mask, after)

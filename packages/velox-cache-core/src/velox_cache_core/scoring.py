@@ -53,3 +53,11 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (max-subtracted, float32 in, float32 out)."""
     e = exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def masked_softmax(logits: mx.array, visible: mx.array) -> mx.array:
+    """Softmax over the last axis of the ``visible`` entries only (the rest get weight 0).
+
+    logits: any float ``[..., n]``; visible: bool broadcastable to it. Float32 out.
+    """
+    return softmax(mx.where(visible, logits.astype(mx.float32), -mx.inf))

@@ -10,9 +10,9 @@ if _os.environ.get("VELOX_BLAS") != "default":
 
     _preload_openblas()
 
-import mlx_lm.models.cache as _mlx_cache
-
-from velox_mlx_lm.builder import CACHE_CLASSES, KVCacheBuilder, KVCacheFactory
+# Defining the cache classes registers them by name in mlx_lm.models.cache, where mlx-lm's
+# load_prompt_cache looks classes up (velox_mlx_lm.cache.PolicyKVCache.__init_subclass__).
+from velox_mlx_lm.builder import KVCacheBuilder, KVCacheFactory
 from velox_mlx_lm.cache import (
     H2OKVCache,
     MorphKVCache,
@@ -21,19 +21,15 @@ from velox_mlx_lm.cache import (
     StreamingLLMKVCache,
     TOVAKVCache,
     VeloxKVCache,
+    cache_class,
 )
-from velox_mlx_lm.config import METHODS, KVCacheConfig
+from velox_mlx_lm.config import KVCacheConfig, methods
 from velox_mlx_lm.hook import install_attention_hook
 from velox_mlx_lm.prompt_cache import load_prompt_cache
-
-# mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
-for _cls in CACHE_CLASSES.values():
-    setattr(_mlx_cache, _cls.__name__, _cls)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS",
     "H2OKVCache",
     "KVCacheBuilder",
     "KVCacheConfig",
@@ -44,6 +40,8 @@ __all__ = [
     "StreamingLLMKVCache",
     "TOVAKVCache",
     "VeloxKVCache",
+    "cache_class",
     "install_attention_hook",
     "load_prompt_cache",
+    "methods",
 ]

@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from velox_mlx_lm.cache import (
-    H2OKVCache,
-    MorphKVCache,
-    SnapKVCache,
-    StreamingLLMKVCache,
-    TOVAKVCache,
-)
+from velox_mlx_lm.cache import cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.hook import install_attention_hook
-
-CACHE_CLASSES: dict[str, type] = {
-    "tova": TOVAKVCache,
-    "h2o": H2OKVCache,
-    "streaming_llm": StreamingLLMKVCache,
-    "snapkv": SnapKVCache,
-    "morphkv": MorphKVCache,
-}
 
 
 class KVCacheFactory:
@@ -37,7 +22,7 @@ class KVCacheFactory:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.policy is None:
             return KVCache()
-        return CACHE_CLASSES[config.policy](**config.settings())
+        return cache_class(config.policy)(**config.settings())
 
 
 def _base_caches(model: nn.Module) -> list[Any]:
@@ -96,7 +81,7 @@ class KVCacheBuilder:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            config = replace(config, **{field: "key"})  # type: ignore[arg-type]
+            config = config.replace(**{field: "key"})
         caches = []
         for base in _base_caches(model):
             if type(base) is KVCache:

@@ -19,31 +19,32 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
-from velox_cache_core.current_step import History
-from velox_cache_core.engine import RUNNING_FIELDS, Step
-from velox_cache_core.policies import POLICIES, Policy, snapkv_compress
-from velox_cache_core.policies.tova import TovaState
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.engine import Step
+from velox_cache_core.registry import POLICIES, Policy
+from velox_cache_core.state import attention_fields, running_fields
 from velox_cache_core.validation import check_kv
 
 _warned_no_hook: set[str] = set()
 
 
 def _encode(state: Any) -> dict[str, Any]:
-    """Policy state -> arrays and one JSON string (what mlx-lm can save and ``mx.eval``)."""
+    """Policy state -> arrays and one JSON string (what mlx-lm can save and ``mx.eval``).
+
+    Settings and scalar running fields go to the JSON string; an array field is saved under its
+    name, a dataclass of arrays (slots, history) as ``<field>_<member>``; ``None`` stays ``None``.
+    """
     out: dict[str, Any] = {}
     meta: dict[str, Any] = {}
+    arrays = set(running_fields(state))
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        if f.name == "slots":
-            for name in ("keys", "values", "positions", "free"):
-                out[f"slots_{name}"] = None if value is None else getattr(value, name)
-        elif f.name == "history":
-            out["history_probes"] = None if value is None else value.probes
-            out["history_positions"] = None if value is None else value.positions
-        elif isinstance(value, mx.array) or (value is None and f.name == "scores"):
+        if dataclasses.is_dataclass(value):
+            for member in dataclasses.fields(value):
+                out[f"{f.name}_{member.name}"] = getattr(value, member.name)
+        elif isinstance(value, mx.array) or (value is None and f.name in arrays):
             out[f.name] = value
         else:
             meta[f.name] = value
@@ -51,36 +52,45 @@ def _encode(state: Any) -> dict[str, Any]:
     return out
 
 
+def _array_type(state_type: type, name: str) -> type | None:
+    """The dataclass a running field holds (slots, history), from its type annotation."""
+    import typing
+
+    hint = typing.get_type_hints(state_type).get(name)
+    for arg in typing.get_args(hint) or (hint,):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
 def _decode(policy: Policy, data: dict[str, Any]) -> Any:
     meta = json.loads(data["meta"])
-    settings_fields = {f.name for f in dataclasses.fields(policy.state_type)}
-    counters = {k: meta.pop(k) for k in RUNNING_FIELDS if k in meta}
-    unknown = set(meta) - settings_fields
+    state_type = policy.state_type
+    fields = {f.name for f in dataclasses.fields(state_type)}
+    unknown = set(meta) - fields
     if unknown:
         raise ValueError(f"saved {policy.name} state has unknown fields {sorted(unknown)}")
+    running = set(running_fields(state_type))
+    changes = {k: meta.pop(k) for k in running if k in meta}
     state = policy.init(**meta)  # validates the settings
-    changes: dict[str, Any] = dict(counters)
-    if data.get("slots_keys") is not None:
-        slots = KVSlots(
-            data["slots_keys"],
-            data["slots_values"],
-            data["slots_positions"].astype(mx.int32),
-            None if data.get("slots_free") is None else data["slots_free"].astype(mx.int32),
+    for name in running - set(changes):
+        member_type = _array_type(state_type, name)
+        if member_type is None:
+            value = data.get(name)
+        else:
+            members = {
+                m.name: data.get(f"{name}_{m.name}") for m in dataclasses.fields(member_type)
+            }
+            first = dataclasses.fields(member_type)[0].name
+            value = None if members[first] is None else member_type(**members)
+        if value is not None:
+            changes[name] = value
+    after = replace(state, **changes)
+    if policy.prompt_end is None and after.n_kept > after.budget:
+        raise ValueError(
+            f"saved {policy.name} state holds more rows ({after.n_kept}) than budget {after.budget}"
         )
-        grows = getattr(state, "compressed", False) or policy.name == "snapkv"
-        if not grows and slots.n_kept > state.budget:
-            raise ValueError(
-                f"saved {policy.name} state holds more rows ({slots.n_kept}) than budget "
-                f"{state.budget}"
-            )
-        changes["slots"] = slots
-    if data.get("history_probes") is not None:
-        changes["history"] = History(
-            data["history_probes"], data["history_positions"].astype(mx.int32)
-        )
-    if "scores" in settings_fields and data.get("scores") is not None:
-        changes["scores"] = data["scores"]
-    return replace(state, **changes)
+    return after
 
 
 class VeloxKVCache(_BaseCache):
@@ -101,9 +111,19 @@ class VeloxKVCache(_BaseCache):
 
 
 class PolicyKVCache(VeloxKVCache):
-    """A core policy (``velox_cache_core.POLICIES[policy_name]``) as an mlx-lm layer cache."""
+    """A core policy (``velox_cache_core.POLICIES[policy_name]``) as an mlx-lm layer cache.
+
+    One subclass per registered policy (:func:`cache_class`); each is registered by name in
+    ``mlx_lm.models.cache``, where ``load_prompt_cache`` looks classes up.
+    """
 
     policy_name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "policy_name" in cls.__dict__:
+            _CLASSES[cls.policy_name] = cls
+            setattr(_mlx_cache, cls.__name__, cls)
 
     def __init__(self, **settings: Any) -> None:
         self._state = self._policy.init(**settings)
@@ -207,8 +227,17 @@ class PolicyKVCache(VeloxKVCache):
         )
 
     def _after_call(self, state: Any, length: int) -> Any:
-        """Policy hook run once a call's attention is built (SnapKV's prompt end)."""
+        """Once a call's attention is built: the first single-token call ends the prompt
+        (mlx-lm feeds the prompt's last token alone before decoding)."""
+        if length == 1 and self._policy.prompt_end is not None:
+            return self._policy.prompt_end(state)
         return state
+
+    def finish_prefill(self) -> None:
+        """End the prompt now (for callers that do not end it with a 1-token call); a no-op
+        for policies without a prompt-end step (SnapKV's cut)."""
+        self._settle()
+        self._state = self._policy.end_prompt(self._state)
 
     def _settle(self) -> None:
         """Decide a chunk the hook never saw: signal ``key`` stands in for the queries."""
@@ -259,7 +288,7 @@ class PolicyKVCache(VeloxKVCache):
         state = self.policy_state
         if n == 0:
             return 0
-        carries = any(getattr(state, name, None) is not None for name in ("scores", "history"))
+        carries = any(getattr(state, name) is not None for name in attention_fields(state))
         if (
             carries
             or state.slots is None
@@ -273,7 +302,12 @@ class PolicyKVCache(VeloxKVCache):
             )
         keep = state.offset - n
         s = state.slots
-        slots = KVSlots(s.keys[:, :, :keep], s.values[:, :, :keep], s.positions[:, :, :keep])
+        slots = replace(
+            s,
+            keys=s.keys[:, :, :keep],
+            values=s.values[:, :, :keep],
+            positions=s.positions[:, :, :keep],
+        )
         self._state = replace(state, slots=slots, offset=keep)
         return n
 
@@ -290,26 +324,26 @@ class PolicyKVCache(VeloxKVCache):
         self._step_length = 0
 
 
+_CLASSES: dict[str, type[PolicyKVCache]] = {}
+
+
+def cache_class(policy_name: str) -> type[PolicyKVCache]:
+    """The mlx-lm cache class of a registered policy (made and registered on first use)."""
+    if policy_name not in POLICIES:
+        raise ValueError(f"no registered policy {policy_name!r}; registered: {sorted(POLICIES)}")
+    if policy_name not in _CLASSES:
+        name = "".join(part.capitalize() for part in policy_name.split("_")) + "KVCache"
+        type(name, (PolicyKVCache,), {"policy_name": policy_name, "__module__": __name__})
+    return _CLASSES[policy_name]
+
+
 class TOVAKVCache(PolicyKVCache):
     """TOVA eviction as an mlx-lm layer cache (see ``velox_cache_core.tova_update``)."""
 
     policy_name = "tova"
 
-    def __init__(
-        self,
-        budget: int = 512,
-        n_sink: int = 4,
-        signal: str | None = None,
-        scope: str | None = None,
-        prefill: str | None = None,
-        preset: str = "tova",
-    ) -> None:
-        super().__init__(
-            budget=budget, n_sink=n_sink, signal=signal, scope=scope, prefill=prefill, preset=preset
-        )
-
     @property
-    def tova_state(self) -> TovaState:
+    def tova_state(self) -> Any:
         """The core state after every pending eviction (arrays stay lazy)."""
         return self.policy_state
 
@@ -340,13 +374,3 @@ class SnapKVCache(PolicyKVCache):
     """
 
     policy_name = "snapkv"
-
-    def _after_call(self, state: Any, length: int) -> Any:
-        if length == 1 and not state.compressed:
-            return snapkv_compress(state)
-        return state
-
-    def finish_prefill(self) -> None:
-        """Compress the prompt now (for callers that do not end it with a 1-token call)."""
-        self._settle()
-        self._state = snapkv_compress(self._state)

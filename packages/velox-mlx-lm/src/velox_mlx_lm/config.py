@@ -1,99 +1,151 @@
-"""KVCacheConfig: one validated, frozen description of the cache every layer gets."""
+"""KVCacheConfig: one validated, frozen description of the cache every layer gets.
+
+Its fields come from the policy registry: every registered policy's settings (the keyword
+arguments of its ``init``) appear as ``<policy>_<setting>``, with ``init``'s defaults; the
+methods are the registry's method names plus ``"full"`` (mlx-lm's unbounded ``KVCache``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
 from typing import Any
 
-from velox_cache_core.policies import POLICIES
-from velox_cache_core.policies.tova import PRESETS
+from velox_cache_core.registry import POLICIES, Policy, policy_for_method
 from velox_cache_core.validation import check_choice, check_int
 
-TOVA_METHODS = tuple(PRESETS)  # "tova", "tova_adapted"
-SIBLING_METHODS = ("h2o", "streaming_llm", "snapkv", "morphkv")
-METHODS = (*TOVA_METHODS, *SIBLING_METHODS, "full")
+FULL = "full"
 
 
-@dataclass(frozen=True)
+def methods() -> tuple[str, ...]:
+    """Every method a config (or ``--method``) accepts, in registry order, ``"full"`` last."""
+    return (*(m for policy in POLICIES.values() for m in policy.methods), FULL)
+
+
+def config_fields() -> dict[str, tuple[Policy, str, Any]]:
+    """``<policy>_<setting>`` -> (policy, setting, default) for every registered policy."""
+    out = {}
+    for policy in POLICIES.values():
+        for setting, default in policy.defaults().items():
+            out[f"{policy.name}_{setting}"] = (policy, setting, default)
+    return out
+
+
 class KVCacheConfig:
-    """Which cache to build and its settings, one ``<method>_<field>`` per policy setting.
+    """Which cache to build and its settings, one ``<policy>_<setting>`` per policy setting.
 
     ``method``: ``"tova"`` (paper-faithful preset), ``"tova_adapted"`` (key-as-query, per head),
-    ``"h2o"``, ``"streaming_llm"``, ``"snapkv"``, ``"morphkv"`` or ``"full"`` (mlx-lm's
-    unbounded ``KVCache``). ``tova_signal``/``tova_scope``/``tova_prefill`` default to the chosen
-    TOVA preset's values. ``head_dim``, if given, is checked against the model by
-    ``KVCacheBuilder.for_model``. Every field is validated at construction, whatever the method.
+    ``"h2o"``, ``"streaming_llm"``, ``"snapkv"``, ``"morphkv"`` (any registered policy's method)
+    or ``"full"`` (mlx-lm's unbounded ``KVCache``). Settings left at ``None`` take the chosen
+    method's preset (``tova_signal``/``tova_scope``/``tova_prefill`` for the TOVA presets).
+    ``head_dim``, if given, is checked against the model by ``KVCacheBuilder.for_model``.
+    Every field is validated at construction, whatever the method; the object is frozen.
     """
 
-    method: str = "tova"
-    tova_budget: int = 512
-    tova_n_sink: int = 4
-    tova_signal: str | None = None
-    tova_scope: str | None = None
-    tova_prefill: str | None = None
-    h2o_budget: int = 512
-    h2o_n_sink: int = 4
-    h2o_recent: int | None = None  # None: budget // 2
-    h2o_signal: str = "query"
-    h2o_scope: str = "head"
-    h2o_prefill: str = "sequential"
-    streaming_llm_budget: int = 512
-    streaming_llm_n_sink: int = 4
-    snapkv_budget: int = 512
-    snapkv_window: int = 32
-    snapkv_kernel: int = 5
-    snapkv_signal: str = "query"
-    morphkv_budget: int = 512
-    morphkv_n_sink: int = 4
-    morphkv_window: int = 8
-    morphkv_fusion: str = "mean"
-    morphkv_signal: str | None = None
-    morphkv_scope: str | None = None
-    morphkv_prefill: str | None = None
-    head_dim: int | None = None
+    method: str
+    head_dim: int | None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.method, str):
-            raise TypeError(f"method must be a str, got {type(self.method).__name__}")
-        check_choice("method", self.method, METHODS)
-        for policy in POLICIES:
+    def __init__(self, method: str = "tova", head_dim: int | None = None, **fields: Any) -> None:
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a str, got {type(method).__name__}")
+        check_choice("method", method, methods())
+        known = config_fields()
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise TypeError(
+                f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim and "
+                f"<policy>_<setting>: {', '.join(known)}"
+            )
+        if head_dim is not None:
+            check_int("head_dim", head_dim, minimum=1)
+        values = {name: fields.get(name, default) for name, (_, _, default) in known.items()}
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "head_dim", head_dim)
+        object.__setattr__(self, "_values", values)
+        for policy in POLICIES.values():
             try:
-                POLICIES[policy].init(**self._settings(policy))
+                self._init(policy)
             except (TypeError, ValueError) as exc:  # name the config field, not the argument
-                raise type(exc)(f"{policy}_{exc}") from None
-        if self.head_dim is not None:
-            check_int("head_dim", self.head_dim, minimum=1)
+                raise type(exc)(f"{policy.name}_{exc}") from None
 
-    def _settings(self, policy: str) -> dict[str, Any]:
-        prefix = f"{policy}_"
-        out = {
-            f.name[len(prefix) :]: getattr(self, f.name)
-            for f in fields(self)
-            if f.name.startswith(prefix)
+    # -- frozen value object -------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"KVCacheConfig has no field {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.method, self.head_dim, tuple(sorted(self._values.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        changed = {
+            name: value for name, value in self._values.items() if value != config_fields()[name][2]
         }
-        if policy == "tova":
-            preset = PRESETS[self.method if self.method in TOVA_METHODS else "tova"]
-            out = {k: (preset[k] if v is None and k in preset else v) for k, v in out.items()}
-        return out
+        args = ", ".join(f"{k}={v!r}" for k, v in {"method": self.method, **changed}.items())
+        extra = "" if self.head_dim is None else f", head_dim={self.head_dim!r}"
+        return f"KVCacheConfig({args}{extra})"
+
+    def fields(self) -> dict[str, Any]:
+        """Every field's value (``method``, ``head_dim`` and each ``<policy>_<setting>``)."""
+        return {"method": self.method, "head_dim": self.head_dim, **self._values}
+
+    def replace(self, **changes: Any) -> KVCacheConfig:
+        """A copy with ``changes`` applied (validated like a new config)."""
+        fields = {**self.fields(), **changes}
+        return KVCacheConfig(**fields)
+
+    # -- what the builder asks ---------------------------------------------------------------------
+    def _settings(self, policy: Policy) -> dict[str, Any]:
+        prefix = f"{policy.name}_"
+        return {
+            name[len(prefix) :]: value
+            for name, value in self._values.items()
+            if name.startswith(prefix)
+        }
+
+    def _method_for(self, policy: Policy) -> str:
+        """The method a policy's settings are validated and resolved under."""
+        return self.method if self.method in policy.methods else policy.methods[0]
+
+    def _init(self, policy: Policy) -> Any:
+        return policy.init_for(self._method_for(policy), **self._settings(policy))
 
     @property
     def policy(self) -> str | None:
         """The core policy behind ``method`` (``None`` for ``"full"``)."""
-        if self.method in TOVA_METHODS:
-            return "tova"
-        return None if self.method == "full" else self.method
+        return None if self.method == FULL else policy_for_method(self.method).name
 
     def settings(self) -> dict[str, Any]:
-        """Keyword arguments for the chosen policy's core ``init`` (preset defaults filled)."""
+        """The chosen policy's settings with the method's preset filled in (``{}`` for full)."""
         if self.policy is None:
             return {}
-        return self._settings(self.policy)
+        return self.policy_settings(self.policy)
+
+    def policy_settings(self, policy: str) -> dict[str, Any]:
+        """One policy's settings as this config gives them, preset defaults filled in."""
+        record = POLICIES[policy]
+        given = self._settings(record)
+        resolved = self._init(record).settings
+        return {k: (resolved[k] if v is None and k in resolved else v) for k, v in given.items()}
 
     def tova_settings(self) -> dict[str, Any]:
         """Keyword arguments for ``init_tova_state``, preset defaults filled in."""
-        return self._settings("tova")
+        return self.policy_settings("tova")
+
+    def state(self) -> Any:
+        """A fresh core state of the chosen policy (``None`` for ``"full"``)."""
+        return None if self.policy is None else self._init(POLICIES[self.policy])
 
     @property
     def signal(self) -> str | None:
         """The attention signal the chosen method scores with (``None``: it does not)."""
-        return self.settings().get("signal") or ("query" if self.policy == "morphkv" else None)
+        return getattr(self.state(), "signal", None)

@@ -7,7 +7,6 @@ from typing import Any
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import load_prompt_cache as _mlx_load
 
-from velox_cache_core.policies import POLICIES
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.config import KVCacheConfig
 
@@ -25,9 +24,8 @@ def load_prompt_cache(
     if config is not None:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        settings = None if config.policy is None else config.settings()
-        if config.policy is not None:  # resolve defaults (e.g. h2o recent) as a cache would
-            settings = POLICIES[config.policy].init(**config.settings()).settings
+        # Resolve defaults (e.g. h2o recent) as a cache would.
+        settings = None if config.policy is None else config.state().settings
         for i, cache in enumerate(caches):
             if isinstance(cache, PolicyKVCache):
                 saved = (cache.policy_name, cache.settings)

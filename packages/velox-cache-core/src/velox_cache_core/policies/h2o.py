@@ -11,15 +11,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from velox_cache_core.current_step import Rule, rule_update
-from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.attention_rule import Rule, align_scores, decide_by_weights
+from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
+from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 
-@dataclass(frozen=True)
-class H2OState(SlotStateMixin):
+@dataclass(frozen=True, kw_only=True)
+class H2OState(PolicyState):
     """H2O layer state. scores: float32 ``[B, G, S]`` running attention sums, slot-aligned
     (``G`` = 1 for scope ``layer``, ``H_kv`` for ``head``)."""
 
@@ -29,10 +31,7 @@ class H2OState(SlotStateMixin):
     signal: str
     scope: str
     prefill: str
-    slots: KVSlots | None = None
-    scores: mx.array | None = None
-    offset: int = 0
-    tokens_seen: int = 0
+    scores: mx.array | None = running(attention=True)
 
     @property
     def rule(self) -> Rule:
@@ -74,27 +73,17 @@ def init_h2o_state(
     )
 
 
-def h2o_update(
-    state: H2OState,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None = None,
-    scale: float | None = None,
-    check_finite: bool = True,
-) -> Step:
-    """As ``tova_update``, evicting by accumulated attention instead of the current step's."""
-    slots, call = open_call(
-        state,
-        H2OState,
-        keys,
-        values,
-        queries,
-        scale,
-        check_finite=check_finite,
-    )
+def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
+    """Add this call's weights to the running sums; evict the lowest sum."""
+    B, H_kv, L, _ = call.shape
+    G = state.rule.groups(H_kv)
     scores = state.scores
     if scores is None:
-        B, H_kv = keys.shape[:2]
-        scores = mx.zeros((B, state.rule.groups(H_kv), 0), dtype=mx.float32)
-    out = rule_update(state.rule, slots, call, scores=scores)
-    return Step(out.keys, out.values, out.mask, advance(state, out.kept, call, scores=out.scores))
+        scores = mx.zeros((B, G, 0), dtype=mx.float32)
+    scores = align_scores(scores, slots, G, L)
+    decision, scores = decide_by_weights(state.rule, call, candidates, scores=scores)
+    return Decision(decision.kept, decision.mask, {"scores": scores})
+
+
+H2O = Policy("h2o", H2OState, init_h2o_state, h2o_rule)
+h2o_update = H2O.update

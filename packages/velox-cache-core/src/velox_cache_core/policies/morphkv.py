@@ -10,21 +10,21 @@ window). With ``window=1`` this is TOVA, bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import mlx.core as mx
-
-from velox_cache_core.current_step import History, Rule, rule_update
-from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, PRESETS, SCOPES, SIGNALS
+from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 FUSIONS = ("mean", "max")
 
 
-@dataclass(frozen=True)
-class MorphKVState(SlotStateMixin):
+@dataclass(frozen=True, kw_only=True)
+class MorphKVState(PolicyState):
     """MorphKV layer state: TOVA's plus the last ``window - 1`` probe rows."""
 
     budget: int
@@ -34,10 +34,7 @@ class MorphKVState(SlotStateMixin):
     signal: str
     scope: str
     prefill: str
-    slots: KVSlots | None = None
-    history: History | None = None
-    offset: int = 0
-    tokens_seen: int = 0
+    history: History | None = running(attention=True)
 
     @property
     def rule(self) -> Rule:
@@ -83,27 +80,14 @@ def init_morphkv_state(
     )
 
 
-def morphkv_update(
-    state: MorphKVState,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None = None,
-    scale: float | None = None,
-    check_finite: bool = True,
-) -> Step:
-    """As ``tova_update``; the state also keeps the last ``window - 1`` probe rows."""
-    slots, call = open_call(
-        state,
-        MorphKVState,
-        keys,
-        values,
-        queries,
-        scale,
-        check_finite=check_finite,
-    )
-    out = rule_update(state.rule, slots, call, history=state.history)
+def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
+    """TOVA's rule over the fused window; the state keeps the last ``window - 1`` probe rows."""
+    decision = decide_by_weights(state.rule, call, candidates, history=state.history)[0]
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
     history = past.extend(probe, call.positions(), state.window - 1)
-    after = advance(state, out.kept, call)
-    return Step(out.keys, out.values, out.mask, replace(after, history=history))
+    return Decision(decision.kept, decision.mask, {"history": history})
+
+
+MORPHKV = Policy("morphkv", MorphKVState, init_morphkv_state, morphkv_rule)
+morphkv_update = MORPHKV.update

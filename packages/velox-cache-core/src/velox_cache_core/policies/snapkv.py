@@ -11,40 +11,31 @@ to ``budget`` per KV head. Afterwards the cache grows: decode tokens are never e
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.current_step import History
-from velox_cache_core.engine import (
-    SlotStateMixin,
-    Step,
-    advance,
-    chunk_candidates,
-    decode_candidates,
-    open_call,
-)
-from velox_cache_core.masks import chunk_causal
+from velox_cache_core.attention_rule import History
+from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import SIGNALS
-from velox_cache_core.scoring import grouped_logits, softmax
+from velox_cache_core.registry import Policy
+from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.sequential import row_visibility
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
 from velox_cache_core.validation import check_choice, check_int
 
 
-@dataclass(frozen=True)
-class SnapKVState(SlotStateMixin):
+@dataclass(frozen=True, kw_only=True)
+class SnapKVState(PolicyState):
     """SnapKV layer state; ``compressed`` once the prompt has been cut to ``budget``."""
 
     budget: int
     window: int
     kernel: int
     signal: str
-    slots: Any = None
-    history: History | None = None
-    scale: float | None = None
-    compressed: bool = False
-    offset: int = 0
-    tokens_seen: int = 0
+    history: History | None = running(attention=True)
+    scale: float | None = running()
+    compressed: bool = running(False)
 
 
 def init_snapkv_state(
@@ -58,7 +49,9 @@ def init_snapkv_state(
     check_int("kernel", kernel, minimum=1)
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (avg_pool1d keeps length), got {kernel}")
-    return SnapKVState(budget, window, kernel, check_choice("signal", signal, SIGNALS))
+    return SnapKVState(
+        budget=budget, window=window, kernel=kernel, signal=check_choice("signal", signal, SIGNALS)
+    )
 
 
 def avg_pool1d(x: mx.array, kernel: int) -> mx.array:
@@ -73,44 +66,14 @@ def avg_pool1d(x: mx.array, kernel: int) -> mx.array:
     return (c[..., kernel:] - c[..., :-kernel]) / kernel
 
 
-def snapkv_update(
-    state: SnapKVState,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None = None,
-    scale: float | None = None,
-    check_finite: bool = True,
-) -> Step:
-    """Append ``[B, H_kv, L, D]`` tokens without evicting; remember the last probe rows
-    until the prompt is compressed."""
-    slots, call = open_call(
-        state,
-        SnapKVState,
-        keys,
-        values,
-        queries,
-        scale,
-        check_finite=check_finite,
-    )
-    L = call.length
-    if L == 0:
-        live = slots.compact()
-        return Step(live.keys, live.values, None, advance(state, slots, call))
-    if L == 1:
-        candidates, mask = decode_candidates(slots, call), None
-    else:
-        candidates = chunk_candidates(slots, call)
-        mask = call.expand(chunk_causal(candidates.n_slots - L, L), "layer")
-    after = advance(state, candidates, call)
-    if not state.compressed:
-        probe = call.probe(state.signal)
-        history = state.history or History(probe[:, :, :0], call.positions()[:0])
-        after = replace(
-            after,
-            history=history.extend(probe, call.positions(), state.window),
-            scale=call.scale,
-        )
-    return Step(candidates.keys, candidates.values, mask, after)
+def snapkv_rule(state: SnapKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
+    """Keep everything; until the prompt is compressed, remember the last probe rows."""
+    if state.compressed:
+        return Decision(candidates)
+    probe = call.probe(state.signal)
+    past = state.history or History(probe[:, :, :0], call.positions()[:0])
+    history = past.extend(probe, call.positions(), state.window)
+    return Decision(candidates, changes={"history": history, "scale": call.scale})
 
 
 def snapkv_compress(state: SnapKVState) -> SnapKVState:
@@ -128,7 +91,7 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     assert state.scale is not None
     logits = grouped_logits(history.probes, live.keys, state.scale, "head")  # [B,H,G,w,n]
     visible = row_visibility(live.positions, history.positions)[:, :, None]
-    probs = softmax(mx.where(visible, logits.astype(mx.float32), -mx.inf))
+    probs = masked_softmax(logits, visible)
     scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]
     # Prompt slots are in arrival order until the first cut: the last W are the window.
     scores = avg_pool1d(scores[..., : n - W], state.kernel)
@@ -137,3 +100,14 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     window = mx.broadcast_to(mx.arange(n - W, n), (B, H, W))
     keep = mx.sort(mx.concatenate([top, window], axis=-1), axis=-1)
     return replace(done, slots=live.take(keep.astype(mx.int32)))
+
+
+SNAPKV = Policy(
+    "snapkv",
+    SnapKVState,
+    init_snapkv_state,
+    snapkv_rule,
+    prompt_end=snapkv_compress,
+    grows_after_prompt_end=True,
+)
+snapkv_update = SNAPKV.update

@@ -12,19 +12,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from velox_cache_core.engine import SlotStateMixin, Step, advance, chunk_candidates, open_call
+from velox_cache_core.engine import Call, Decision
+from velox_cache_core.registry import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState
 from velox_cache_core.validation import check_budget_and_sinks
 
 
-@dataclass(frozen=True)
-class StreamingLLMState(SlotStateMixin):
+@dataclass(frozen=True, kw_only=True)
+class StreamingLLMState(PolicyState):
     budget: int
     n_sink: int
-    slots: KVSlots | None = None
-    offset: int = 0
-    tokens_seen: int = 0
 
 
 def init_streaming_llm_state(budget: int = 512, n_sink: int = 4) -> StreamingLLMState:
@@ -40,52 +39,37 @@ def window_mask(positions: mx.array, start: int, length: int, budget: int, n_sin
     return (p <= t) & ((p < n_sink) | (p > t - (budget - n_sink)))
 
 
-def streaming_llm_update(
-    state: StreamingLLMState,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None = None,
-    scale: float | None = None,
-    check_finite: bool = True,
-) -> Step:
-    """Append ``[B, H_kv, L, D]`` tokens; keep sinks and the most recent tokens.
-
-    ``queries``/``scale`` are only validated (the rule ignores attention).
-    """
-    slots, call = open_call(
-        state,
-        StreamingLLMState,
-        keys,
-        values,
-        queries,
-        scale,
-        check_finite=check_finite,
-    )
-    L, budget = call.length, state.budget
+def drop_oldest(state: StreamingLLMState, slots: KVSlots, call: Call) -> KVSlots:
+    """Decode: when full, free the oldest non-sink before the new token attends."""
+    if slots.n_slots < state.budget:
+        return slots
     positions = slots.positions[:, :1]
-    if L == 0:
-        live = slots.compact()
-        return Step(live.keys, live.values, None, advance(state, slots, call))
-    if L == 1:
-        if slots.n_slots >= budget:  # drop the oldest non-sink, then write over it
-            oldest = lowest_weight(
-                positions.astype(mx.float32), positions, sinks(positions, state.n_sink)
-            )
-            slots = slots.with_free(oldest)
-        candidates = (
-            slots.write_free(call.keys, call.values, call.start)
-            if slots.free is not None
-            else slots.append(call.keys, call.values, call.positions())
-        )
-        return Step(candidates.keys, candidates.values, None, advance(state, candidates, call))
-    candidates = chunk_candidates(slots, call)
+    oldest = lowest_weight(positions.astype(mx.float32), positions, sinks(positions, state.n_sink))
+    return slots.with_free(oldest)
+
+
+def streaming_llm_rule(
+    state: StreamingLLMState, call: Call, slots: KVSlots, candidates: KVSlots
+) -> Decision:
+    """A chunk: each query sees sinks and its recent window; keep sinks and the newest."""
+    if call.length == 1:  # drop_oldest already made room
+        return Decision(candidates)
     positions = candidates.positions[:, :1]
-    mask = window_mask(positions, call.start, L, budget, state.n_sink)
+    mask = window_mask(positions, call.start, call.length, state.budget, state.n_sink)
     kept = candidates
-    if candidates.n_slots > budget:
+    if candidates.n_slots > state.budget:
         newest_first = positions.astype(mx.float32)
-        keep = highest_weights(newest_first, positions, sinks(positions, state.n_sink), budget)
-        kept = candidates.take(keep)
-    return Step(
-        candidates.keys, candidates.values, call.expand(mask, "layer"), advance(state, kept, call)
-    )
+        protected = sinks(positions, state.n_sink)
+        kept = candidates.take(highest_weights(newest_first, positions, protected, state.budget))
+    return Decision(kept, mask)
+
+
+STREAMING_LLM = Policy(
+    "streaming_llm",
+    StreamingLLMState,
+    init_streaming_llm_state,
+    streaming_llm_rule,
+    uses_queries=False,
+    evict_before=drop_oldest,
+)
+streaming_llm_update = STREAMING_LLM.update

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import mlx.core as mx
-
-from velox_cache_core.current_step import Rule, rule_update
-from velox_cache_core.engine import SlotStateMixin, Step, advance, open_call
+from velox_cache_core.attention_rule import Rule, decide_by_weights
+from velox_cache_core.engine import Call, Decision, Step
+from velox_cache_core.registry import Policy
 from velox_cache_core.scoring import Scope
 from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
 Signal = Literal["query", "key"]
@@ -32,8 +32,8 @@ PRESETS: dict[str, dict[str, str]] = {
 }
 
 
-@dataclass(frozen=True)
-class TovaState(SlotStateMixin):
+@dataclass(frozen=True, kw_only=True)
+class TovaState(PolicyState):
     """One layer's TOVA cache: settings, retained slots and counters.
 
     ``slots`` is ``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and dtype. Views:
@@ -45,9 +45,6 @@ class TovaState(SlotStateMixin):
     signal: Signal
     scope: Scope
     prefill: Prefill
-    slots: KVSlots | None = None
-    offset: int = 0
-    tokens_seen: int = 0
 
     @property
     def rule(self) -> Rule:
@@ -80,29 +77,10 @@ def init_tova_state(
     return TovaState(budget=budget, n_sink=n_sink, **chosen)  # type: ignore[arg-type]
 
 
-def tova_update(
-    state: TovaState,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None = None,
-    scale: float | None = None,
-    check_finite: bool = True,
-) -> TovaStep:
-    """Append ``L`` new tokens, return what their queries attend over, and evict to ``budget``.
+def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
+    """Evict the lowest current-step weight (memoryless)."""
+    return decide_by_weights(state.rule, call, candidates)[0]
 
-    keys, values: ``[B, H_kv, L, D]`` already position-encoded; queries: ``[B, H_q, L, D]``,
-    required for signal ``query``; scale: softmax scale (default ``1/sqrt(D)``).
-    ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
-    The input state is never modified; a failed call raises before anything is computed.
-    """
-    slots, call = open_call(
-        state,
-        TovaState,
-        keys,
-        values,
-        queries,
-        scale,
-        check_finite=check_finite,
-    )
-    out = rule_update(state.rule, slots, call)
-    return Step(out.keys, out.values, out.mask, advance(state, out.kept, call))
+
+TOVA = Policy("tova", TovaState, init_tova_state, tova_rule, presets=PRESETS)
+tova_update = TOVA.update

@@ -1,4 +1,4 @@
-"""Attention-weight eviction rules on one engine: TOVA, MorphKV and H2O.
+"""The attention-weight eviction rule shared by TOVA, MorphKV and H2O.
 
 Each step the probe rows (the new token's query or key, plus up to ``window - 1`` earlier ones
 for MorphKV) attend over the candidates; their weights, averaged per decision group and fused
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from velox_cache_core.engine import Call, chunk_candidates, decode_candidates
-from velox_cache_core.masks import chunk_causal
-from velox_cache_core.scoring import Scope, decision_weights, exp, grouped_logits
+from velox_cache_core.engine import Call, Decision
+from velox_cache_core.scoring import Scope, decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
 from velox_cache_core.slots import KVSlots
@@ -60,15 +59,6 @@ class History:
         )
 
 
-@dataclass(frozen=True)
-class Outcome:
-    keys: mx.array
-    values: mx.array
-    mask: mx.array | None
-    kept: KVSlots
-    scores: mx.array | None
-
-
 def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.array, mx.array]:
     if history is None:
         return probe, call.positions()
@@ -86,13 +76,12 @@ def _fused_weights(
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA exactly)
         return decision_weights(logits)[:, :, 0]
     visible = row_visibility(positions, row_positions)[:, :, None]
-    logits = mx.where(visible, logits.astype(mx.float32), -mx.inf)
-    e = exp(logits - logits.max(axis=-1, keepdims=True))
-    return fuse_rows((e / e.sum(axis=-1, keepdims=True)).mean(axis=2), fusion)
+    return fuse_rows(masked_softmax(logits, visible).mean(axis=2), fusion)
 
 
-def _align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
-    """Scores ``[B, G, S]`` for ``candidates`` laid out by decode/chunk from ``slots``."""
+def align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
+    """Running scores ``[B, G, S]`` of ``slots``, laid out like the engine's candidates
+    (``retained + new``; the new tokens start at 0)."""
     B = scores.shape[0]
     if new == 1 and slots.free is not None:  # the new token reuses the dead slot
         cols = mx.arange(scores.shape[-1])
@@ -103,34 +92,31 @@ def _align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx
     return mx.concatenate([scores, mx.zeros((B, groups, new), dtype=scores.dtype)], axis=-1)
 
 
-def rule_update(
+def decide_by_weights(
     rule: Rule,
-    slots: KVSlots,
     call: Call,
+    candidates: KVSlots,
     history: History | None = None,
     scores: mx.array | None = None,
-) -> Outcome:
-    """Append ``call``'s tokens to ``slots`` and evict down to ``rule.budget``.
+) -> tuple[Decision, mx.array | None]:
+    """Evict ``candidates`` down to ``rule.budget`` by the probe rows' attention weights.
 
-    ``scores`` (``[B, G, S]`` aligned with the slots) switch the rule to accumulating weights.
+    ``scores`` (``[B, G, n]`` aligned with the candidates, see :func:`align_scores`) switch the
+    rule to accumulating weights; the updated scores of the kept slots are returned.
     """
     _, H_kv, L, _ = call.shape
     G = rule.groups(H_kv)
     accumulate = scores is not None
-    if L == 0:
-        live = slots.compact()
-        return Outcome(live.keys, live.values, None, slots, scores)
-    if scores is not None:
-        scores = _align_scores(scores, slots, G, L)
     probe = call.probe(rule.signal)
     newest = call.start + L - 1
+    n = candidates.n_slots
+    positions = candidates.positions[:, :G]
+    kept = candidates
+    mask = None
 
     if L == 1:
-        candidates = decode_candidates(slots, call)
-        kept = candidates
-        evict = candidates.n_slots > rule.budget
+        evict = n > rule.budget
         if evict or accumulate:
-            positions = candidates.positions[:, :G]
             rows, row_positions = _rows(history, probe, call)
             logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
             weights = _fused_weights(logits, positions, row_positions, rule.fusion)
@@ -139,14 +125,10 @@ def rule_update(
             if evict:
                 excluded = rule.protected(positions, newest)
                 kept = candidates.with_free(lowest_weight(weights, positions, excluded))
-        return Outcome(candidates.keys, candidates.values, None, kept, scores)
+        return Decision(kept), scores
 
-    candidates = chunk_candidates(slots, call)
-    n = candidates.n_slots
-    positions = candidates.positions[:, :G]
-    kept = candidates
     if n <= rule.budget and not accumulate:
-        mask = chunk_causal(n - L, L)
+        pass
     elif rule.prefill == "sequential":
         rows, row_positions = _rows(history, probe, call)
         logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
@@ -173,14 +155,11 @@ def rule_update(
             if scores is not None:
                 scores = mx.take_along_axis(scores, survivors, axis=-1)
     else:
-        mask = chunk_causal(n - L, L)
         if scores is not None:
             # Every chunk query attends causally; each adds its weights to the running sums.
             logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
             visible = row_visibility(positions, call.positions())[:, :, None]
-            logits = mx.where(visible, logits.astype(mx.float32), -mx.inf)
-            e = exp(logits - logits.max(axis=-1, keepdims=True))
-            scores = weights = scores + (e / e.sum(axis=-1, keepdims=True)).mean(axis=2).sum(2)
+            scores = weights = scores + masked_softmax(logits, visible).mean(axis=2).sum(2)
         else:
             rows, row_positions = _rows(history, probe, call)
             rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
@@ -192,4 +171,4 @@ def rule_update(
             kept = candidates.take(keep)
             if scores is not None:
                 scores = mx.take_along_axis(scores, keep, axis=-1)
-    return Outcome(candidates.keys, candidates.values, call.expand(mask, rule.scope), kept, scores)
+    return Decision(kept, mask), scores

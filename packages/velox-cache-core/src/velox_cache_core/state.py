@@ -1,0 +1,103 @@
+"""What every policy's layer state has: retained slots, counters, and settings vs running state.
+
+A policy state is a frozen, keyword-only dataclass deriving from :class:`PolicyState`. Its own
+fields are either settings (plain fields, validated by the policy's ``init``) or running state
+(declared with :func:`running`): whatever changes as tokens arrive. Prompt-cache encoding, trim
+and the settings view read that marking instead of a list of names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.slots import KVSlots
+
+_RUNNING = "velox_running"
+_ATTENTION = "velox_attention"
+
+
+def running(default: Any = None, *, attention: bool = False) -> Any:
+    """A running-state field. ``attention=True`` marks state that holds what past tokens'
+    attention contributed (running scores, remembered probe rows)."""
+    return dataclasses.field(default=default, metadata={_RUNNING: True, _ATTENTION: attention})
+
+
+def running_fields(state: Any) -> tuple[str, ...]:
+    """Names of the running-state fields of a state (or state type)."""
+    return tuple(f.name for f in dataclasses.fields(state) if f.metadata.get(_RUNNING))
+
+
+def attention_fields(state: Any) -> tuple[str, ...]:
+    """Running fields that carry past attention (they cannot be rolled back by a trim)."""
+    return tuple(f.name for f in dataclasses.fields(state) if f.metadata.get(_ATTENTION))
+
+
+def setting_fields(state: Any) -> tuple[str, ...]:
+    """Names of the settings fields (every field that is not running state)."""
+    return tuple(f.name for f in dataclasses.fields(state) if not f.metadata.get(_RUNNING))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyState:
+    """Base of every policy's layer state.
+
+    slots: the retained tokens (``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and
+    dtype); offset: tokens seen so far, the true position of the next token; tokens_seen:
+    ``B * H_kv * L`` summed over calls.
+    """
+
+    slots: KVSlots | None = running()
+    offset: int = running(0)
+    tokens_seen: int = running(0)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The policy's settings (every dataclass field that is not running state)."""
+        return {name: getattr(self, name) for name in setting_fields(self)}
+
+    def _live(self) -> KVSlots | None:
+        return None if self.slots is None else self.slots.compact()
+
+    @property
+    def keys(self) -> mx.array | None:
+        """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``)."""
+        live = self._live()
+        return None if live is None else live.keys
+
+    @property
+    def values(self) -> mx.array | None:
+        """``[B, H_kv, n_kept, D]`` retained values."""
+        live = self._live()
+        return None if live is None else live.values
+
+    @property
+    def positions(self) -> mx.array | None:
+        """int32 ``[B, H_kv, n_kept]`` absolute positions of the retained rows."""
+        live = self._live()
+        return None if live is None else live.positions
+
+    @property
+    def n_kept(self) -> int:
+        return 0 if self.slots is None else self.slots.n_kept
+
+    @property
+    def tokens_kept(self) -> int:
+        """Retained tokens per (batch row, KV head)."""
+        return self.n_kept
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the retained keys and values: ``B * H_kv * n_kept * D * 2 * itemsize``."""
+        if self.slots is None:
+            return 0
+        B, H, _, D = self.slots.keys.shape
+        return B * H * self.n_kept * D * 2 * self.slots.keys.dtype.size
+
+    @property
+    def compression_ratio(self) -> float:
+        """Tokens seen per head over tokens kept (1.0 until something is evicted)."""
+        return self.offset / self.n_kept if self.n_kept else 1.0
