@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.generate import (
     BatchGenerator,
     _merge_caches,
+    generate_step,
     speculative_generate_step,
     stream_generate,
 )
@@ -257,12 +258,12 @@ def test_prompt_cache_round_trip_of_an_unused_cache(tmp_path):
 # -- trim and speculative decoding --------------------------------------------------------------
 
 
-def test_trim_exact_before_eviction_and_refused_after(tiny_model, h):
+def test_trim_is_exact_within_the_undo_log(tiny_model, h):
     model = tiny_model("llama")
-    config = KVCacheConfig(tova_budget=16, tova_n_sink=2)
-    tokens = h.random_tokens(24, seed=11)
+    config = KVCacheConfig(tova_budget=16, tova_n_sink=2, trim_window=12)
+    tokens = h.random_tokens(34, seed=11)
     cache = KVCacheBuilder.for_model(model, config)
-    assert not any(c.is_trimmable() for c in cache)
+    assert all(c.is_trimmable() and c.trim_window == 12 for c in cache)
     h.forward_chunks(model, cache, tokens, [10])
     assert all(c.trim(0) == 0 for c in cache)
     assert all(c.trim(3) == 3 for c in cache)
@@ -273,35 +274,59 @@ def test_trim_exact_before_eviction_and_refused_after(tiny_model, h):
     fresh = KVCacheBuilder.for_model(model, config)
     want = h.forward_chunks(model, fresh, tokens, [7, 3, 1, 1, 13])[7:]
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-    # After eviction: a clear error and an untouched cache.
-    assert cache[0].size() == 16 and cache[0].offset == 24
+    # After eviction too: trimming a chunk that evicted equals never feeding its tail.
+    assert cache[0].size() == 16 and cache[0].offset == 25
+    h.forward_chunks(model, cache, tokens[:, 25:], [1, 4, 1])
+    assert all(c.trim(4) == 4 for c in cache)  # the last token and 3 of the 4-token chunk
+    prefix = KVCacheBuilder.for_model(model, config)
+    h.forward_chunks(model, prefix, tokens[:, :27], [7, 3, 1, 1, 13, 1, 1])
+    for a, b in zip(cache, prefix, strict=True):
+        assert a.offset == b.offset == 27
+        assert np.array_equal(np.sort(np.array(a.positions)), np.sort(np.array(b.positions)))
+    # Beyond the log: a clear error and an untouched cache.
     before = _snapshot(cache[0])
-    with pytest.raises(ValueError, match="evict"):
-        cache[0].trim(1)
+    with pytest.raises(ValueError, match="cannot trim 13 tokens"):
+        cache[0].trim(13)
     _assert_same_state(before, _snapshot(cache[0]))
-    with pytest.raises(ValueError, match="trim"):
-        TOVAKVCache(budget=4, n_sink=0).trim(1)
+    off = TOVAKVCache(budget=4, n_sink=0, trim_window=0)
+    assert not off.is_trimmable()
+    with pytest.raises(ValueError, match="trim_window=0"):
+        off.trim(1)
 
 
-def test_speculative_decoding_is_refused(tiny_model, h):
+def test_speculative_decoding_matches_plain_decoding(tiny_model, h):
     model, draft = tiny_model("llama"), tiny_model("llama", seed=1)
     config = KVCacheConfig(tova_budget=8)
     prompt = h.random_tokens(12, seed=12)[0]
     caches = KVCacheBuilder.for_model(model, config) + KVCacheBuilder.for_model(draft, config)
-    with pytest.raises(ValueError, match="trimmable"):
-        next(speculative_generate_step(prompt, model, draft, prompt_cache=caches, max_tokens=4))
-    assert all(c.empty() for c in caches)
-    # Same through a model whose make_cache builds TOVA caches (no prompt_cache given).
+    spec = [
+        int(t)
+        for t, _, _ in speculative_generate_step(
+            prompt, model, draft, prompt_cache=caches, max_tokens=24, num_draft_tokens=3
+        )
+    ]
+    plain_caches = KVCacheBuilder.for_model(model, config)
+    plain = [
+        int(t) for t, _ in generate_step(prompt, model, prompt_cache=plain_caches, max_tokens=24)
+    ]
+    assert spec == plain
+    main = caches[: len(model.layers)]
+    for a, b in zip(main, plain_caches, strict=True):
+        assert a.size() <= 8 and b.size() <= 8
+    # A cache without an undo log is refused, through a model's make_cache too.
+    off = KVCacheConfig(tova_budget=8, trim_window=0)
     fresh = tiny_model("llama", fresh=True)
-    fresh.make_cache = lambda: KVCacheBuilder.for_model(fresh, config)
+    fresh.make_cache = lambda: KVCacheBuilder.for_model(fresh, off)
     with pytest.raises(ValueError, match="TOVAKVCache"):
         next(speculative_generate_step(prompt, fresh, draft, max_tokens=4))
 
 
-def test_stream_generate_with_draft_model_is_refused(tiny_model, tiny_tokenizer, h):
+def test_stream_generate_with_draft_model_without_undo_log_is_refused(
+    tiny_model, tiny_tokenizer, h
+):
     model, draft = tiny_model("llama"), tiny_model("llama", seed=1)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(tova_budget=8))
-    caches += KVCacheBuilder.for_model(draft, KVCacheConfig(tova_budget=8))
+    off = KVCacheConfig(tova_budget=8, trim_window=0)
+    caches = KVCacheBuilder.for_model(model, off) + KVCacheBuilder.for_model(draft, off)
     prompt = h.random_tokens(12, seed=12)[0].tolist()
     with pytest.raises(ValueError, match="trimmable"):
         next(
@@ -443,9 +468,10 @@ def test_cache_rejects_other_head_dim_or_dtype_unchanged(monkeypatch, signal):
 
 
 def test_loaded_prompt_cache_keeps_its_own_settings(tmp_path, tiny_model, h):
-    """Gap: there is no API to load a prompt cache *against* a KVCacheConfig; what exists is
-    checked: the loaded caches carry the saved settings (never the caller's), and a state whose
-    rows exceed its settings' budget is refused."""
+    """Loaded without a config, the caches carry the settings they were saved with (never the
+    caller's), and a saved state whose rows exceed its budget, or whose settings are invalid, is
+    refused. Checking a file against the caller's settings is
+    ``velox_mlx_lm.load_prompt_cache(path, config=...)`` (tested in test_siblings_mlx.py)."""
     model = tiny_model("llama")
     saved = KVCacheConfig(tova_budget=8, tova_n_sink=2)
     cache = KVCacheBuilder.for_model(model, saved)

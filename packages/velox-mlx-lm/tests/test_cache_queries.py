@@ -33,8 +33,8 @@ class Recorder:
             self.inputs.append((self.layer_of[id(attn)], np.array(x), cache.offset))
             return attn_call(attn, x, mask, cache)
 
-        def record_update(policy, state, keys, values, queries=None, scale=None, check_finite=True):
-            step = policy_update(policy, state, keys, values, queries, scale, check_finite)
+        def record_update(policy, state, keys, values, queries=None, scale=None, *args, **kw):
+            step = policy_update(policy, state, keys, values, queries, scale, *args, **kw)
             self.updates.append((state, keys, values, queries, scale, step))
             return step
 

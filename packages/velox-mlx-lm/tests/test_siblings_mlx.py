@@ -294,7 +294,7 @@ def test_snapkv_finish_prefill_compresses_explicitly(tiny_model, h):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_merge_and_trim_after_eviction_are_refused(tiny_model, h, method):
+def test_merge_is_refused_and_trim_is_exact_after_eviction(tiny_model, h, method):
     model = tiny_model("llama")
     cache = KVCacheBuilder.for_model(model, config(method, BUDGET))
     tokens = h.random_tokens(20, seed=10)
@@ -302,23 +302,17 @@ def test_merge_and_trim_after_eviction_are_refused(tiny_model, h, method):
     with pytest.raises(ValueError, match="does not support batched generation"):
         CLASSES[method].merge([cache[0], other[0]])
     h.forward_chunks(model, cache, tokens, [6])
-    assert not cache[0].is_trimmable()
-    if method == "streaming_llm":  # state is just the slots: exact before any eviction
-        assert cache[0].trim(2) == 2 and cache[0].offset == 4
-        fed = 4
-    else:  # running scores / remembered queries already hold the trimmed tokens' attention
-        with pytest.raises(ValueError, match="cannot trim"):
-            cache[0].trim(2)
-        assert cache[0].offset == 6
-        fed = 6
-    h.forward_chunks(model, cache, tokens[:, 6:], [12, 1, 1])
-    assert (
-        cache[0].size() < cache[0].offset == fed + 14
-    )  # evicted (SnapKV: cut at the 1-token call)
-    before = _np(cache[0].positions)
+    assert cache[0].is_trimmable()
+    assert cache[0].trim(2) == 2 and cache[0].offset == 4
+    h.forward_chunks(model, cache, tokens[:, 4:], [12, 1, 1, 2])
+    assert cache[0].size() < cache[0].offset == 20  # evicted (SnapKV: cut at the 1-token call)
+    assert cache[0].trim(3) == 3  # the 2-token chunk and one decode token
+    prefix = KVCacheBuilder.for_model(model, config(method, BUDGET))
+    h.forward_chunks(model, prefix, tokens, [4, 12, 1])
+    assert cache[0].offset == prefix[0].offset == 17
+    assert np.array_equal(np.sort(_np(cache[0].positions)), np.sort(_np(prefix[0].positions)))
     with pytest.raises(ValueError, match="cannot trim"):
-        cache[0].trim(1)
-    assert np.array_equal(_np(cache[0].positions), before) and cache[0].offset == fed + 14
+        cache[0].trim(cache[0].offset + 1)
 
 
 @pytest.mark.parametrize("cls", [H2OKVCache, MorphKVCache])

@@ -16,6 +16,7 @@ import mlx.core as mx
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.undo import UndoLog, record
 from velox_cache_core.validation import (
     check_kv,
     check_queries,
@@ -42,6 +43,7 @@ class Step:
     values: mx.array
     mask: mx.array | None
     state: Any
+    log: UndoLog | None = None  # the undo log after the call, when one was given
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ def update(
     scale: Any = None,
     *,
     check_finite: bool = True,
+    log: UndoLog | None = None,
 ) -> Step:
     """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
 
@@ -175,13 +178,16 @@ def update(
     required for signal ``query``; scale: softmax scale (default ``1/sqrt(D)``).
     ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
     The input state is never modified; a failed call raises before anything is computed.
+    With an undo ``log`` (:mod:`velox_cache_core.undo`), the call is recorded in the returned
+    ``Step.log`` so that it can be trimmed exactly.
     """
     slots, call = open_call(
         state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
     )
     if call.length == 0:
         live = slots.compact()
-        return Step(live.keys, live.values, None, advance(state, slots, call))
+        return Step(live.keys, live.values, None, advance(state, slots, call), log)
+    before = slots
     if call.length == 1 and policy.evict_before is not None:
         slots = policy.evict_before(state, slots, call)
     candidates = layout(slots, call)
@@ -189,4 +195,11 @@ def update(
     scope = getattr(state, "scope", "layer")  # policies without the setting decide per layer
     mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
     after = advance(state, decision.kept, call, **decision.changes)
-    return Step(candidates.keys, candidates.values, mask, after)
+    if log is not None:
+        entry = record(state, before, slots, candidates, decision.kept, *call_inputs(call))
+        log = log.push(entry)
+    return Step(candidates.keys, candidates.values, mask, after, log)
+
+
+def call_inputs(call: Call) -> tuple[mx.array, mx.array, mx.array | None, float]:
+    return call.keys, call.values, call.queries, call.scale

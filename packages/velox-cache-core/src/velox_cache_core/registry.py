@@ -12,9 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from velox_cache_core import undo
 from velox_cache_core.engine import Call, Decision, Step, update
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.undo import UndoLog
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,27 @@ class Policy:
         queries: Any = None,
         scale: Any = None,
         check_finite: bool = True,
+        log: UndoLog | None = None,
     ) -> Step:
         """Feed ``[B, H_kv, L, D]`` keys/values (and ``[B, H_q, L, D]`` queries); see
         :func:`velox_cache_core.engine.update`."""
-        return update(self, state, keys, values, queries, scale, check_finite=check_finite)
+        return update(self, state, keys, values, queries, scale, check_finite=check_finite, log=log)
+
+    def trim(self, state: Any, log: UndoLog, n: int) -> tuple[Any, UndoLog]:
+        """``(state, log)`` as if the last ``n`` tokens had never been fed (exact); raises
+        ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`)."""
+        if not isinstance(state, self.state_type):
+            raise TypeError(
+                f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
+            )
+        if not isinstance(log, UndoLog):
+            raise TypeError(f"log must be an UndoLog, got {type(log).__name__}")
+
+        def feed(s: Any, k: Any, v: Any, q: Any, scale: float, lg: UndoLog) -> Any:
+            step = self.update(s, k, v, q, scale, check_finite=False, log=lg)
+            return step.state, step.log
+
+        return undo.trim(state, log, n, feed)
 
     @property
     def methods(self) -> tuple[str, ...]:

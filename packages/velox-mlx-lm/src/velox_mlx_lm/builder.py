@@ -22,7 +22,7 @@ class KVCacheFactory:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.policy is None:
             return KVCache()
-        return cache_class(config.policy)(**config.settings())
+        return cache_class(config.policy)(trim_window=config.trim_window, **config.settings())
 
 
 def _base_caches(model: nn.Module) -> list[Any]:

@@ -22,19 +22,65 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
+from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Step
 from velox_cache_core.registry import POLICIES, Policy
-from velox_cache_core.state import attention_fields, running_fields
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import running_fields
+from velox_cache_core.undo import Entry, UndoLog, new_log
 from velox_cache_core.validation import check_kv
 
 _warned_no_hook: set[str] = set()
 
+# Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
+# num_draft_tokens (2 by default, 3 on its command line) per round.
+TRIM_WINDOW = 16
 
-def _encode(state: Any) -> dict[str, Any]:
-    """Policy state -> arrays and one JSON string (what mlx-lm can save and ``mx.eval``).
+
+def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
+    """A JSON skeleton of ``value`` whose arrays go to ``arrays`` (under ``key``-based names):
+    dataclasses (by type name), tuples, dicts, arrays and JSON scalars."""
+    if isinstance(value, mx.array):
+        arrays[key] = value
+        return {"array": key}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            "type": type(value).__name__,
+            "fields": {
+                f.name: _pack(getattr(value, f.name), f"{key}_{f.name}", arrays)
+                for f in dataclasses.fields(value)
+            },
+        }
+    if isinstance(value, tuple):
+        return {"tuple": [_pack(v, f"{key}_{i}", arrays) for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        return {"dict": {k: _pack(v, f"{key}_{k}", arrays) for k, v in value.items()}}
+    return {"value": value}
+
+
+_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog)}
+
+
+def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:
+    if "array" in skeleton:
+        return data[skeleton["array"]]
+    if "type" in skeleton:
+        fields = {k: _unpack(v, data) for k, v in skeleton["fields"].items()}
+        return _PACKED_TYPES[skeleton["type"]](**fields)
+    if "tuple" in skeleton:
+        return tuple(_unpack(v, data) for v in skeleton["tuple"])
+    if "dict" in skeleton:
+        return {k: _unpack(v, data) for k, v in skeleton["dict"].items()}
+    return skeleton["value"]
+
+
+def _encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
+    """Policy state and undo log -> arrays and one JSON string (what mlx-lm can save and
+    ``mx.eval``).
 
     Settings and scalar running fields go to the JSON string; an array field is saved under its
     name, a dataclass of arrays (slots, history) as ``<field>_<member>``; ``None`` stays ``None``.
+    The undo log is packed under ``undo_*`` names with its skeleton in the JSON string.
     """
     out: dict[str, Any] = {}
     meta: dict[str, Any] = {}
@@ -48,7 +94,10 @@ def _encode(state: Any) -> dict[str, Any]:
             out[f.name] = value
         else:
             meta[f.name] = value
-    out["meta"] = json.dumps(meta, sort_keys=True)
+    undo: dict[str, mx.array] = {}
+    skeleton = None if log is None else _pack(log, "undo", undo)
+    out.update(undo)
+    out["meta"] = json.dumps({**meta, "undo": skeleton}, sort_keys=True)
     return out
 
 
@@ -63,8 +112,9 @@ def _array_type(state_type: type, name: str) -> type | None:
     return None
 
 
-def _decode(policy: Policy, data: dict[str, Any]) -> Any:
+def _decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     meta = json.loads(data["meta"])
+    skeleton = meta.pop("undo", None)
     state_type = policy.state_type
     fields = {f.name for f in dataclasses.fields(state_type)}
     unknown = set(meta) - fields
@@ -90,7 +140,7 @@ def _decode(policy: Policy, data: dict[str, Any]) -> Any:
         raise ValueError(
             f"saved {policy.name} state holds more rows ({after.n_kept}) than budget {after.budget}"
         )
-    return after
+    return after, None if skeleton is None else _unpack(skeleton, data)
 
 
 class VeloxKVCache(_BaseCache):
@@ -125,11 +175,28 @@ class PolicyKVCache(VeloxKVCache):
             _CLASSES[cls.policy_name] = cls
             setattr(_mlx_cache, cls.__name__, cls)
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, trim_window: int = TRIM_WINDOW, **settings: Any) -> None:
         self._state = self._policy.init(**settings)
+        self._log = new_log(trim_window)
         self._pending: tuple[mx.array, mx.array] | None = None
         self._step: Step | None = None
         self._step_length = 0
+
+    def _feed(
+        self,
+        state: Any,
+        keys: mx.array,
+        values: mx.array,
+        queries: mx.array | None = None,
+        scale: float | None = None,
+    ) -> Step:
+        """One core update, recorded in the undo log (whose new rows are evaluated with the
+        step: left lazy they would hold on to the previous slots)."""
+        step = self._policy.update(state, keys, values, queries, scale, False, self._log)
+        self._log = step.log
+        if self._log is not None and self._log.entries:
+            mx.async_eval(self._log.entries[-1].arrays())
+        return step
 
     @property
     def _policy(self) -> Policy:
@@ -198,7 +265,7 @@ class PolicyKVCache(VeloxKVCache):
                 mx.concatenate([live.keys, keys], axis=2),
                 mx.concatenate([live.values, values], axis=2),
             )
-        self._step = self._policy.update(self._state, keys, values, check_finite=False)
+        self._step = self._feed(self._state, keys, values)
         self._step_length = keys.shape[2]
         self._state = self._step.state
         return self._step.keys, self._step.values
@@ -210,9 +277,7 @@ class PolicyKVCache(VeloxKVCache):
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
-            step = self._policy.update(
-                self._state, keys, values, queries, scale, check_finite=False
-            )
+            step = self._feed(self._state, keys, values, queries, scale)
         elif self._step is not None:
             step = self._step
         else:
@@ -230,14 +295,20 @@ class PolicyKVCache(VeloxKVCache):
         """Once a call's attention is built: the first single-token call ends the prompt
         (mlx-lm feeds the prompt's last token alone before decoding)."""
         if length == 1 and self._policy.prompt_end is not None:
-            return self._policy.prompt_end(state)
+            return self._end_prompt(state)
         return state
+
+    def _end_prompt(self, state: Any) -> Any:
+        ended = self._policy.end_prompt(state)
+        if ended is not state and self._log is not None:  # the cut cannot be undone
+            self._log = self._log.cleared()
+        return ended
 
     def finish_prefill(self) -> None:
         """End the prompt now (for callers that do not end it with a 1-token call); a no-op
         for policies without a prompt-end step (SnapKV's cut)."""
         self._settle()
-        self._state = self._policy.end_prompt(self._state)
+        self._state = self._end_prompt(self._state)
 
     def _settle(self) -> None:
         """Decide a chunk the hook never saw: signal ``key`` stands in for the queries."""
@@ -257,9 +328,7 @@ class PolicyKVCache(VeloxKVCache):
         keys, values = self._pending
         self._pending = None
         signal = self._state.signal
-        step = self._policy.update(
-            replace(self._state, signal="key"), keys, values, check_finite=False
-        )
+        step = self._feed(replace(self._state, signal="key"), keys, values)
         self._state = self._after_call(replace(step.state, signal=signal), keys.shape[2])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
@@ -277,48 +346,42 @@ class PolicyKVCache(VeloxKVCache):
         n_kept = self.policy_state.n_kept
         return mx.arange(n_kept + N)[None, :] <= (mx.arange(N) + n_kept)[:, None]
 
+    @property
+    def trim_window(self) -> int:
+        """Tokens the undo log keeps for exact trims (0: not trimmable)."""
+        return 0 if self._log is None else self._log.window
+
+    @property
+    def undo_nbytes(self) -> int:
+        """Bytes held by the undo log (apart from ``nbytes``, the kept rows)."""
+        self._settle()
+        return 0 if self._log is None else self._log.nbytes
+
     def is_trimmable(self) -> bool:
-        """False: evictions cannot be undone, so the last appends cannot always be trimmed."""
-        return False
+        """True when the cache keeps an undo log (``trim_window > 0``): ``trim(n)`` then
+        works for up to the last ``trim_window`` tokens (more raises ``ValueError``)."""
+        return self._log is not None
 
     def trim(self, n: int) -> int:
-        """Undo the last ``n`` appends; only while nothing has been evicted, and only for
-        policies whose state is just the slots (TOVA, StreamingLLM): running scores (H2O) or
-        remembered queries (MorphKV, SnapKV) already hold the trimmed tokens' attention."""
-        state = self.policy_state
-        if n == 0:
-            return 0
-        carries = any(getattr(state, name) is not None for name in attention_fields(state))
-        if (
-            carries
-            or state.slots is None
-            or state.n_kept != state.offset
-            or not 0 < n <= state.offset
-        ):
+        """Forget the last ``n`` tokens exactly: the state is the one the cache would have had
+        without them (same kept positions, keys/values bit for bit, running state). Raises
+        ``ValueError`` and changes nothing if the undo log does not reach back ``n`` tokens."""
+        self._settle()
+        if self._log is None:
             raise ValueError(
-                f"cannot trim {n} tokens from this {type(self).__name__}: eviction is not "
-                "reversible, and running scores or remembered queries cannot be rolled back "
-                "(speculative decoding needs method='full')"
+                f"cannot trim {type(self).__name__}: it keeps no undo log (trim_window=0)"
             )
-        keep = state.offset - n
-        s = state.slots
-        slots = replace(
-            s,
-            keys=s.keys[:, :, :keep],
-            values=s.values[:, :, :keep],
-            positions=s.positions[:, :, :keep],
-        )
-        self._state = replace(state, slots=slots, offset=keep)
+        self._state, self._log = self._policy.trim(self._state, self._log, n)
         return n
 
     @property
     def state(self) -> dict[str, Any]:
         """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm)."""
-        return _encode(self.policy_state)
+        return _encode(self.policy_state, self._log)
 
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
-        self._state = _decode(self._policy, v)
+        self._state, self._log = _decode(self._policy, v)
         self._pending = None
         self._step = None
         self._step_length = 0

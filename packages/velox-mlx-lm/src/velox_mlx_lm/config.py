@@ -12,6 +12,7 @@ from typing import Any
 
 from velox_cache_core.registry import POLICIES, Policy, policy_for_method
 from velox_cache_core.validation import check_choice, check_int
+from velox_mlx_lm.cache import TRIM_WINDOW
 
 FULL = "full"
 
@@ -38,13 +39,22 @@ class KVCacheConfig:
     or ``"full"`` (mlx-lm's unbounded ``KVCache``). Settings left at ``None`` take the chosen
     method's preset (``tova_signal``/``tova_scope``/``tova_prefill`` for the TOVA presets).
     ``head_dim``, if given, is checked against the model by ``KVCacheBuilder.for_model``.
+    ``trim_window``: how many of the last tokens a Velox cache can take back exactly (its undo
+    log, for speculative decoding and prompt-cache rewinds; 0 turns trims off).
     Every field is validated at construction, whatever the method; the object is frozen.
     """
 
     method: str
     head_dim: int | None
+    trim_window: int
 
-    def __init__(self, method: str = "tova", head_dim: int | None = None, **fields: Any) -> None:
+    def __init__(
+        self,
+        method: str = "tova",
+        head_dim: int | None = None,
+        trim_window: int = TRIM_WINDOW,
+        **fields: Any,
+    ) -> None:
         if not isinstance(method, str):
             raise TypeError(f"method must be a str, got {type(method).__name__}")
         check_choice("method", method, methods())
@@ -57,9 +67,11 @@ class KVCacheConfig:
             )
         if head_dim is not None:
             check_int("head_dim", head_dim, minimum=1)
+        check_int("trim_window", trim_window, minimum=0)
         values = {name: fields.get(name, default) for name, (_, _, default) in known.items()}
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "head_dim", head_dim)
+        object.__setattr__(self, "trim_window", trim_window)
         object.__setattr__(self, "_values", values)
         for policy in POLICIES.values():
             try:
@@ -78,7 +90,8 @@ class KVCacheConfig:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.method, self.head_dim, tuple(sorted(self._values.items())))
+        values = tuple(sorted(self._values.items()))
+        return (self.method, self.head_dim, self.trim_window, values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCacheConfig) and self._key() == other._key()
@@ -92,11 +105,19 @@ class KVCacheConfig:
         }
         args = ", ".join(f"{k}={v!r}" for k, v in {"method": self.method, **changed}.items())
         extra = "" if self.head_dim is None else f", head_dim={self.head_dim!r}"
+        if self.trim_window != TRIM_WINDOW:
+            extra += f", trim_window={self.trim_window!r}"
         return f"KVCacheConfig({args}{extra})"
 
     def fields(self) -> dict[str, Any]:
-        """Every field's value (``method``, ``head_dim`` and each ``<policy>_<setting>``)."""
-        return {"method": self.method, "head_dim": self.head_dim, **self._values}
+        """Every field's value (``method``, ``head_dim``, ``trim_window`` and each
+        ``<policy>_<setting>``)."""
+        return {
+            "method": self.method,
+            "head_dim": self.head_dim,
+            "trim_window": self.trim_window,
+            **self._values,
+        }
 
     def replace(self, **changes: Any) -> KVCacheConfig:
         """A copy with ``changes`` applied (validated like a new config)."""

@@ -1,0 +1,249 @@
+"""An undo log for exact trims: forget the last ``n`` fed tokens as if they never came.
+
+Speculative decoding verifies ``num_draft + 1`` tokens in one call and then trims the rejected
+ones; a prompt cache is trimmed back to a shared prefix. Eviction is not reversible by itself,
+so every call records what it destroyed, relative to the slots it leaves behind:
+
+- a token written over a slot (the one freed by the last eviction, or StreamingLLM's oldest):
+  that slot's previous row and the previous dead-slot index;
+- a chunk: how many live rows came before it, the dead slot it compacted away (with its row),
+  and, when it evicted, the evicted candidates' rows and where every candidate went;
+- the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before.
+
+Undoing a call rebuilds the previous slots exactly (same rows in the same slots, bit for bit);
+a trim that ends inside a chunk undoes the chunk and feeds its first part again (the chunk's
+inputs are kept for that). The log holds the last ``window`` tokens' worth of calls: at most
+``2 * window`` rows per (batch row, KV head), reported as ``nbytes``. A call longer than
+``window`` cannot be undone within that bound: it clears the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running_fields
+from velox_cache_core.validation import check_int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one call of ``length`` tokens starting at ``start`` changed.
+
+    running: every running field but ``slots`` before the call (``slots_none``: the state had
+    no slots yet). Slots before the call, relative to the call's candidates:
+    ``written`` int32 ``[B, H_kv]`` slot the single new token overwrote and ``row`` its previous
+    content (a 1-slot store); ``free`` the dead slot before the call; ``n_live`` the live rows a
+    chunk (or an appended token) came after; ``order`` int32 ``[B, H_kv, n]`` the candidate index
+    of every kept-then-evicted row and ``evicted`` those evicted rows, when the call reordered;
+    ``inputs`` (keys, values, queries, scale) of a chunk, to feed a part of it again.
+    """
+
+    start: int
+    length: int
+    running: dict[str, Any]
+    slots_none: bool
+    free: mx.array | None = None
+    written: mx.array | None = None
+    row: KVSlots | None = None
+    n_live: int = 0
+    order: mx.array | None = None
+    evicted: KVSlots | None = None
+    inputs: tuple[mx.array, mx.array, mx.array | None, float] | None = None
+
+    def arrays(self) -> list[mx.array]:
+        out: list[mx.array] = []
+        for value in (self.free, self.written, self.order):
+            if value is not None:
+                out.append(value)
+        for store in (self.row, self.evicted):
+            if store is not None:
+                out += store.arrays()
+        if self.inputs is not None:
+            out += [x for x in self.inputs[:3] if isinstance(x, mx.array)]
+        return out
+
+
+@dataclass(frozen=True)
+class UndoLog:
+    """The last calls' entries (oldest first), covering at least the last ``window`` tokens."""
+
+    window: int
+    entries: tuple[Entry, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """How many of the last fed tokens a trim can take back."""
+        return sum(e.length for e in self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays the log holds (reported apart from the kept rows)."""
+        return sum(a.nbytes for e in self.entries for a in e.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        return [a for e in self.entries for a in e.arrays()]
+
+    def push(self, entry: Entry) -> UndoLog:
+        if entry.length > self.window:
+            return UndoLog(self.window)
+        entries = (*self.entries, entry)
+        while entries and sum(e.length for e in entries[1:]) >= self.window:
+            entries = entries[1:]
+        return UndoLog(self.window, entries)
+
+    def cleared(self) -> UndoLog:
+        return UndoLog(self.window)
+
+
+def new_log(window: int) -> UndoLog | None:
+    """A log for ``window`` tokens (``None`` for 0: no trims)."""
+    check_int("trim_window", window, minimum=0)
+    return UndoLog(window) if window else None
+
+
+def _gather(slots: KVSlots, idx: mx.array) -> KVSlots:
+    """Rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not."""
+    return KVSlots(
+        keys=mx.take_along_axis(slots.keys, idx[..., None], axis=2),
+        values=mx.take_along_axis(slots.values, idx[..., None], axis=2),
+        positions=mx.take_along_axis(slots.positions, idx, axis=2),
+    )
+
+
+def _permute(rows: KVSlots, order: mx.array) -> KVSlots:
+    """Rows placed so that row ``i`` of ``rows`` lands at index ``order[..., i]``."""
+    return _gather(rows, mx.argsort(order, axis=-1).astype(mx.int32))
+
+
+def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
+    return KVSlots(
+        mx.concatenate([a.keys, b.keys], axis=2),
+        mx.concatenate([a.values, b.values], axis=2),
+        mx.concatenate([a.positions, b.positions], axis=2),
+    )
+
+
+def record(
+    state: PolicyState,
+    before: KVSlots,
+    laid_out_from: KVSlots,
+    candidates: KVSlots,
+    kept: KVSlots,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None,
+    scale: float,
+) -> Entry:
+    """The entry of one call: ``state`` and its slots ``before`` the call, the slots the
+    candidates were laid out from (``before`` with a slot freed first, for StreamingLLM), the
+    candidates and the ``kept`` slots."""
+    L = int(keys.shape[2])
+    entry = Entry(
+        start=state.offset,
+        length=L,
+        running={name: getattr(state, name) for name in running_fields(state) if name != "slots"},
+        slots_none=state.slots is None,
+        free=before.free,
+    )
+    if L == 1 and laid_out_from.free is not None:  # written over one slot
+        written = laid_out_from.free
+        entry = replace(entry, written=written, row=_gather(before, written[..., None]))
+    else:
+        n_live = before.n_kept
+        if before.free is not None:
+            entry = replace(entry, row=_gather(before, before.free[..., None]))
+        entry = replace(entry, n_live=n_live)
+    if L > 1:
+        entry = replace(entry, inputs=(keys, values, queries, scale))
+    if kept.keys is not candidates.keys:  # the rule took a subset in a new order
+        n, m = candidates.n_slots, kept.n_slots
+        same = kept.positions[..., :, None] == candidates.positions[..., None, :]
+        survivors = mx.argmax(same, axis=-1).astype(mx.int32)  # [B, H, m]
+        cols = mx.arange(n)
+        gone = mx.argsort(mx.where(same.any(axis=2), n + cols, cols), axis=-1)[..., : n - m]
+        gone = gone.astype(mx.int32)
+        entry = replace(
+            entry,
+            order=mx.concatenate([survivors, gone], axis=-1),
+            evicted=_gather(candidates, gone),
+        )
+    return entry
+
+
+def undo(state: Any, entry: Entry) -> Any:
+    """The state before the call ``entry`` recorded, from the state right after it."""
+    kept = state.slots
+    assert kept is not None
+    if entry.evicted is not None:
+        assert entry.order is not None
+        candidates = _permute(_concat(kept.compact(), entry.evicted), entry.order)
+    else:
+        candidates = KVSlots(kept.keys, kept.values, kept.positions)
+    if entry.written is not None:
+        assert entry.row is not None
+        B, H, _, D = candidates.keys.shape
+        slot = entry.written[..., None]
+        feat = mx.broadcast_to(slot[..., None], (B, H, 1, D))
+        slots = KVSlots(
+            mx.put_along_axis(candidates.keys, feat, entry.row.keys, axis=2),
+            mx.put_along_axis(candidates.values, feat, entry.row.values, axis=2),
+            mx.put_along_axis(candidates.positions, slot, entry.row.positions, axis=2),
+            entry.free,
+        )
+    else:
+        live = KVSlots(
+            candidates.keys[:, :, : entry.n_live],
+            candidates.values[:, :, : entry.n_live],
+            candidates.positions[:, :, : entry.n_live],
+        )
+        if entry.free is not None:  # put the compacted-away dead slot back where it was
+            assert entry.row is not None
+            n = entry.n_live + 1
+            idx = mx.arange(n - 1, dtype=mx.int32)
+            live_index = idx + (idx >= entry.free[..., None]).astype(mx.int32)
+            order = mx.concatenate([live_index, entry.free[..., None]], axis=-1)
+            live = replace(_permute(_concat(live, entry.row), order), free=entry.free)
+        slots = live
+    return replace(state, slots=None if entry.slots_none else slots, **entry.running)
+
+
+Feed = Callable[[Any, mx.array, mx.array, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]]
+
+
+def trim(state: Any, log: UndoLog, n: int, feed: Feed) -> tuple[Any, UndoLog]:
+    """Forget the last ``n`` tokens: ``(state, log)`` as if they had never been fed.
+
+    ``feed(state, keys, values, queries, scale, log) -> (state, log)`` feeds the first part of a
+    chunk again when the trim ends inside it. Raises ``ValueError`` (changing nothing) when the
+    log holds fewer than ``n`` tokens.
+    """
+    check_int("n", n, minimum=0)
+    if n > log.tokens:
+        raise ValueError(
+            f"cannot trim {n} tokens: the undo log holds the last {log.tokens} "
+            f"(trim_window={log.window}; a longer call or a prompt-end step clears it)"
+        )
+    entries = list(log.entries)
+    while n > 0:
+        entry = entries.pop()
+        state = undo(state, entry)
+        keep = entry.length - min(n, entry.length)
+        n -= entry.length - keep
+        if keep:
+            assert entry.inputs is not None
+            k, v, q, scale = entry.inputs
+            state, fed = feed(
+                state,
+                k[:, :, :keep],
+                v[:, :, :keep],
+                None if q is None else q[:, :, :keep],
+                scale,
+                UndoLog(log.window, tuple(entries)),
+            )
+            entries = list(fed.entries)
+    return state, UndoLog(log.window, tuple(entries))
