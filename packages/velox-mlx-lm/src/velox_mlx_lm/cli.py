@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -17,41 +18,89 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE or --demo"
+METHOD_HELP = (
+    "the cache: "
+    "tova drops the token the newest query attends to least (TOVA); "
+    "tova_adapted is TOVA scored with the new key in place of the query, per KV head; "
+    "h2o keeps the tokens with the most attention summed so far plus the recent ones (H2O); "
+    "streaming_llm keeps the first tokens and a sliding window of the latest (StreamingLLM); "
+    "snapkv cuts the prompt once, at its end, by what its last tokens attend to (SnapKV); "
+    "morphkv drops the token the last few tokens' queries attend to least (MorphKV); "
+    "full keeps everything (mlx-lm's own cache). Default: %(default)s"
+)
+# A Hugging Face repo id: owner/name, letters, digits, '-', '_' and '.' (the hub's own rule).
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from velox_mlx_lm.config import METHODS
+    from velox_mlx_lm.config import methods
 
     p = argparse.ArgumentParser(
         prog="velox-generate",
         description="Generate text with a fixed-budget Velox KV cache (TOVA and siblings).",
     )
-    p.add_argument("--model", help="mlx-lm model path/repo or a .gguf file (default: embedded)")
+    p.add_argument(
+        "--model",
+        help="a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text ('-' reads standard input)")
     src.add_argument("--prompt-file", help="file holding the prompt")
     src.add_argument(
         "--demo", action="store_true", help="the built-in long document and its question"
     )
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument(
-        "--method", choices=[m for m in METHODS if m != "full"] + ["full"], default="tova"
+        "--max-tokens", "-m", type=int, default=256, help="tokens to generate (default: 256)"
     )
-    p.add_argument("--budget", type=int, help="tokens kept per layer (method's default: 512)")
-    p.add_argument("--n-sink", type=int, help="first positions never evicted")
-    p.add_argument("--signal", choices=("query", "key"))
-    p.add_argument("--scope", choices=("layer", "head"))
-    p.add_argument("--prefill", choices=("sequential", "oneshot"))
-    p.add_argument("--window", type=int, help="snapkv/morphkv window")
+    p.add_argument("--method", choices=methods(), default="tova", help=METHOD_HELP)
+    p.add_argument(
+        "--budget", type=int, help="tokens kept per layer (every method but full; default: 512)"
+    )
+    p.add_argument(
+        "--n-sink",
+        type=int,
+        help="first positions never evicted (tova, h2o, streaming_llm, morphkv; default: 4)",
+    )
+    p.add_argument(
+        "--signal",
+        choices=("query", "key"),
+        help="what scores the tokens: the model's true queries or the keys as a stand-in "
+        "(tova, h2o, snapkv, morphkv; default: the method's)",
+    )
+    p.add_argument(
+        "--scope",
+        choices=("layer", "head"),
+        help="one eviction per layer (all KV heads drop the same token) or one per KV head "
+        "(tova, h2o, morphkv; default: the method's)",
+    )
+    p.add_argument(
+        "--prefill",
+        choices=("sequential", "oneshot"),
+        help="during the prompt, evict token by token as decode would, or once per chunk "
+        "(tova, h2o, morphkv; default: the method's)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        help="latest tokens whose attention decides (snapkv, default 32; morphkv, default 8)",
+    )
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="apply the chat template (default: on for --demo)",
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=512,
+        help="prompt tokens per forward pass while prefilling (default: 512)",
+    )
     p.add_argument(
         "--quantized",
         action="store_true",
@@ -68,14 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The KVCacheConfig the flags describe; flags that the method has no use for are errors."""
-    from dataclasses import fields as dataclass_fields
-
-    from velox_mlx_lm.config import KVCacheConfig
+    from velox_mlx_lm.config import KVCacheConfig, config_fields
 
     method = args.method
-    policy = "tova" if method.startswith("tova") else method
-    # A flag applies when the method's policy has the config field `<policy>_<flag>`.
-    known = {f.name for f in dataclass_fields(KVCacheConfig)}
+    config = KVCacheConfig(method=method)
+    policy = config.policy
+    # A flag applies when the method's policy has the setting (config field `<policy>_<flag>`).
+    known = config_fields()
     given = {
         "budget": args.budget,
         "n_sink": args.n_sink,
@@ -88,10 +136,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
     for name, value in given.items():
         if value is None:
             continue
-        if f"{policy}_{name}" not in known:
+        if policy is None or f"{policy}_{name}" not in known:
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {method}")
         fields[f"{policy}_{name}"] = value
-    return KVCacheConfig(method=method, **fields)
+    return config.replace(**fields)
 
 
 @dataclass
@@ -214,6 +262,31 @@ def _blas_name() -> str:
     return name
 
 
+def model_ref(model: str) -> str:
+    """What ``--model MODEL`` names: an existing local path (``~`` expanded) or a Hugging Face
+    repo id. Anything else is a path that does not exist: ``FileNotFoundError`` naming it (an
+    existing file that is not a ``.gguf``: ``OSError``).
+
+    Only an argument shaped like ``owner/name`` (and not like a path: no leading ``.``, ``/``
+    or ``~``) that is not a local path is taken as a repo id, so a mistyped path is reported as
+    missing rather than looked up on the hub.
+    """
+    path = os.path.expanduser(model)
+    if model.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--model: no such GGUF file: {model}")
+        return path
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise OSError(f"--model: {model} is neither a model folder nor a .gguf file")
+    if HUB_REPO_ID.fullmatch(model) and ".." not in model and "--" not in model:
+        return model
+    raise FileNotFoundError(
+        f"--model: no such file or directory: {model} (a Hugging Face model is given as owner/name)"
+    )
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from velox_mlx_lm.embedded import default_model_path, load_gguf
 
@@ -221,33 +294,66 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     if args.model is None:
         path = default_model_path()
         return (*load_gguf(path, dequantize=dequantize), f"embedded SmolLM2-135M ({path.name})")
-    if args.model.endswith(".gguf"):
-        if not os.path.isfile(args.model):
-            raise FileNotFoundError(f"--model: no such GGUF file: {args.model}")
-        return (*load_gguf(args.model, dequantize=dequantize), args.model)
+    ref = model_ref(args.model)
+    if ref.lower().endswith(".gguf"):
+        return (*load_gguf(ref, dequantize=dequantize), args.model)
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(args.model)[:2]
+    if os.path.isdir(ref):
+        try:
+            model, tokenizer = mlx_lm.load(ref)[:2]
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"--model: {args.model} is not an mlx-lm model folder "
+                f"(no {os.path.basename(exc.filename or '') or 'model files'})"
+            ) from exc
+        return model, tokenizer, args.model
+    try:
+        model, tokenizer = mlx_lm.load(ref)[:2]
+    except OSError as exc:  # the hub's errors (not found, offline) are OSErrors
+        detail = " ".join(str(exc).split())
+        raise FileNotFoundError(
+            f"--model: {ref} is not a local path and could not be fetched from the Hugging "
+            f"Face hub: {detail}"
+        ) from exc
     return model, tokenizer, args.model
 
 
-def _prompt_tokens(args: argparse.Namespace, tokenizer: Any) -> list[int]:
-    chat = args.chat
+def read_prompt(args: argparse.Namespace) -> tuple[str, bool]:
+    """The prompt text the flags name and whether to apply the chat template; read before the
+    model is loaded. ``ValueError`` for no prompt or an empty (or blank) one, ``OSError`` for
+    a prompt file that cannot be read."""
+    chat = bool(args.chat)
     if args.demo:
         from velox_mlx_lm.embedded import demo_prompt
 
-        messages = demo_prompt().messages()
-        chat = True if chat is None else chat
-        text = messages[0]["content"]
+        text = demo_prompt().messages()[0]["content"]
+        chat = args.chat is None or args.chat
+        where = "--demo"
     elif args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
+        where = f"--prompt-file {args.prompt_file}"
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where} is not UTF-8 text ({exc.reason})") from exc
+        except OSError as exc:
+            raise OSError(f"{where}: {exc.strerror or exc}") from exc
     elif args.prompt == "-":
         text = sys.stdin.read()
+        where = "standard input (--prompt -)"
     elif args.prompt is not None:
         text = args.prompt
+        where = "--prompt"
     else:
         raise ValueError(NO_PROMPT)
+    if not text.strip():
+        what = "is empty" if not text else "holds only whitespace"
+        raise ValueError(f"{where} {what}: the prompt needs some text")
+    return text, chat
+
+
+def _prompt_tokens(text: str, chat: bool, tokenizer: Any) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": text}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
@@ -268,6 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(NO_PROMPT)  # before loading a model for nothing
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    # Everything that can be checked without the model is, before loading it.
+    try:
+        if args.model is not None:
+            model_ref(args.model)
+        text, chat = read_prompt(args)
+    except OSError as exc:  # a missing model path or prompt file
+        return _error(exc)
+    except ValueError as exc:  # no prompt, an empty one, or a prompt file that is not UTF-8
+        parser.error(str(exc))
     from velox_mlx_lm.builder import KVCacheBuilder
     from velox_mlx_lm.config import KVCacheConfig
 
@@ -275,10 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         started = time.perf_counter()
         model, tokenizer, model_name = _load(args)
-        prompt = _prompt_tokens(args, tokenizer)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        print(f"velox-generate: error: {exc}", file=sys.stderr)
-        return 1
+        prompt = _prompt_tokens(text, chat, tokenizer)
+    except (ValueError, OSError) as exc:
+        return _error(exc)
     if echo:
         print(f"model: {model_name}  |  BLAS: {_blas_name()}  |  prompt: {len(prompt)} tokens")
     runs = []
@@ -308,6 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + _table(runs))
     print(f"\ntotal time: {elapsed:.1f} s")
     return 0
+
+
+def _error(exc: BaseException) -> int:
+    """Report a runtime error the argparse way (``velox-generate: error: ...``); exit status 1."""
+    print(f"velox-generate: error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _budget(config: Any) -> int:
