@@ -1,35 +1,15 @@
-"""Test-support modules (numpy references, helpers), loaded once by file path.
+"""Puts this directory on ``sys.path`` so that tests import their support modules by name
+(``import core_harness``, ``import core_reference``), whatever pytest's import mode.
 
-pytest runs in importlib mode, so tests/ is not on sys.path; the modules are exposed as
-``velox_core_tests.<name>`` (``from velox_core_tests import helpers``).
+Support modules are named ``core_*``: every package's tests run in one pytest process, and a
+module name must not collide with another test directory's.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-import types
 from pathlib import Path
 
-SUPPORT = ("helpers", "reference", "reference_siblings", "sibling_harness")
-
-
-def _load_support() -> None:
-    if "velox_core_tests" in sys.modules:
-        return
-    package = types.ModuleType("velox_core_tests")
-    package.__path__ = []  # a namespace for `from velox_core_tests import name`
-    sys.modules["velox_core_tests"] = package
-    for name in SUPPORT:
-        qualified = f"velox_core_tests.{name}"
-        spec = importlib.util.spec_from_file_location(
-            qualified, Path(__file__).with_name(f"{name}.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-        setattr(package, name, module)
-
-
-_load_support()
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)

@@ -18,7 +18,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_decoder.py"
 MODULE_NAME = "velox_example_tiny_decoder"
 
-# Every signal x scope x prefill combination (DESIGN.md section 3: all are valid).
+# Every signal x scope x prefill combination (docs/architecture.md section 3: all are valid).
 SETTINGS = [
     {"signal": signal, "scope": scope, "prefill": prefill}
     for signal, scope, prefill in itertools.product(

@@ -1,48 +1,247 @@
-"""One contract matrix over every policy in the registry (DESIGN.md sections 3-4): what stays true
-whatever the rule. Per-policy behaviour is tested in test_<policy>.py."""
+"""One contract matrix over every policy in the registry (docs/architecture.md sections 3-5):
+what stays true whatever the rule, and agreement with each policy's plain numpy reference. What is
+special to one policy is tested in test_<policy>.py.
+
+Adding a policy means adding one entry to ``CASES`` (below), keyed by its registry name:
+
+    CASES["toy"] = Case(
+        settings={"budget": 5, "n_sink": 1},   # small, valid: the fixed-stream tests use these
+        reference=ReferenceToy,                # numpy reference, built as ReferenceToy(**settings)
+                                               #   with the state's full settings
+        strategy=st.fixed_dictionaries({"budget": st.integers(1, 10)}),
+                                               # hypothesis: random valid settings (init fills in
+                                               #   the defaults of the others)
+        # Optional, with their defaults:
+        axes={},              # {setting: values}: the fixed-stream reference test runs every
+                              #   combination, on top of `settings`
+        chunk_invariant={},   # settings overrides under which chunking changes nothing
+                              #   ({"prefill": "sequential"}); the invariance test applies them
+        prompt_end=None,      # state -> state: the engine's end-of-prompt step (SnapKV's
+                              #   snapkv_compress); the reference's compress() runs at the same
+                              #   point. A policy with one evicts only there: it grows before and
+                              #   after it, and the reference tests also feed a few decode tokens
+        check_step=None,      # (step, Call) -> None: extra checks after every engine call of the
+                              #   reference tests (e.g. H2O's running scores)
+        uses_queries=True,    # the registry's uses_queries (False: queries are optional)
+        bad=[],               # [(settings overrides, parameter the message names)] init refuses,
+                              #   on top of the budget / n_sink ones every policy gets
+        ok=[],                # [settings] on the edge of validity that init accepts
+    )
+
+The reference is an object with ``feed(keys, values, queries, scale) -> (outputs, positions)``,
+``positions()``, ``kept_rows(b, h)``, ``last_visible``, ``min_margin``, ``kept`` and ``offset``
+(and ``compress()`` with a prompt_end), like those in core_reference.py and
+core_reference_siblings.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Callable
+from typing import Any
 
+import core_harness as harness
 import mlx.core as mx
 import numpy as np
 import pytest
+from core_reference import ReferenceTova
+from core_reference_siblings import (
+    ReferenceH2O,
+    ReferenceMorphKV,
+    ReferenceSnapKV,
+    ReferenceStreamingLLM,
+)
+from hypothesis import HealthCheck, assume, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES, Policy, snapkv_compress
 
-B, H, GROUP, D = 2, 2, 2, 8
+# ------------------------------------------------------------------------------ the table
 
-# Small settings per policy, the sink count they promise to keep (None: no sinks), and the
-# bad settings each must refuse, with the parameter the message must name.
-CASES: dict[str, dict] = {
-    "tova": {
-        "settings": {"budget": 5, "n_sink": 2},
-        "n_sink": 2,
-        "bad": [
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a `check_step` hook knows about the engine call it checks."""
+
+    before: Any  # the call's input state
+    length: int  # tokens in the call
+    n_q: int  # query heads
+    give_queries: bool  # whether the call got its queries
+    ref: Any  # the reference, after its matching feed
+    ended: bool  # whether prompt_end already ran
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One policy's entry in the contract matrix (see the module docstring)."""
+
+    settings: dict[str, Any]
+    reference: Callable[..., Any]
+    strategy: st.SearchStrategy[dict[str, Any]]
+    axes: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    chunk_invariant: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prompt_end: Callable[[Any], Any] | None = None
+    check_step: Callable[[Any, Call], None] | None = None
+    uses_queries: bool = True
+    bad: list[tuple[dict[str, Any], str]] = dataclasses.field(default_factory=list)
+    ok: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+SIGNALS, SCOPES, PREFILLS = ("query", "key"), ("layer", "head"), ("sequential", "oneshot")
+# The rule's choices, every combination of which is valid (docs/architecture.md section 3).
+ATTENTION_AXES = {"signal": SIGNALS, "scope": SCOPES, "prefill": PREFILLS}
+
+
+def attention_settings(draw: st.DrawFn) -> dict[str, str]:
+    return {name: draw(st.sampled_from(values)) for name, values in ATTENTION_AXES.items()}
+
+
+@st.composite
+def tova_settings(draw: st.DrawFn) -> dict[str, Any]:
+    budget = draw(st.integers(1, 12))
+    return {
+        "budget": budget,
+        "n_sink": draw(st.integers(0, budget - 1)),
+        **attention_settings(draw),
+    }
+
+
+@st.composite
+def h2o_settings(draw: st.DrawFn) -> dict[str, Any]:
+    budget = draw(st.integers(1, 10))
+    n_sink = draw(st.integers(0, budget - 1))
+    recent = draw(st.integers(0, budget - n_sink))
+    return {"budget": budget, "n_sink": n_sink, "recent": recent, **attention_settings(draw)}
+
+
+@st.composite
+def streaming_llm_settings(draw: st.DrawFn) -> dict[str, Any]:
+    budget = draw(st.integers(1, 10))
+    return {"budget": budget, "n_sink": draw(st.integers(0, budget - 1))}
+
+
+@st.composite
+def snapkv_settings(draw: st.DrawFn) -> dict[str, Any]:
+    budget = draw(st.integers(2, 12))
+    return {
+        "budget": budget,
+        "window": draw(st.integers(1, budget - 1)),
+        "kernel": draw(st.sampled_from((1, 3, 5, 7))),
+        "signal": draw(st.sampled_from(SIGNALS)),
+    }
+
+
+@st.composite
+def morphkv_settings(draw: st.DrawFn) -> dict[str, Any]:
+    budget = draw(st.integers(1, 10))
+    n_sink = draw(st.integers(0, budget - 1))
+    return {
+        "budget": budget,
+        "n_sink": n_sink,
+        "window": draw(st.integers(1, budget - n_sink + 1)),
+        "fusion": draw(st.sampled_from(("mean", "max"))),
+        **attention_settings(draw),
+    }
+
+
+def tova_step(step, call: Call) -> None:
+    """The call attends over everything retained plus the chunk; the mask has one head per
+    decision group: 1 for scope layer, else H_q with queries and H_kv without."""
+    n_batch, n_kv, n, _ = step.keys.shape
+    assert n == call.before.n_kept + call.length
+    if step.mask is not None:
+        settings = call.before.settings
+        heads = 1 if settings["scope"] == "layer" else (call.n_q if call.give_queries else n_kv)
+        assert step.mask.shape == (n_batch, heads, call.length, n)
+
+
+def h2o_step(step, call: Call) -> None:
+    """state.scores [B, G, S] is slot-aligned: each live slot holds its position's running sum."""
+    state = step.state
+    if state.n_kept == 0:
+        return
+    scores = np.array(state.scores)
+    groups = scores.shape[1]
+    assert (1 if call.ref.scope == "layer" else call.ref.n_kv) == groups
+    positions = np.array(state.slots.positions)[:, :groups]
+    free = None if state.slots.free is None else np.array(state.slots.free)[:, :groups]
+    assert scores.shape[2] == positions.shape[2]
+    for b in range(scores.shape[0]):
+        for g in range(groups):
+            for s in range(scores.shape[2]):
+                if free is not None and free[b, g] == s:
+                    continue
+                want = call.ref.scores[b][g][int(positions[b, g, s])]
+                np.testing.assert_allclose(scores[b, g, s], want, rtol=1e-4, atol=1e-5)
+
+
+def streaming_llm_step(step, call: Call) -> None:
+    """The rule ignores attention: one mask for every head."""
+    if step.mask is not None:
+        assert step.mask.shape[1] == 1
+
+
+def snapkv_step(step, call: Call) -> None:
+    """Nothing is evicted while the prompt is fed, nor after the cut: tokens only append."""
+    state = step.state
+    if call.ended:
+        assert state.compressed and state.n_kept == call.before.n_kept + call.length
+    else:
+        assert not state.compressed and state.n_kept == state.offset
+
+
+CASES: dict[str, Case] = {
+    "tova": Case(
+        settings={"budget": 5, "n_sink": 2},
+        reference=ReferenceTova,
+        strategy=tova_settings(),
+        axes=ATTENTION_AXES,
+        chunk_invariant={"prefill": "sequential"},
+        check_step=tova_step,
+        bad=[
             ({"signal": "value"}, "signal"),
             ({"scope": "token"}, "scope"),
             ({"prefill": "lazy"}, "prefill"),
             ({"preset": "nope"}, "preset"),
         ],
-    },
-    "h2o": {
-        "settings": {"budget": 6, "n_sink": 1, "recent": 2},
-        "n_sink": 1,
-        "bad": [
+        ok=[{"budget": 1, "n_sink": 0}],
+    ),
+    "h2o": Case(
+        settings={"budget": 6, "n_sink": 1, "recent": 2},
+        reference=ReferenceH2O,
+        strategy=h2o_settings(),
+        axes=ATTENTION_AXES,
+        chunk_invariant={"prefill": "sequential"},
+        check_step=h2o_step,
+        bad=[
             ({"budget": 6, "n_sink": 2, "recent": 5}, "recent"),
             ({"recent": -1}, "recent"),
+            ({"recent": 1.0}, "recent"),
             ({"signal": "value"}, "signal"),
             ({"scope": "token"}, "scope"),
             ({"prefill": "lazy"}, "prefill"),
         ],
-    },
-    "streaming_llm": {"settings": {"budget": 5, "n_sink": 2}, "n_sink": 2, "bad": []},
-    "snapkv": {
-        "settings": {"budget": 6, "window": 2, "kernel": 3},
-        "n_sink": None,
-        "bad": [
+        ok=[{"budget": 8, "n_sink": 4, "recent": 4}, {"budget": 8, "n_sink": 0, "recent": 0}],
+    ),
+    "streaming_llm": Case(
+        settings={"budget": 5, "n_sink": 2},
+        reference=ReferenceStreamingLLM,
+        strategy=streaming_llm_settings(),
+        check_step=streaming_llm_step,
+        uses_queries=False,
+        ok=[{"budget": 1, "n_sink": 0}],
+    ),
+    "snapkv": Case(
+        settings={"budget": 6, "window": 2, "kernel": 3},
+        reference=ReferenceSnapKV,
+        strategy=snapkv_settings(),
+        axes={"signal": SIGNALS, "kernel": (1, 5)},
+        prompt_end=snapkv_compress,
+        check_step=snapkv_step,
+        bad=[
             ({"budget": 6, "window": 6}, "window"),
             ({"budget": 6, "window": 0}, "window"),
             ({"kernel": 4}, "kernel"),
@@ -50,22 +249,37 @@ CASES: dict[str, dict] = {
             ({"signal": "value"}, "signal"),
             ({"budget": 1, "window": 1}, "budget"),
         ],
-    },
-    "morphkv": {
-        "settings": {"budget": 6, "n_sink": 1, "window": 3},
-        "n_sink": 1,
-        "bad": [
+        ok=[{"budget": 2, "window": 1, "kernel": 1}],
+    ),
+    "morphkv": Case(
+        settings={"budget": 6, "n_sink": 1, "window": 3},
+        reference=ReferenceMorphKV,
+        strategy=morphkv_settings(),
+        axes={**ATTENTION_AXES, "fusion": ("mean", "max")},
+        chunk_invariant={"prefill": "sequential"},
+        bad=[
             ({"fusion": "sum"}, "fusion"),
             ({"window": 0}, "window"),
+            ({"window": 2.0}, "window"),
             ({"budget": 6, "n_sink": 2, "window": 6}, "window"),
             ({"signal": "value"}, "signal"),
             ({"scope": "token"}, "scope"),
             ({"prefill": "lazy"}, "prefill"),
         ],
-    },
+        ok=[{"budget": 8, "n_sink": 2, "window": 7}, {"budget": 8, "n_sink": 2, "window": 1}],
+    ),
 }
+
+# ------------------------------------------------------------------------------- helpers
+
 NAMES = sorted(POLICIES)
+B, H, GROUP, D = 2, 2, 2, 8
 CHUNKINGS = [[1] * 14, [14], [3, 0, 5, 1, 4, 1], [6, 6, 1, 1]]
+EXAMPLES = hypothesis_settings(
+    max_examples=35,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def stream(n: int, b: int = B, h: int = H, d: int = D, seed: int = 0, dtype=np.float32):
@@ -77,7 +291,7 @@ def stream(n: int, b: int = B, h: int = H, d: int = D, seed: int = 0, dtype=np.f
 
 
 def fresh(name: str, **overrides):
-    return POLICIES[name].init(**{**CASES[name]["settings"], **overrides})
+    return POLICIES[name].init(**{**CASES[name].settings, **overrides})
 
 
 def call(name: str, state, keys, values, queries, **kwargs):
@@ -100,12 +314,14 @@ def feed(name: str, chunks: list[int], state=None, seed: int = 0, dtype=np.float
 
 
 def finish(name: str, state):
-    """End of the prompt: SnapKV cuts here; the others already respect the budget."""
-    return snapkv_compress(state) if name == "snapkv" else state
+    """End of the prompt: the policy's prompt_end, if any."""
+    prompt_end = CASES[name].prompt_end
+    return state if prompt_end is None else prompt_end(state)
 
 
-def kept(state) -> list[list[list[int]]]:
-    return [[sorted(int(p) for p in row) for row in rows] for rows in np.array(state.positions)]
+def needs_queries(name: str, settings: dict[str, Any]) -> bool:
+    """Whether an update under these (full) settings must get the queries."""
+    return CASES[name].uses_queries and settings.get("signal", "query") == "query"
 
 
 def snapshot(state) -> dict:
@@ -147,18 +363,12 @@ def test_registry_entry(name: str) -> None:
     assert isinstance(policy, Policy) and policy.name == name
     state = fresh(name)
     assert isinstance(state, policy.state_type)
-    assert policy.uses_queries == (name != "streaming_llm")
+    assert policy.uses_queries == CASES[name].uses_queries
     # Settings round-trip: a saved cache can be rebuilt from them.
     assert policy.init(**state.settings).settings == state.settings
     assert state.n_kept == 0 and state.offset == 0 and state.tokens_seen == 0
     assert state.keys is None and state.positions is None and state.nbytes == 0
     assert state.compression_ratio == 1.0
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_state_is_frozen(name: str) -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fresh(name).budget = 3
 
 
 # ------------------------------------------------------------------------ the guarantees
@@ -167,8 +377,8 @@ def test_state_is_frozen(name: str) -> None:
 @pytest.mark.parametrize("chunks", CHUNKINGS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("name", NAMES)
 def test_guarantees_after_every_call(name: str, chunks: list[int]) -> None:
-    case = CASES[name]
-    budget, n_sink = case["settings"]["budget"], case["n_sink"]
+    settings = CASES[name].settings
+    budget, n_sink = settings["budget"], settings.get("n_sink")
     steps, (keys, values, _) = feed(name, chunks)
     offset = 0
     for step, size in zip(steps, chunks, strict=True):
@@ -183,8 +393,8 @@ def test_guarantees_after_every_call(name: str, chunks: list[int]) -> None:
             assert step.mask.dtype == mx.bool_
             assert step.mask.shape[0] == B and step.mask.shape[1] in (1, H, H * GROUP)
             assert step.mask.shape[2:] == (size, step.keys.shape[2])
-        # Budget (SnapKV only cuts at the end of the prompt: it grows until then).
-        if name == "snapkv":
+        # Budget (a policy with a prompt end only cuts there: it grows until then).
+        if CASES[name].prompt_end is not None:
             assert state.n_kept == offset
         else:
             assert state.n_kept == min(offset, budget)
@@ -221,12 +431,12 @@ def check_state(state, offset: int, keys, values, n_sink: int | None) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_holds_over_a_long_decode(name: str) -> None:
-    budget = CASES[name]["settings"]["budget"]
+    budget = CASES[name].settings["budget"]
     steps, _ = feed(name, [9])
     state = finish(name, steps[-1].state)
     steps, _ = feed(name, [1] * 30, state=state, seed=1)
     sizes = [s.state.n_kept for s in steps]
-    if name == "snapkv":  # after the cut the cache grows
+    if CASES[name].prompt_end is not None:  # after the cut the cache grows
         assert sizes == [budget + i for i in range(1, 31)]
     else:
         assert sizes == [budget] * 30
@@ -254,20 +464,6 @@ def test_empty_call(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_deterministic(name: str) -> None:
-    chunks = [3, 1, 6, 1, 1, 5]
-    a, _ = feed(name, chunks)
-    b, _ = feed(name, chunks)
-    for x, y in zip(a, b, strict=True):
-        for what in ("keys", "values", "mask"):
-            u, v = getattr(x, what), getattr(y, what)
-            assert (u is None) == (v is None)
-            if u is not None:
-                np.testing.assert_array_equal(np.array(u), np.array(v), err_msg=what)
-        assert_same_snapshot(snapshot(x.state), snapshot(y.state))
-
-
-@pytest.mark.parametrize("name", NAMES)
 def test_call_leaves_input_state_untouched(name: str) -> None:
     steps, _ = feed(name, [7, 1])
     state = steps[-1].state
@@ -279,23 +475,181 @@ def test_call_leaves_input_state_untouched(name: str) -> None:
         after = call(name, state, *args, mx.array(queries[:, :, part])).state
         mx.eval(after.keys)
         assert_same_snapshot(before, snapshot(state))
-    if name == "snapkv":
-        snapkv_compress(state)
+    if CASES[name].prompt_end is not None:
+        CASES[name].prompt_end(state)
         assert_same_snapshot(before, snapshot(state))
+
+
+# ---------------------------------------------------------------- against the reference
+
+
+def run_against_reference(
+    name: str,
+    settings: dict[str, Any],
+    *,
+    shape: tuple[int, int, int, int],
+    prompt: list[int],
+    decode: list[int],
+    give_queries: bool,
+    scale: float | None,
+    seed: int,
+    close_call: Callable[[bool], Any] = assume,
+) -> None:
+    """Feed engine and reference the same stream: the prompt in chunks, the prompt end (if the
+    policy has one), then the decode chunks; compare them after every call."""
+    case = CASES[name]
+    policy = POLICIES[name]
+    length = sum(prompt)
+    stream = harness.make_stream(*shape, length + sum(decode), seed)
+    state = policy.init(**settings)
+    ref = case.reference(**state.settings)
+    n_q = shape[1] * shape[2]
+
+    def hook(ended: bool):
+        if case.check_step is None:
+            return None
+
+        def after_call(step, ref, before) -> None:
+            n = step.state.offset - before.offset
+            case.check_step(step, Call(before, n, n_q, give_queries, ref, ended))
+
+        return after_call
+
+    common = {"give_queries": give_queries, "scale": scale, "close_call": close_call}
+    state = harness.run_stream(
+        policy.update, state, ref, stream, prompt, after_call=hook(False), **common
+    )
+    if case.prompt_end is None:
+        assert not decode
+    else:
+        state = case.prompt_end(state)
+        ref.compress()
+        close_call(ref.min_margin > harness.MIN_MARGIN)
+        assert state.n_kept == min(length, state.settings["budget"])
+        if length:
+            harness.check_state(state, ref, length)
+        assert case.prompt_end(state) is state  # once is enough
+        state = harness.run_stream(
+            policy.update, state, ref, stream, decode, start=length, after_call=hook(True), **common
+        )
+    assert state.offset == ref.offset == length + sum(decode)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@EXAMPLES
+@given(data=st.data())
+def test_engine_matches_reference(name: str, data: st.DataObject) -> None:
+    case = CASES[name]
+    settings = data.draw(case.strategy, label="settings")
+    full = POLICIES[name].init(**settings).settings
+    run_against_reference(
+        name,
+        settings,
+        shape=data.draw(harness.shapes(), label="shape"),
+        prompt=data.draw(harness.chunk_sizes(), label="prompt"),
+        decode=(
+            data.draw(st.lists(st.integers(0, 3), max_size=4), label="decode")
+            if case.prompt_end is not None
+            else []
+        ),
+        give_queries=needs_queries(name, full) or data.draw(st.booleans(), label="queries"),
+        scale=data.draw(st.sampled_from([None, None, 0.3, 1.5]), label="scale"),
+        seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
+    )
+
+
+def every_combination() -> list:
+    params = []
+    for name in NAMES:
+        axes = CASES[name].axes
+        for values in itertools.product(*axes.values()):
+            combination = dict(zip(axes, values, strict=True))
+            params.append(pytest.param(name, combination, id="-".join([name, *map(str, values)])))
+    return params
+
+
+# Fixed, eviction-heavy streams, so that every combination runs whatever hypothesis draws.
+FIXED_CHUNKINGS = [[1] * 16, [7, 0, 1, 6, 3], [16], [4, 4, 4, 4]]
+
+
+@pytest.mark.parametrize(("name", "combination"), every_combination())
+def test_engine_matches_reference_every_combination(name: str, combination: dict) -> None:
+    settings = {**CASES[name].settings, **combination}
+    full = POLICIES[name].init(**settings).settings
+    for i, chunks in enumerate(FIXED_CHUNKINGS):
+        run_against_reference(
+            name,
+            settings,
+            shape=(2, 2, 2, 8),
+            prompt=chunks,
+            decode=[1, 1, 2] if CASES[name].prompt_end is not None else [],
+            give_queries=i % 2 == 0 or needs_queries(name, full),
+            scale=None,
+            seed=1000 + i,
+            close_call=harness.assert_clear,
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+@EXAMPLES
+@given(data=st.data())
+def test_chunk_invariant(name: str, data: st.DataObject) -> None:
+    """How a stream is cut into calls changes nothing (under the `chunk_invariant` settings):
+    not the reference, not the engine's states and outputs, not the prompt end."""
+    case = CASES[name]
+    policy = POLICIES[name]
+    settings = {**data.draw(case.strategy, label="settings"), **case.chunk_invariant}
+    length, split_a, split_b = data.draw(harness.two_splits(), label="splits")
+    shape = data.draw(harness.shapes(), label="shape")
+    stream = harness.make_stream(*shape, length, data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    full = policy.init(**settings).settings
+
+    # The reference follows its own definition whatever the split.
+    ref_a, ref_b = case.reference(**full), case.reference(**full)
+    ref_out_a = harness.run_reference(ref_a, stream, split_a)
+    ref_out_b = harness.run_reference(ref_b, stream, split_b)
+    assert ref_a.positions() == ref_b.positions()
+    np.testing.assert_allclose(ref_out_a, ref_out_b, atol=1e-12)
+    if case.prompt_end is not None:
+        ref_a.compress()
+        ref_b.compress()
+        assert ref_a.positions() == ref_b.positions()
+    assume(min(ref_a.min_margin, ref_b.min_margin) > harness.MIN_MARGIN)
+
+    state_a, out_a = harness.run_engine(policy.update, policy.init(**settings), stream, split_a)
+    state_b, out_b = harness.run_engine(
+        policy.update, policy.init(**settings), stream, split_b, needs_queries(name, full)
+    )
+    np.testing.assert_allclose(out_a, out_b, atol=harness.ATOL, rtol=harness.RTOL)
+    np.testing.assert_allclose(out_a, ref_out_a, atol=harness.ATOL, rtol=harness.RTOL)
+    if case.prompt_end is not None:
+        state_a, state_b = case.prompt_end(state_a), case.prompt_end(state_b)
+    harness.assert_same_states(state_a, state_b)
+    assert state_a.offset == length
+    assert state_a.n_kept == min(length, full["budget"])
+    assert harness.state_positions(state_a) == (ref_a.positions() if length else None)
 
 
 # -------------------------------------------------------------------------- bad inputs
 
 
-def bad_calls(name: str, state):
+def bad_calls(name: str, signal: str | None):
     """(description, parameter the message must name, args, kwargs) of calls that must fail."""
     k, v, q = (mx.array(x) for x in stream(3, seed=5))
     other = "tova" if name != "tova" else "h2o"
+
+    def broken(value: float) -> mx.array:
+        keys = np.array(k)
+        keys[1, 0, 2, 3] = value
+        return mx.array(keys)
+
     out = [
         ("keys rank", "keys", (k[:, :, 0], v, q), {}),
         ("values rank", "values", (k, v[None], q), {}),
         ("queries rank", "queries", (k, v, q[0]), {}),
-        ("values shape", "values", (k, v[:, :, :2], q), {}),
+        ("values L", "values", (k, v[:, :, :2], q), {}),
+        ("values D", "values", (k, v[..., :4], q), {}),
+        ("values B", "values", (k, v[:1], q), {}),
         ("values dtype", "values", (k, v.astype(mx.float16), q), {}),
         ("state dtype", "keys", (k.astype(mx.float16), v.astype(mx.float16), q), {}),
         ("integer keys", "keys", (k.astype(mx.int32), v.astype(mx.int32), q), {}),
@@ -304,28 +658,51 @@ def bad_calls(name: str, state):
         ("H_kv change", "H_kv", (k[:, :1], v[:, :1], q), {}),
         ("D change", "D", (k[..., :4], v[..., :4], q[..., :4]), {}),
         ("queries L", "queries", (k, v, q[:, :, :2]), {}),
+        ("queries D", "queries", (k, v, q[..., :4]), {}),
+        ("queries B", "queries", (k, v, q[:1]), {}),
         ("queries H_q", "H_q", (k, v, q[:, :3]), {}),
+        ("NaN keys", "keys", (broken(math.nan), v, q), {}),
+        ("inf keys", "keys", (broken(math.inf), v, q), {}),
+        ("-inf keys", "keys", (broken(-math.inf), v, q), {}),
         ("scale sign", "scale", (k, v, q), {"scale": -1.0}),
+        ("scale zero", "scale", (k, v, q), {"scale": 0.0}),
+        ("scale NaN", "scale", (k, v, q), {"scale": math.nan}),
+        ("scale inf", "scale", (k, v, q), {"scale": math.inf}),
         ("scale type", "scale", (k, v, q), {"scale": "1"}),
-        ("NaN keys", "keys", (k * mx.array(math.nan), v, q), {}),
         ("wrong state", "state", (k, v, q), {"state": fresh(other)}),
     ]
-    if POLICIES[name].uses_queries:
+    if needs_queries(name, {"signal": signal or "query"}):
         out.append(("no queries", "queries", (k, v, None), {}))
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_bad_input_raises_and_changes_nothing(name: str) -> None:
-    steps, _ = feed(name, [7, 1])
+def bad_input_cases() -> list:
+    """Every policy with its fixed settings, and with signal "key" where it has a signal."""
+    params = [pytest.param(name, None, id=name) for name in NAMES]
+    params += [
+        pytest.param(name, "key", id=f"{name}-key")
+        for name in NAMES
+        if "signal" in fresh(name).settings
+    ]
+    return params
+
+
+@pytest.mark.parametrize(("name", "signal"), bad_input_cases())
+def test_bad_input_raises_and_changes_nothing(name: str, signal: str | None) -> None:
+    overrides = {} if signal is None else {"signal": signal}
+    steps, _ = feed(name, [7, 1], state=fresh(name, **overrides))
     state = steps[-1].state
     before = snapshot(state)
-    for what, param, args, kwargs in bad_calls(name, state):
+    for what, param, args, kwargs in bad_calls(name, signal):
         target = kwargs.pop("state", state)
         with pytest.raises((ValueError, TypeError)) as info:
             call(name, target, *args, **kwargs)
         assert param in str(info.value), f"{what}: message does not name {param!r}: {info.value}"
         assert_same_snapshot(before, snapshot(state))
+    keys, values, _ = (mx.array(x) for x in stream(1, seed=6))
+    if needs_queries(name, state.settings):  # a fresh state too
+        with pytest.raises((ValueError, TypeError), match="queries"):
+            call(name, fresh(name, **overrides), keys, values, None)
     # The state still works after the failures.
     good = call(name, state, *(mx.array(x) for x in stream(1, seed=6))).state
     assert good.offset == 9
@@ -333,19 +710,36 @@ def test_bad_input_raises_and_changes_nothing(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_settings_name_the_parameter(name: str) -> None:
-    base = CASES[name]["settings"]
-    common = [
+    """A value of the wrong type raises TypeError, a wrong value of the right type ValueError;
+    both name the parameter."""
+    base = CASES[name].settings
+    valid = fresh(name).settings
+    budget = base["budget"]
+    common: list[tuple[dict[str, Any], str]] = [
         ({"budget": 0}, "budget"),
+        ({"budget": -3}, "budget"),
         ({"budget": "8"}, "budget"),
         ({"budget": True}, "budget"),
+        ({"budget": 8.0}, "budget"),
+        ({"budget": None}, "budget"),
     ]
-    if CASES[name]["n_sink"] is not None:
+    if "n_sink" in valid:
         common += [
             ({"n_sink": -1}, "n_sink"),
-            ({"n_sink": base["budget"]}, "n_sink"),
+            ({"n_sink": budget}, "n_sink"),
+            ({"n_sink": budget + 1}, "n_sink"),
             ({"n_sink": 1.5}, "n_sink"),
         ]
-    for overrides, param in common + CASES[name]["bad"]:
-        with pytest.raises((ValueError, TypeError)) as info:
+    for overrides, param in common + CASES[name].bad:
+        wrong_type = param in overrides and param in valid
+        wrong_type = wrong_type and type(overrides[param]) is not type(valid[param])
+        with pytest.raises(TypeError if wrong_type else ValueError) as info:
             POLICIES[name].init(**{**base, **overrides})
         assert param in str(info.value), f"{overrides}: message does not name {param!r}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_edge_settings_are_accepted(name: str) -> None:
+    for overrides in CASES[name].ok:
+        state = POLICIES[name].init(**{**CASES[name].settings, **overrides})
+        assert {k: state.settings[k] for k in overrides} == overrides

@@ -1,83 +1,16 @@
-"""StreamingLLM against the numpy reference (reference_siblings.ReferenceStreamingLLM): sinks plus
-the most recent tokens, the oldest non-sink dropped before attending; and mlx-lm's
-RotatingKVCache at decode."""
+"""What is special to StreamingLLM: sinks plus the most recent tokens, the oldest non-sink dropped
+before attending, queries and scale ignored; and mlx-lm's RotatingKVCache at decode. Agreement
+with the numpy reference (core_reference_siblings.ReferenceStreamingLLM), chunk invariance and
+the shared guarantees are in test_policy_contract.py."""
 
 from __future__ import annotations
 
-import sys
-
+import core_harness as harness
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from velox_cache_core import init_streaming_llm_state, streaming_llm_update
-
-support = sys.modules["velox_core_tests"]  # loaded by conftest.py
-
-helpers = support.helpers
-harness = support.sibling_harness
-ReferenceStreamingLLM = support.reference_siblings.ReferenceStreamingLLM
-
-SETTINGS = settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-def check_mask(step) -> None:
-    # The rule ignores attention: one mask for every head.
-    if step.mask is not None:
-        assert step.mask.shape[1] == 1
-        assert step.mask.dtype == mx.bool_
-
-
-@SETTINGS
-@given(
-    shape=harness.shapes(),
-    budget=st.integers(1, 10),
-    sink_fraction=st.floats(0, 0.99),
-    give_queries=st.booleans(),
-    chunks=harness.chunk_sizes(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_engine_matches_reference(shape, budget, sink_fraction, give_queries, chunks, seed):
-    options = {"budget": budget, "n_sink": int(sink_fraction * budget)}
-    harness.run_stream(
-        helpers,
-        streaming_llm_update,
-        init_streaming_llm_state(**options),
-        ReferenceStreamingLLM(**options),
-        harness.make_stream(*shape, sum(chunks), seed),
-        chunks,
-        give_queries=give_queries,
-        close_call=harness.assert_clear,  # no scores: no near ties to skip
-        after_call=lambda step, ref: check_mask(step),
-    )
-
-
-@SETTINGS
-@given(
-    splits=harness.two_splits(),
-    budget=st.integers(1, 10),
-    sink_fraction=st.floats(0, 0.99),
-    shape=harness.shapes(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_chunk_invariant(splits, budget, sink_fraction, shape, seed):
-    length, split_a, split_b = splits
-    options = {"budget": budget, "n_sink": int(sink_fraction * budget)}
-    stream = harness.make_stream(*shape, length, seed)
-    state_a, out_a = harness.run_engine(
-        streaming_llm_update, init_streaming_llm_state(**options), stream, split_a, helpers
-    )
-    state_b, out_b = harness.run_engine(
-        streaming_llm_update, init_streaming_llm_state(**options), stream, split_b, helpers
-    )
-    harness.assert_same_states(helpers, state_a, state_b)
-    np.testing.assert_allclose(out_a, out_b, atol=harness.ATOL, rtol=harness.RTOL)
 
 
 @pytest.mark.parametrize("chunks", [[20], [1] * 20, [3, 9, 1, 7]])
@@ -88,9 +21,8 @@ def test_keeps_sinks_and_most_recent(chunks) -> None:
         init_streaming_llm_state(budget=6, n_sink=2),
         (keys, values, queries),
         chunks,
-        helpers,
     )
-    assert helpers.state_positions(state) == [[[0, 1, 16, 17, 18, 19]] * 2] * 2
+    assert harness.state_positions(state) == [[[0, 1, 16, 17, 18, 19]] * 2] * 2
 
 
 def test_chunk_mask_by_hand() -> None:
@@ -112,7 +44,7 @@ def test_chunk_mask_by_hand() -> None:
     )
     assert step.mask.shape == (1, 1, 6, 6)
     np.testing.assert_array_equal(np.array(step.mask)[0, 0], expected)
-    assert helpers.state_positions(step.state) == [[[0, 3, 4, 5]]]
+    assert harness.state_positions(step.state) == [[[0, 3, 4, 5]]]
 
 
 def test_ignores_queries_and_scale() -> None:
@@ -122,7 +54,7 @@ def test_ignores_queries_and_scale() -> None:
     hooked = streaming_llm_update(
         state, mx.array(keys), mx.array(values), mx.array(queries), scale=0.1
     )
-    harness.assert_same_states(helpers, plain.state, hooked.state)
+    harness.assert_same_states(plain.state, hooked.state)
     np.testing.assert_array_equal(np.array(plain.mask), np.array(hooked.mask))
 
 
@@ -147,8 +79,8 @@ def test_decode_matches_mlx_lm_rotating_cache(budget, n_sink, prompt) -> None:
             mx.array(keys[:, :, part]), mx.array(values[:, :, part])
         )
         step = streaming_llm_update(state, mx.array(keys[:, :, part]), mx.array(values[:, :, part]))
-        ours = helpers.identify_rows(np.array(step.keys), keys)
-        found = helpers.identify_rows(np.array(theirs), keys)
+        ours = harness.identify_rows(np.array(step.keys), keys)
+        found = harness.identify_rows(np.array(theirs), keys)
         assert (ours >= 0).all() and (found >= 0).all()
         assert sorted(ours[0, 0].tolist()) == sorted(found[0, 0].tolist()), f"t={t}"
         assert sorted(ours[0, 1].tolist()) == sorted(found[0, 1].tolist()), f"t={t}"

@@ -1,4 +1,4 @@
-"""Seed-level guarantees of the TOVA engine (DESIGN.md section 3), for every setting."""
+"""Seed-level guarantees of the TOVA engine (docs/architecture.md section 3), for every setting."""
 
 from __future__ import annotations
 
@@ -72,12 +72,6 @@ def test_state_has_no_scores() -> None:
     step = feed(state, keys, values, queries, [6])[0]
     assert isinstance(step, TovaStep)
     assert not hasattr(step.state, "scores")
-
-
-def test_state_is_frozen() -> None:
-    state = init_tova_state(budget=4, n_sink=1)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        state.budget = 8  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("combination", COMBINATIONS, ids=IDS)
@@ -283,26 +277,6 @@ def test_tokens_seen_accumulates_per_call(combination) -> None:
         expected += 2 * 3 * size
         start += size
         assert state.tokens_seen == expected
-
-
-@pytest.mark.parametrize("combination", COMBINATIONS, ids=IDS)
-def test_deterministic(combination) -> None:
-    keys, values, queries = stream(b=2, n=16, seed=5)
-    options = settings(combination)
-    runs = [
-        feed(init_tova_state(budget=5, n_sink=1, **options), keys, values, queries, [4, 1, 1, 10])
-        for _ in range(2)
-    ]
-    for step_a, step_b in zip(*runs, strict=True):
-        for name in ("keys", "values", "mask"):
-            a, b = getattr(step_a, name), getattr(step_b, name)
-            assert (a is None) == (b is None)
-            if a is not None:
-                np.testing.assert_array_equal(np.array(a), np.array(b))
-        for name in ("positions", "keys", "values"):
-            np.testing.assert_array_equal(
-                np.array(getattr(step_a.state, name)), np.array(getattr(step_b.state, name))
-            )
 
 
 @pytest.mark.parametrize("combination", COMBINATIONS, ids=IDS)

@@ -1,5 +1,6 @@
-"""Plain numpy references for TOVA's siblings (DESIGN.md section 4): H2O, StreamingLLM, SnapKV
-and MorphKV. Written for clarity, not speed, from the policies' definitions (not the engine).
+"""Plain numpy references for TOVA's siblings (docs/architecture.md section 4): H2O,
+StreamingLLM, SnapKV and MorphKV. Written for clarity, not speed, from the policies' definitions
+(not the engine).
 
 Every decision is taken with Python loops over batch rows, KV heads and tokens. State per batch
 row `b` and KV head `h`: `kept[b][h]`, the retained absolute positions; `store[b][h][t]` holds the

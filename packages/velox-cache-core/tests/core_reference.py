@@ -1,4 +1,4 @@
-"""Plain numpy reference for TOVA (DESIGN.md section 3), written for clarity, not speed.
+"""Plain numpy reference for TOVA (docs/architecture.md section 3), written for clarity, not speed.
 
 TOVA: arXiv:2401.06104. Every decision is taken with Python loops over batch rows, heads and
 tokens so that each line can be checked against the design by eye. The engine under test must
