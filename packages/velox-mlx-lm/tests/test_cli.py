@@ -203,6 +203,7 @@ def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--method", "h2o", "--budget", "0"], "h2o_budget"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
         (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1, got 0"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
@@ -374,3 +375,28 @@ def test_hub_errors_read_as_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "\n" not in message
     assert message.startswith("--model: owner/name is not a local path and could not be fetched")
     assert "ConnectError An error happened" in message
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec", ["embedded:layers=x", "embedded:layers=99"])
+def test_bad_draft_model(run_cli: Any, capsys: pytest.CaptureFixture[str], spec: str) -> None:
+    # run_cli's loader (the model loaded once per module) stays patched in; its output capture
+    # would drop stderr, so call main directly.
+    code = cli.main(["--prompt", PROMPT, "--draft-model", spec])
+    assert code == 1
+    assert "--draft-model" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_speculative_run_gives_the_plain_answer(run_cli: Any) -> None:
+    """Greedy speculative decoding with the embedded model's first layers as the draft gives
+    the tokens plain decoding gives, with the same (evicting) Velox cache."""
+    argv = ("--budget", "8", "--n-sink", "2", "--json")
+    code, out = run_cli(*argv)
+    assert code == 0
+    plain = json.loads(out)["runs"][0]
+    code, out = run_cli(*argv, "--draft-model", "embedded:layers=8", "--num-draft-tokens", "2")
+    assert code == 0
+    spec = json.loads(out)["runs"][0]
+    assert spec["answer"] == plain["answer"] and spec["compression_ratio"] > 1
+    assert 0 <= spec["draft_tokens_accepted"] <= spec["generated_tokens"]

@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the full cache and print both answers side by side",
     )
+    p.add_argument(
+        "--draft-model",
+        help="speculative decoding with this draft model: 'embedded:layers=N' (the first N "
+        "layers of the main model, a llama-architecture one), or a model path/repo/.gguf like "
+        "--model; it gets a Velox cache of the same method",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="tokens the draft model proposes per round (default: 3; needs --draft-model)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
     return p
 
@@ -177,7 +189,9 @@ def generate_once(
     args: argparse.Namespace,
     label: str,
     echo: bool,
+    draft: tuple[Any, list[Any]] | None = None,
 ) -> Run:
+    """One generation; with ``draft`` (draft model, its caches) speculatively."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -201,17 +215,26 @@ def generate_once(
         print(f"\n=== {label} ===", flush=True)
     run = Run(label)
     last = None
+    accepted = 0
+    speculative: dict[str, Any] = {}
+    if draft is not None:
+        speculative = {
+            "draft_model": draft[0],
+            "num_draft_tokens": args.num_draft_tokens,
+        }
     for response in stream_generate(
         model,
         tokenizer,
         prompt,
         max_tokens=args.max_tokens,
         sampler=make_sampler(temp=args.temp),
-        prompt_cache=caches,
+        prompt_cache=caches if draft is None else caches + draft[1],
         prefill_step_size=args.prefill_step_size,
         prompt_progress_callback=progress,
+        **speculative,
     ):
         run.answer += response.text
+        accepted += bool(getattr(response, "from_draft", False))
         last = response
         if echo:
             print(response.text, end="", flush=True)
@@ -227,7 +250,32 @@ def generate_once(
         **_kv_stats(caches),
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
     }
+    if draft is not None:
+        run.stats["draft_tokens_accepted"] = accepted
     return run
+
+
+DRAFT_LAYERS = "embedded:layers="
+
+
+def _load_draft(args: argparse.Namespace, model: Any) -> Any:
+    """The draft model ``--draft-model`` names (``None`` without the flag)."""
+    spec = args.draft_model
+    if spec is None:
+        return None
+    if spec.startswith(DRAFT_LAYERS):
+        from velox_mlx_lm.embedded import draft_of
+
+        try:
+            layers = int(spec[len(DRAFT_LAYERS) :])
+        except ValueError:
+            raise ValueError(f"--draft-model {spec}: N in {DRAFT_LAYERS}N must be an int") from None
+        try:
+            return draft_of(model, layers)
+        except ValueError as exc:
+            raise ValueError(f"--draft-model {spec}: {exc}") from None
+    draft_args = argparse.Namespace(**{**vars(args), "model": spec})
+    return _load(draft_args)[0]
 
 
 def _table(runs: list[Run]) -> str:
@@ -370,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         if args.prefill_step_size < 1:
             raise ValueError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+        if args.num_draft_tokens < 1:
+            raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+        if args.draft_model is not None and config.policy is not None and not config.trim_window:
+            raise ValueError("--draft-model needs a trimmable cache")
         if args.prompt is None and args.prompt_file is None and not args.demo:
             raise ValueError(NO_PROMPT)  # before loading a model for nothing
     except (TypeError, ValueError) as exc:
@@ -390,18 +442,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         started = time.perf_counter()
         model, tokenizer, model_name = _load(args)
+        draft_model = _load_draft(args, model)
         prompt = _prompt_tokens(text, chat, tokenizer)
     except (ValueError, OSError) as exc:
         return _error(exc)
+
+    def drafting(config: Any) -> tuple[Any, list[Any]] | None:
+        if draft_model is None:
+            return None
+        return draft_model, KVCacheBuilder.for_model(draft_model, config)
+
     if echo:
         print(f"model: {model_name}  |  BLAS: {_blas_name()}  |  prompt: {len(prompt)} tokens")
     runs = []
     if args.compare and config.method != "full":
-        full = KVCacheBuilder.for_model(model, KVCacheConfig(method="full"))
-        runs.append(generate_once(model, tokenizer, prompt, full, args, "full", echo))
+        full_config = KVCacheConfig(method="full")
+        full = KVCacheBuilder.for_model(model, full_config)
+        draft = drafting(full_config)
+        runs.append(generate_once(model, tokenizer, prompt, full, args, "full", echo, draft))
     caches = KVCacheBuilder.for_model(model, config)
     label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
-    runs.append(generate_once(model, tokenizer, prompt, caches, args, label, echo))
+    runs.append(
+        generate_once(model, tokenizer, prompt, caches, args, label, echo, drafting(config))
+    )
     elapsed = time.perf_counter() - started
     if args.json:
         print(

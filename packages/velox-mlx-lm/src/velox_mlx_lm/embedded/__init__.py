@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,23 @@ def load_default(
 ) -> tuple[Model, TokenizerWrapper]:
     """Load the embedded SmolLM2-135M-Instruct; see :func:`load_gguf` for the options."""
     return load_gguf(default_model_path(), dequantize=dequantize, dtype=dtype)
+
+
+def draft_of(model: Model, layers: int) -> Model:
+    """A draft model for speculative decoding: the first ``layers`` blocks of ``model`` with its
+    embedding, final norm and head (weights shared, nothing copied). Same vocabulary, so it can
+    draft for ``model``; shallower, so it is faster and often wrong.
+    """
+    total = len(model.layers)
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
+        raise ValueError(f"layers must be an int in [1, {total}], got {layers!r}")
+    draft = Model(replace(model.args, num_hidden_layers=layers))
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = model.model.layers[:layers]
+    draft.model.norm = model.model.norm
+    if hasattr(model, "lm_head"):
+        draft.lm_head = model.lm_head
+    return draft
 
 
 def _data(name: str) -> str:
