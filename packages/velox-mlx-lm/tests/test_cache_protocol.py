@@ -567,3 +567,22 @@ def test_duck_typing_keeps_mlx_lm_on_the_plain_path():
     assert cache.empty() and bool(cache)
     assert base.create_attention_mask(mx.zeros((1, 3, 8)), cache) == "causal"
     assert cache.offset == 0 and isinstance(cache.offset, int)
+
+
+@pytest.mark.parametrize("method", ["tova", "tova_adapted", "h2o", "morphkv", "streaming_llm"])
+def test_trim_after_prompt_cache_round_trip(tiny_model, h, tmp_path, method):
+    """The undo log is saved with the cache: a loaded cache trims exactly like the original."""
+    model = tiny_model("llama")
+    policy = "tova" if method.startswith("tova") else method
+    extra = {"morphkv_window": 3} if method == "morphkv" else {}
+    config = KVCacheConfig(method=method, **{f"{policy}_budget": 8}, **extra)
+    cache = KVCacheBuilder.for_model(model, config)
+    h.forward_chunks(model, cache, h.random_tokens(22, seed=4), [14, 1, 4, 1, 1, 1])
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    for a, b in zip(cache, loaded, strict=True):
+        assert b.trim_window == a.trim_window and b.undo_nbytes == a.undo_nbytes > 0
+        assert a.trim(6) == b.trim(6) == 6
+        assert a.offset == b.offset == 16
+        _assert_same_state(_snapshot(a), _snapshot(b))
