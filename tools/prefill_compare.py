@@ -6,24 +6,22 @@ Random token ids, chunks like mlx-lm's prefill loop, each cache's state evaluate
 the best of two rounds per method, printed with its ratio to the full cache.
 """
 
-# ruff: noqa: E402  (velox_mlx_lm must be imported before mlx, see below)
+# ruff: noqa: E402  (OpenBLAS must be loaded before mlx is imported, see below)
 
 from __future__ import annotations
 
-# Importing velox_mlx_lm first loads OpenBLAS before mlx on Linux (when present); the
-# statement below keeps import sorting from moving mlx above it.
-import velox_mlx_lm
+# velox_blas imports no mlx: OpenBLAS (Linux, when present) is loaded before mlx below.
+import velox_blas
 
-BLAS_NOTE = velox_mlx_lm.__version__
+BLAS = velox_blas.preload_openblas()
 
 import argparse
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
-from velox_mlx_lm.blas import blas_in_use
+from velox_bench.models import make_caches
+from velox_bench.variants import FULL, ROTATING, reduced_model_methods
 from velox_mlx_lm.embedded import load_default
 
 
@@ -34,29 +32,20 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = load_default()
     prompt = mx.random.randint(0, 40000, (1, args.tokens))
-    layers = len(model.layers)
-    makers = {
-        "full": lambda: [KVCache() for _ in range(layers)],
-        "tova sequential": lambda: KVCacheBuilder.for_model(model, KVCacheConfig()),
-        "tova oneshot": lambda: KVCacheBuilder.for_model(
-            model, KVCacheConfig(tova_prefill="oneshot")
-        ),
-        "tova_adapted": lambda: KVCacheBuilder.for_model(
-            model, KVCacheConfig(method="tova_adapted")
-        ),
-    }
+    # The model suite's TOVA rows (tova, tova_oneshot, tova_adapted) at its budget, and full.
+    names = [m for m in reduced_model_methods() if m != ROTATING]
     best: dict[str, float] = {}
     for _ in range(2):
-        for name, make in makers.items():
-            caches = make()
+        for name in names:
+            caches = make_caches(model, name)
             start = time.perf_counter()
             for s in range(0, args.tokens, args.chunk):
                 model(prompt[:, s : s + args.chunk], cache=caches)
                 mx.eval([c.state for c in caches])
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
-    print(f"BLAS: {blas_in_use()}; {args.tokens} tokens in chunks of {args.chunk}")
+    print(f"BLAS: {BLAS}; {args.tokens} tokens in chunks of {args.chunk}")
     for name, t in best.items():
-        print(f"{name:<16} {t:7.2f} s  {t / best['full']:.2f}x full")
+        print(f"{name:<16} {t:7.2f} s  {t / best[FULL]:.2f}x full")
 
 
 if __name__ == "__main__":

@@ -6,15 +6,14 @@ Budget 512, B=1, H_kv 8, H_q 32, D 128, float32: medians of the cumulative stage
 logits, + softmax/mean, + victim selection) and of the whole ``tova_update``, evaluated.
 """
 
-# ruff: noqa: E402  (velox_mlx_lm must be imported before mlx, see below)
+# ruff: noqa: E402  (OpenBLAS must be loaded before mlx is imported, see below)
 
 from __future__ import annotations
 
-# Importing velox_mlx_lm first loads OpenBLAS before mlx on Linux (when present); the
-# statement below keeps import sorting from moving mlx above it.
-import velox_mlx_lm
+# velox_blas imports no mlx: OpenBLAS (Linux, when present) is loaded before mlx below.
+import velox_blas
 
-BLAS_NOTE = velox_mlx_lm.__version__
+BLAS = velox_blas.preload_openblas()
 
 import time
 from collections.abc import Callable
@@ -24,7 +23,6 @@ import mlx.core as mx
 from velox_cache_core import init_tova_state, tova_update
 from velox_cache_core.scoring import decision_weights, grouped_logits
 from velox_cache_core.selection import lowest_weight
-from velox_mlx_lm.blas import blas_in_use
 
 B, H, HQ, D, N = 1, 8, 32, 128, 513
 
@@ -58,10 +56,10 @@ def main() -> None:
     victim = median_ms(lambda: mx.eval(lowest_weight(weights()[:, :, 0], positions, positions < 4)))
 
     state = init_tova_state(budget=512, n_sink=4)
-    prompt = [mx.random.normal((B, h, 520, D)) for h in (H, H, HQ)]
-    box = [tova_update(state, *prompt).state]
+    pk, pv, pq = (mx.random.normal((B, h, 520, D)) for h in (H, H, HQ))
+    box = [tova_update(state, pk, pv, pq).state]
     new = mx.random.normal((B, H, 1, D))
-    mx.eval(*box[0].slots.arrays(), new)  # type: ignore[union-attr]
+    mx.eval(*box[0].slots.arrays(), new)
 
     def update() -> None:
         step = tova_update(box.pop(), new, new, query, check_finite=False)
@@ -69,7 +67,7 @@ def main() -> None:
         mx.eval(step.keys, step.values, *step.state.slots.arrays())
 
     whole = median_ms(update)
-    print(f"BLAS: {blas_in_use()}")
+    print(f"BLAS: {BLAS}")
     print(f"SDPA over {N} keys            {sdpa:7.3f} ms  1.00")
     for label, t in (
         ("logits (32 heads)", logits),

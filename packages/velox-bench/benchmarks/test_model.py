@@ -2,9 +2,10 @@
 
 Per (context, method): one timed prefill (chunks of 512 tokens), then 32 timed greedy decode
 steps (median), peak memory and KV bytes. Full ``KVCache``, ``RotatingKVCache(512, keep=4)`` and
-every Velox method at budget 512. ``VELOX_BENCH_MODEL_REDUCED`` (default ``8192``) lists the
-contexts that run only full, rotating and the TOVA variants, to keep ``nox -s bench`` under an
-hour on a 2-core machine.
+every registered Velox method (plus ``tova_oneshot``) at budget 512: the rows of
+``velox_bench.variants.model_methods()``. ``VELOX_BENCH_MODEL_REDUCED`` (default ``8192``) lists
+the contexts that run only full, rotating and the TOVA variants, to keep ``nox -s bench`` under
+an hour on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import pytest
 
 from velox_bench.models import (
     BUDGET,
-    METHODS,
     PREFILL_STEP,
     decode_step,
+    grows_after_prompt_end,
     kv_bytes,
     make_caches,
     prefill,
@@ -29,11 +30,12 @@ from velox_bench.models import (
     tiny_llama,
 )
 from velox_bench.results import SuiteResults, median_seconds, smoke
+from velox_bench.variants import FULL, model_methods, reduced_model_methods
 
 SMOKE = smoke()
 CONTEXTS = [96, 160] if SMOKE else [1024, 4096, 8192]
 DECODE_STEPS = 2 if SMOKE else 32
-REDUCED_METHODS = ["full", "rotating", "tova", "tova_oneshot", "tova_adapted"]
+REDUCED_METHODS = reduced_model_methods()
 _REDUCED_DEFAULT = "160" if SMOKE else "8192"
 REDUCED = {
     int(c) for c in os.environ.get("VELOX_BENCH_MODEL_REDUCED", _REDUCED_DEFAULT).split(",") if c
@@ -43,7 +45,7 @@ REDUCED = {
 def _cases() -> list[Any]:
     cases = []
     for ctx in CONTEXTS:
-        for method in REDUCED_METHODS if ctx in REDUCED else list(METHODS):
+        for method in REDUCED_METHODS if ctx in REDUCED else model_methods():
             for phase in ("prefill", "decode"):
                 cases.append(pytest.param(ctx, method, phase, id=f"{ctx}-{method}-{phase}"))
     return cases
@@ -150,6 +152,6 @@ def test_model(
             peak_memory_bytes=max(peak_prefill, mx.get_peak_memory()),
             kept_per_layer=int(caches[0].size()),
         )
-    if method != "full":  # SnapKV grows after the prompt cut
-        grows = DECODE_STEPS + 2 if method == "snapkv" else 0
+    if method != FULL:  # SnapKV grows after the prompt cut
+        grows = DECODE_STEPS + 2 if grows_after_prompt_end(method) else 0
         assert caches[0].size() <= BUDGET + grows

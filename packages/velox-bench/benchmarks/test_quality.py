@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from velox_bench.quality import report
-from velox_bench.quality.run import Settings, evaluate, repo_root
+from velox_bench.quality.run import evaluate, repo_root
+from velox_bench.quality.settings import Settings
 
 pytestmark = [pytest.mark.quality, pytest.mark.slow, pytest.mark.model, pytest.mark.corpus]
 

@@ -27,7 +27,10 @@ def _snapshot() -> dict[str, float]:
 @pytest.mark.slow
 def test_every_suite_runs_tiny(tmp_path: Path) -> None:
     before = _snapshot()
-    env = dict(os.environ, VELOX_BENCH_SMOKE="1", VELOX_BENCH_RESULTS_DIR=str(tmp_path))
+    # Without the pytest-xdist worker variables (under `-n`): pytest-benchmark reads
+    # PYTEST_XDIST_WORKER and would disable itself in the child, which then measures nothing.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(VELOX_BENCH_SMOKE="1", VELOX_BENCH_RESULTS_DIR=str(tmp_path))
     files = [str(BENCH_DIR / f"test_{suite}.py") for suite in SUITES]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x"],

@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "test_decode_overhead.py"
 
 
+@pytest.mark.slow  # a pytest subprocess: ~3-4 s on a 2-core machine
 def test_decode_overhead_smoke(tmp_path: Path) -> None:
-    env = dict(os.environ, VELOX_BENCH_SMOKE="1", VELOX_BENCH_RESULTS_DIR=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(VELOX_BENCH_SMOKE="1", VELOX_BENCH_RESULTS_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(BENCH), "-q", "-p", "no:cacheprovider"],
         env=env,

@@ -59,8 +59,9 @@ def test_budget_at_least_t_equals_full(model_and_tokens: Loaded) -> None:
 
 def test_evaluate_structure(model_and_tokens: Loaded) -> None:
     from velox_bench.quality import report
-    from velox_bench.quality.methods import STREAMING_LLM, TOVA
-    from velox_bench.quality.run import Settings, evaluate
+    from velox_bench.quality.methods import TOVA, variant
+    from velox_bench.quality.run import evaluate
+    from velox_bench.quality.settings import Settings
 
     settings = Settings(
         n_tokens=16,
@@ -73,10 +74,11 @@ def test_evaluate_structure(model_and_tokens: Loaded) -> None:
     )
     model, tokenizer, _ = model_and_tokens
     # Retrieval is the slow part: only the full cache here (the full run covers the policies).
-    results = evaluate(settings, (TOVA, STREAMING_LLM), (), (model, tokenizer))
+    streaming_llm = variant("streaming_llm")
+    results = evaluate(settings, (TOVA, streaming_llm), (), (model, tokenizer))
     ppl = results["perplexity"]["ppl"]
     assert results["perplexity"]["budgets"] == [8]  # budget >= T is the full cache
-    assert set(ppl) == {"full", TOVA.name, STREAMING_LLM.name}
+    assert set(ppl) == {"full", TOVA.name, streaming_llm.name}
     assert all(math.isfinite(v) and v > 1 for row in ppl.values() for v in row.values())
     retrieval = results["retrieval"]
     assert set(retrieval["results"]) == {"full"}
@@ -93,13 +95,13 @@ def test_evaluate_structure(model_and_tokens: Loaded) -> None:
 def test_batched_trials_equal_trials_alone(model_and_tokens: Loaded) -> None:
     # Retrieval runs trials of one prompt shape as a batch: each row must see only its own prompt.
     from velox_bench.quality import retrieval
-    from velox_bench.quality.methods import FULL, SNAPKV, TOVA
+    from velox_bench.quality.methods import FULL, TOVA, variant
 
     model, tokenizer, tokens = model_and_tokens
     document = retrieval.cut_document(tokenizer.decode(tokens), 48, tokenizer.encode)
     prompts = [retrieval.build_prompt(tokenizer, document, retrieval.facts(t)) for t in range(2)]
     assert len({p.shape() for p in prompts}) == 1  # one-token cities: one batch
-    for config in (FULL.config(0), TOVA.config(24), SNAPKV.config(40)):
+    for config in (FULL.config(0), TOVA.config(24), variant("snapkv").config(40)):
         batched = retrieval.run_trials(model, config, prompts, chunk=16, batch=2)
         alone = retrieval.run_trials(model, config, prompts, chunk=16, batch=1)
         assert [[a.correct for a in t] for t in batched] == [[a.correct for a in t] for t in alone]
@@ -121,7 +123,8 @@ def test_run_trials_rejects_bad_batch(model_and_tokens: Loaded) -> None:
 
 
 def test_quick_and_full_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
-    from velox_bench.quality.run import Settings, main
+    from velox_bench.quality.run import main
+    from velox_bench.quality.settings import Settings
 
     with pytest.raises(SystemExit):
         main(["--quick", "--full"])

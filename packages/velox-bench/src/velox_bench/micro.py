@@ -14,36 +14,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from velox_cache_core import (
-    KVSlots,
-    h2o_update,
-    init_h2o_state,
-    init_morphkv_state,
-    init_snapkv_state,
-    init_streaming_llm_state,
-    init_tova_state,
-    morphkv_update,
-    snapkv_compress,
-    snapkv_update,
-    streaming_llm_update,
-    tova_update,
-)
+from velox_bench.variants import MLX_KVCACHE, MLX_ROTATING, SDPA, micro_variants
+from velox_cache_core import KVSlots, Policy
 
-__all__ = ["METHODS", "Subject", "make_subject", "state_arrays"]
-
-METHODS = [
-    "tova_query_layer",
-    "tova_query_head",
-    "tova_key_layer",
-    "tova_key_head",
-    "h2o",
-    "streaming_llm",
-    "morphkv",
-    "snapkv",
-    "mlx_kvcache",
-    "mlx_rotating",
-    "sdpa",
-]
+__all__ = ["Subject", "make_subject", "state_arrays"]
 
 
 def state_arrays(state: Any) -> list[mx.array]:
@@ -62,26 +36,29 @@ def state_arrays(state: Any) -> list[mx.array]:
 
 @dataclasses.dataclass
 class Subject:
-    """A layer ready for timed decode steps: ``step()`` (timed), ``reset()`` (untimed)."""
+    """A layer ready for timed decode steps: ``step()`` (timed), ``reset()`` (untimed).
+
+    ``grows``: the cache keeps every token after its prompt ends (SnapKV), so ``n_keys()`` rises
+    by one per step above the budget.
+    """
 
     step: Callable[[], None]
     reset: Callable[[], None] = lambda: None
     n_keys: Callable[[], int] = lambda: 0
+    grows: bool = False
 
 
 def _velox(
-    update: Callable[..., Any], state: Any, k: mx.array, q: mx.array, prompt: tuple[mx.array, ...]
+    policy: Policy, state: Any, k: mx.array, q: mx.array, prompt: tuple[mx.array, ...]
 ) -> Subject:
     pk, pq = prompt
-    step = update(state, pk, pk, pq, check_finite=False)
-    box = [step.state]
-    if isinstance(box[0], type(init_snapkv_state(budget=4, window=1))):
-        box[0] = snapkv_compress(box[0])
+    step = policy.update(state, pk, pk, pq, check_finite=False)
+    box = [policy.end_prompt(step.state)]  # SnapKV cuts its prompt here; a no-op elsewhere
     del step
     mx.eval(*state_arrays(box[0]))
 
     def run() -> None:
-        s = update(box[0], k, k, q, check_finite=False)
+        s = policy.update(box[0], k, k, q, check_finite=False)
         box[0] = s.state  # the old state is dropped before eval: in-place slot writes
         arrays = [s.keys, s.values, *state_arrays(box[0])]
         if s.mask is not None:
@@ -90,33 +67,26 @@ def _velox(
         mx.eval(*arrays)
 
     run()  # first eviction: the store reaches its steady shape (budget + 1 slots)
-    return Subject(run, n_keys=lambda: int(box[0].n_kept))
+    return Subject(run, n_keys=lambda: int(box[0].n_kept), grows=policy.grows_after_prompt_end)
 
 
 def make_subject(method: str, budget: int, h_kv: int, h_q: int, d: int) -> Subject:
-    """Build ``method``'s layer at ``budget`` tokens for heads ``h_kv``/``h_q``, dim ``d``."""
+    """Build ``method``'s layer (one of ``velox_bench.variants.micro_methods()``) at ``budget``
+    tokens for heads ``h_kv``/``h_q``, dim ``d``."""
     mx.random.seed(0)
-    n_prompt = 2 * budget if method == "snapkv" else budget
+    variant = {v.name: v for v in micro_variants()}.get(method)
+    policy = None if variant is None else variant.policy
+    # A policy with a prompt end (SnapKV) compresses a prompt longer than its budget.
+    n_prompt = 2 * budget if policy is not None and policy.prompt_end is not None else budget
     pk = mx.random.normal((1, h_kv, n_prompt, d))
     pq = mx.random.normal((1, h_q, n_prompt, d))
     k = mx.random.normal((1, h_kv, 1, d))
     q = mx.random.normal((1, h_q, 1, d))
     mx.eval(pk, pq, k, q)
     prompt = (pk, pq)
-    if method.startswith("tova_"):
-        _, signal, scope = method.split("_")
-        state = init_tova_state(budget=budget, n_sink=4, signal=signal, scope=scope)  # type: ignore[arg-type]
-        return _velox(tova_update, state, k, q, prompt)
-    if method == "h2o":
-        return _velox(h2o_update, init_h2o_state(budget=budget), k, q, prompt)
-    if method == "streaming_llm":
-        return _velox(streaming_llm_update, init_streaming_llm_state(budget=budget), k, q, prompt)
-    if method == "morphkv":
-        return _velox(morphkv_update, init_morphkv_state(budget=budget), k, q, prompt)
-    if method == "snapkv":
-        window = min(32, budget // 2)
-        return _velox(snapkv_update, init_snapkv_state(budget=budget, window=window), k, q, prompt)
-    if method == "mlx_kvcache":
+    if variant is not None and policy is not None:
+        return _velox(policy, variant.state(budget), k, q, prompt)
+    if method == MLX_KVCACHE:
         cache = KVCache()
         mx.eval(cache.update_and_fetch(pk, pk))
 
@@ -129,7 +99,7 @@ def make_subject(method: str, budget: int, h_kv: int, h_q: int, d: int) -> Subje
                 cache.trim(cache.offset - budget)
 
         return Subject(append, reset=trim, n_keys=lambda: int(cache.offset))
-    if method == "mlx_rotating":
+    if method == MLX_ROTATING:
         rotating = RotatingKVCache(max_size=budget, keep=4)
         mx.eval(rotating.update_and_fetch(pk, pk))
 
@@ -139,7 +109,7 @@ def make_subject(method: str, budget: int, h_kv: int, h_q: int, d: int) -> Subje
 
         rotate()
         return Subject(rotate, n_keys=lambda: int(rotating.size()))
-    if method == "sdpa":  # the yardstick: one query attending to budget + 1 keys
+    if method == SDPA:  # the yardstick: one query attending to budget + 1 keys
         keys = mx.random.normal((1, h_kv, budget + 1, d))
         values = mx.random.normal((1, h_kv, budget + 1, d))
         mx.eval(keys, values)

@@ -7,21 +7,22 @@ The real run uses the embedded SmolLM2-135M (float32) on State of the Union text
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, install_attention_hook
+from velox_bench.variants import FULL, ROTATING, Variant, model_variants
+from velox_mlx_lm import KVCacheBuilder, install_attention_hook
 
 __all__ = [
     "BUDGET",
-    "METHODS",
     "PREFILL_STEP",
     "decode_step",
+    "grows_after_prompt_end",
     "kv_bytes",
     "make_caches",
     "prefill",
@@ -32,36 +33,33 @@ __all__ = [
 BUDGET = 512
 PREFILL_STEP = 512  # tokens per prefill call (mlx-lm: 2048 in generate_step, 512 speculative)
 
-# name -> builder of one model's caches
-METHODS: dict[str, Callable[[nn.Module], list[Any]]] = {
-    "full": lambda m: [KVCache() for _ in m.layers],
-    "rotating": lambda m: [RotatingKVCache(max_size=BUDGET, keep=4) for _ in m.layers],
-    "tova": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("tova", tova_budget=BUDGET)),
-    "tova_oneshot": lambda m: KVCacheBuilder.for_model(
-        m, KVCacheConfig("tova", tova_budget=BUDGET, tova_prefill="oneshot")
-    ),
-    "tova_adapted": lambda m: KVCacheBuilder.for_model(
-        m, KVCacheConfig("tova_adapted", tova_budget=BUDGET)
-    ),
-    "h2o": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("h2o", h2o_budget=BUDGET)),
-    "streaming_llm": lambda m: KVCacheBuilder.for_model(
-        m, KVCacheConfig("streaming_llm", streaming_llm_budget=BUDGET)
-    ),
-    "snapkv": lambda m: KVCacheBuilder.for_model(m, KVCacheConfig("snapkv", snapkv_budget=BUDGET)),
-    "morphkv": lambda m: KVCacheBuilder.for_model(
-        m, KVCacheConfig("morphkv", morphkv_budget=BUDGET)
-    ),
-}
+
+def _variant(method: str) -> Variant:
+    found = {v.name: v for v in model_variants()}
+    if method not in found:
+        raise ValueError(f"unknown model-suite method {method!r}")
+    return found[method]
 
 
 def make_caches(model: nn.Module, method: str) -> list[Any]:
-    return METHODS[method](model)
+    """One model's caches for ``method``, one of ``velox_bench.variants.model_methods()``."""
+    if method == FULL:
+        return [KVCache() for _ in model.layers]
+    if method == ROTATING:
+        return [RotatingKVCache(max_size=BUDGET, keep=4) for _ in model.layers]
+    return KVCacheBuilder.for_model(model, _variant(method).config(BUDGET))
+
+
+def grows_after_prompt_end(method: str) -> bool:
+    """Whether ``method``'s cache keeps every token after the prompt (SnapKV)."""
+    if method in (FULL, ROTATING):
+        return False
+    policy = _variant(method).policy
+    return policy is not None and policy.grows_after_prompt_end
 
 
 def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     """A random mlx-lm llama with the attention hook installed (vocabulary 256)."""
-    from mlx_lm.models import llama
-
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=hidden,
@@ -107,7 +105,7 @@ def prefill(model: nn.Module, caches: list[Any], tokens: mx.array) -> mx.array:
         logits = model(tokens[:, start : start + PREFILL_STEP], cache=caches)
         if start + PREFILL_STEP < n:
             _eval_caches(caches)
-    for c in caches:  # SnapKV cuts the prompt at its end
+    for c in caches:  # every Velox cache ends its prompt (SnapKV cuts it); mlx-lm's have no step
         if hasattr(c, "finish_prefill"):
             c.finish_prefill()
     assert logits is not None

@@ -5,8 +5,9 @@ import os as _os
 if _os.environ.get("VELOX_BLAS") != "default":
     # Linux: load OpenBLAS before mlx is first imported (MLX's CPU wheel links the ~20x slower
     # reference BLAS). A no-op when mlx is already imported, off Linux, or without OpenBLAS;
-    # VELOX_BLAS=default opts out. velox_mlx_lm.blas.blas_in_use() says what happened.
-    from velox_mlx_lm.blas import preload_openblas as _preload_openblas
+    # VELOX_BLAS=default opts out. velox_blas.blas_in_use() says what happened. velox_blas is a
+    # top-level package of this distribution that imports no mlx (code can import it first).
+    from velox_blas import preload_openblas as _preload_openblas
 
     _preload_openblas()
 

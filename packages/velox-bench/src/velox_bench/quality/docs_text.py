@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_NO_SINK
 from velox_bench.quality.retrieval import N_FACTS
-from velox_bench.quality.run import Settings
+from velox_bench.quality.settings import Settings
 
 
 def _yes_no(checks: dict[str, bool]) -> str:
@@ -17,7 +18,7 @@ def _beaten(ppl: dict[str, dict[str, float]], name: str, budgets: list[str]) -> 
     """Where ``name`` is not lowest: which method is, and by how much (percent)."""
     notes = []
     for b in budgets:
-        best = min((n for n in ppl if n != "full"), key=lambda n: ppl[n][b])
+        best = min((n for n in ppl if n != FULL.name), key=lambda n: ppl[n][b])
         if best != name:
             gap = 100 * (ppl[name][b] / ppl[best][b] - 1)
             notes.append(f"{b}: `{best}` {ppl[best][b]:.2f} vs {ppl[name][b]:.2f}, {gap:.1f}%")
@@ -46,7 +47,7 @@ def benchmarks_markdown(
         "cache), because the full cache's exact match was below 80%"
     )
     best = _yes_no(found["tova_layer_best_at_every_budget"])
-    beaten = _beaten(p["ppl"], "tova (query/layer)", [str(b) for b in p["budgets"]])
+    beaten = _beaten(p["ppl"], TOVA.name, [str(b) for b in p["budgets"]])
     if beaten:
         best = f"no; budget {beaten}"
     streaming = _yes_no(found["streaming_llm_behind_tova"])
@@ -114,15 +115,9 @@ it by {100 / r["questions_per_depth"]:.0f} points, so read small differences as 
 def tova_numbers_markdown(results: dict[str, Any], found: dict[str, Any]) -> str:
     p = results["perplexity"]
     ppl = p["ppl"]
-    full = ppl["full"]["full"]
+    full = ppl[FULL.name]["full"]
     budgets = [str(b) for b in p["budgets"]]
-    names = [
-        "tova (query/layer)",
-        "tova (query/head)",
-        "tova (key/layer)",
-        "tova_adapted (key/head)",
-        "tova (query/layer, n_sink=0)",
-    ]
+    names = [v.name for v in (*TOVA_GRID, TOVA_NO_SINK)]
     rows = "\n".join(
         f"| {n} | " + " | ".join(f"{ppl[n][b]:.2f}" for b in budgets) + " |" for n in names
     )
@@ -144,7 +139,7 @@ def _preset_choice(found: dict[str, Any]) -> str:
     listed = ", ".join(f"`{n}` {r:.3f}" for n, r in sorted(ratios.items(), key=lambda x: x[1]))
     verdict = (
         "so the `tova` preset uses signal `query` and scope `layer`"
-        if best == "tova (query/layer)"
+        if best == TOVA.name
         else f"yet the `tova` preset still uses query/layer: `{best}` should be considered"
     )
     return f"""Mean perplexity ratio to the full cache over these budgets: {listed}. The lowest is

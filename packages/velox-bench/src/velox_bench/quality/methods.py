@@ -1,57 +1,100 @@
-"""The cache settings the quality harness compares, named as in the report."""
+"""The cache variants the quality harness compares (names from :mod:`velox_bench.variants`).
+
+Perplexity: the TOVA grid (plus the ``tova`` preset without sinks), then every other registered
+method whose policy has no prompt-end step. Retrieval: every registered method, TOVA's presets
+under their grid names. Registry-derived lists are functions, computed when called.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import dataclasses
 
-from velox_mlx_lm import KVCacheConfig
+from velox_bench import variants
+from velox_bench.variants import Variant
+
+__all__ = [
+    "FULL",
+    "PROMPT_END_EXCLUDED",
+    "TOVA",
+    "TOVA_GRID",
+    "TOVA_KEY_HEAD",
+    "TOVA_NO_SINK",
+    "Variant",
+    "excluded_from_perplexity",
+    "perplexity_variants",
+    "retrieval_variants",
+    "variant",
+]
+
+PROMPT_END_EXCLUDED = "compresses once at a prompt end; streaming text has none"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One row of the tables: a ``KVCacheConfig`` method plus fixed settings; budget varies."""
-
-    name: str
-    method: str
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def config(self, budget: int) -> KVCacheConfig:
-        if self.method == "full":
-            return KVCacheConfig(method="full")
-        prefix = "tova" if self.method.startswith("tova") else self.method
-        kwargs: dict[str, Any] = {f"{prefix}_budget": budget, **self.settings}
-        return KVCacheConfig(method=self.method, **kwargs)
+def _sequential(v: Variant) -> Variant:
+    """``v`` with ``prefill="sequential"`` pinned where its policy has a prefill setting: it
+    makes chunked scoring equal token-by-token decoding, whatever the presets' defaults are."""
+    policy = v.policy
+    if policy is None or "prefill" not in policy.setting_names:
+        return v
+    return dataclasses.replace(v, settings={**v.settings, "prefill": "sequential"})
 
 
-FULL = Variant("full", "full")
-# Every TOVA-like variant pins sequential prefill: it makes chunked scoring equal token-by-token
-# decoding, whatever the presets' defaults become.
-SEQ = {"tova_prefill": "sequential"}
-TOVA = Variant("tova (query/layer)", "tova", {"tova_signal": "query", "tova_scope": "layer", **SEQ})
-TOVA_NO_SINK = Variant("tova (query/layer, n_sink=0)", "tova", {**TOVA.settings, "tova_n_sink": 0})
-TOVA_QUERY_HEAD = Variant(
-    "tova (query/head)", "tova", {"tova_signal": "query", "tova_scope": "head", **SEQ}
+FULL = Variant(variants.FULL, variants.FULL)
+TOVA_GRID = tuple(
+    _sequential(Variant(variants.grid_name(m, sig, sc), m, {"signal": sig, "scope": sc}))
+    for m, sig, sc in variants.tova_grid()
 )
-TOVA_KEY_LAYER = Variant(
-    "tova (key/layer)", "tova", {"tova_signal": "key", "tova_scope": "layer", **SEQ}
+_CELLS = {(v.settings["signal"], v.settings["scope"]): v for v in TOVA_GRID}
+TOVA = _CELLS["query", "layer"]  # the `tova` preset (the TOVA paper's best)
+TOVA_KEY_HEAD = _CELLS["key", "head"]  # the `tova_adapted` preset
+TOVA_NO_SINK = Variant(
+    variants.grid_name(TOVA.method, "query", "layer", "n_sink=0"),
+    TOVA.method,
+    {**TOVA.settings, "n_sink": 0},
 )
-TOVA_ADAPTED = Variant("tova_adapted (key/head)", "tova_adapted", SEQ)
-H2O = Variant("h2o", "h2o")
-STREAMING_LLM = Variant("streaming_llm", "streaming_llm")
-SNAPKV = Variant("snapkv", "snapkv")
-MORPHKV = Variant("morphkv", "morphkv", {"morphkv_prefill": "sequential"})
 
-PERPLEXITY_VARIANTS = (
-    TOVA,
-    TOVA_NO_SINK,
-    TOVA_QUERY_HEAD,
-    TOVA_KEY_LAYER,
-    TOVA_ADAPTED,
-    H2O,
-    STREAMING_LLM,
-    MORPHKV,
-)
-# SnapKV cuts once at the end of a prompt: streaming text has no prompt end, so it is compared
-# only in retrieval, where the question ends the prompt.
-RETRIEVAL_VARIANTS = (TOVA, TOVA_ADAPTED, H2O, STREAMING_LLM, SNAPKV, MORPHKV)
+
+def _others() -> list[Variant]:
+    """Every registered method outside the TOVA policy, sequential prefill pinned."""
+    return [
+        _sequential(v)
+        for v in variants.policy_variants()
+        if v.policy is not None and v.policy.name != variants.TOVA_POLICY
+    ]
+
+
+def perplexity_variants() -> list[Variant]:
+    """The grid (the preset first, then it without sinks), then the other policies' methods
+    that have no prompt end (streaming text has none: see :func:`excluded_from_perplexity`)."""
+    rest = [v for v in _others() if v.policy is not None and v.policy.prompt_end is None]
+    return [TOVA, TOVA_NO_SINK, *(v for v in TOVA_GRID if v is not TOVA), *rest]
+
+
+def excluded_from_perplexity() -> dict[str, str]:
+    """Method -> why it is left out of streaming perplexity."""
+    return {
+        v.name: PROMPT_END_EXCLUDED
+        for v in _others()
+        if v.policy is not None and v.policy.prompt_end is not None
+    }
+
+
+def retrieval_variants() -> list[Variant]:
+    """Every registered method in registry order; TOVA's presets as their grid cells."""
+    chosen = {v.method: v for v in TOVA_GRID if _preset_cell(v)} | {v.method: v for v in _others()}
+    return [chosen[v.method] for v in variants.policy_variants()]
+
+
+def _preset_cell(v: Variant) -> bool:
+    """Whether grid cell ``v`` is what its method's preset gives (not an override of it)."""
+    policy = v.policy
+    preset = policy.presets.get(v.method, {}) if policy is not None else {}
+    cell = (v.settings["signal"], v.settings["scope"])
+    return (preset.get("signal"), preset.get("scope")) == cell
+
+
+def variant(name: str) -> Variant:
+    """The full cache or one of the variants above, by row name."""
+    found = {v.name: v for v in [FULL, *perplexity_variants(), *retrieval_variants()]}
+    if name not in found:
+        raise KeyError(f"no quality variant {name!r}; known: {', '.join(found)}")
+    return found[name]

@@ -8,18 +8,22 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from velox_bench.quality.docs_text import benchmarks_markdown, tova_numbers_markdown
+from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_KEY_HEAD
+
 RESULTS = Path("benchmarks/results/quality.json")
 FIGURES = Path("benchmarks/figures")
 DOCS_FIGURES = Path("docs/figures")
 BENCHMARKS_DOC = Path("docs/benchmarks.md")
 TOVA_DOC = Path("docs/methods/tova.md")
-TOVA_PRESET = "tova (query/layer)"
-TOVA_VARIANTS = (
-    "tova (query/layer)",
-    "tova (query/head)",
-    "tova (key/layer)",
-    "tova_adapted (key/head)",
-)
+TOVA_PRESET = TOVA.name
+TOVA_VARIANTS = tuple(v.name for v in TOVA_GRID)
+# The TOVA paper's orderings (Table 3): these rows trail the `tova` preset.
+BEHIND_TOVA = {
+    "key_head_behind_tova": TOVA_KEY_HEAD.name,
+    "h2o_behind_tova": "h2o",
+    "streaming_llm_behind_tova": "streaming_llm",
+}
 
 
 def _ppl(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -30,15 +34,15 @@ def perplexity_table(results: dict[str, Any]) -> str:
     """Rows methods, columns budgets then the full cache (TOVA paper, Table 3 layout)."""
     ppl = _ppl(results)
     budgets = [str(b) for b in results["perplexity"]["budgets"]]
-    full = ppl["full"]["full"]
+    full = ppl[FULL.name]["full"]
     lines = [
         "| Method | " + " | ".join(budgets) + " | full |",
         "| --- | " + " | ".join("---:" for _ in budgets) + " | ---: |",
     ]
     for name, row in ppl.items():
-        if name == "full":
+        if name == FULL.name:
             continue
-        best = [min(ppl[n][b] for n in ppl if n != "full") for b in budgets]
+        best = [min(ppl[n][b] for n in ppl if n != FULL.name) for b in budgets]
         cells = [
             f"**{row[b]:.2f}**" if row[b] == best[i] else f"{row[b]:.2f}"
             for i, b in enumerate(budgets)
@@ -71,20 +75,16 @@ def findings(results: dict[str, Any]) -> dict[str, Any]:
     """
     ppl = _ppl(results)
     budgets = [str(b) for b in results["perplexity"]["budgets"]]
-    full = ppl["full"]["full"]
+    full = ppl[FULL.name]["full"]
     out: dict[str, Any] = {}
     if TOVA_PRESET not in ppl:
         return out
     tova = ppl[TOVA_PRESET]
-    others = [n for n in ppl if n not in ("full", TOVA_PRESET)]
+    others = [n for n in ppl if n not in (FULL.name, TOVA_PRESET)]
     out["tova_layer_best_at_every_budget"] = {
         b: all(tova[b] <= ppl[n][b] for n in others) for b in budgets
     }
-    for key, name in (
-        ("key_head_behind_tova", "tova_adapted (key/head)"),
-        ("h2o_behind_tova", "h2o"),
-        ("streaming_llm_behind_tova", "streaming_llm"),
-    ):
+    for key, name in BEHIND_TOVA.items():
         if name in ppl:
             out[key] = {b: ppl[name][b] > tova[b] for b in budgets}
     t8 = str(results["perplexity"]["tokens_per_document"] // 8)
@@ -128,9 +128,9 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     budgets = results["perplexity"]["budgets"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, row in ppl.items():
-        if name != "full":
+        if name != FULL.name:
             ax.plot(budgets, [row[str(b)] for b in budgets], marker="o", label=name)
-    ax.axhline(ppl["full"]["full"], color="black", linestyle="--", label="full cache")
+    ax.axhline(ppl[FULL.name]["full"], color="black", linestyle="--", label="full cache")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -200,8 +200,6 @@ def _replace_between(text: str, start: str, end: str, body: str) -> str:
 
 
 def benchmarks_section(results: dict[str, Any]) -> str:
-    from velox_bench.quality.docs_text import benchmarks_markdown
-
     return benchmarks_markdown(
         results, perplexity_table(results), retrieval_table(results), findings(results)
     )
@@ -209,8 +207,6 @@ def benchmarks_section(results: dict[str, Any]) -> str:
 
 def write(results: dict[str, Any], root: Path) -> list[Path]:
     """Results JSON, figures (also under docs/figures/) and the two docs sections."""
-    from velox_bench.quality.docs_text import tova_numbers_markdown
-
     written = []
     path = root / RESULTS
     path.parent.mkdir(parents=True, exist_ok=True)

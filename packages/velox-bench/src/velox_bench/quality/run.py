@@ -1,9 +1,13 @@
-"""The quality evaluation: settings, the run itself, and the command line."""
+"""The quality evaluation: the run itself and the command line (settings: ``settings.py``).
+
+Importing this module imports mlx: ``python -m velox_bench.quality`` loads OpenBLAS first.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -11,55 +15,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from velox_bench.quality import corpus, retrieval
-from velox_bench.quality.methods import (
-    FULL,
-    PERPLEXITY_VARIANTS,
-    RETRIEVAL_VARIANTS,
-    Variant,
-)
+import velox_blas
+from velox_bench.quality import corpus, methods, report, retrieval
+from velox_bench.quality.methods import FULL, Variant
 from velox_bench.quality.perplexity import perplexity, token_nll
+from velox_bench.quality.settings import Settings
+from velox_mlx_lm.embedded import load_default
 
-
-@dataclass(frozen=True)
-class Settings:
-    """What one run measures. The defaults are the full run (see docs/benchmarks.md)."""
-
-    n_tokens: int = 2048  # T: tokens scored per document
-    n_documents: int = 1
-    budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    chunk: int = 256
-    retrieval_tokens: int = 1800  # document length before the facts are planted
-    retrieval_budgets: tuple[int, ...] = (512,)
-    n_trials: int = 30  # trials of the fixed pool used; each asks one fact per depth
-    retrieval_batch: int = 10  # trials of one prompt shape run together
-    quick: bool = False
-
-    @classmethod
-    def quick_run(cls) -> Settings:
-        return cls(
-            n_tokens=256,
-            n_documents=1,
-            budgets=(64, 128),
-            retrieval_tokens=400,
-            retrieval_budgets=(128,),
-            n_trials=2,
-            quick=True,
-        )
-
-    @classmethod
-    def full_run(cls) -> Settings:
-        """The issue's full run: T = 4096 and three retrieval budgets (several hours on 2 CPUs)."""
-        return cls(n_tokens=4096, retrieval_budgets=(256, 512, 1024))
-
-    def describe(self) -> str:
-        """``T = 4096, retrieval budgets 256, 512 and 1024``: what ``--full`` changes."""
-        *rest, last = map(str, self.retrieval_budgets)
-        budgets = f"{', '.join(rest)} and {last}" if rest else last
-        return f"T = {self.n_tokens}, retrieval budget{'s' if rest else ''} {budgets}"
+__all__ = ["Settings", "evaluate", "main", "repo_root"]
 
 
 @dataclass
@@ -98,19 +65,22 @@ def _work(
 
 def evaluate(
     settings: Settings,
-    perplexity_variants: Sequence[Variant] = PERPLEXITY_VARIANTS,
-    retrieval_variants: Sequence[Variant] = RETRIEVAL_VARIANTS,
+    perplexity_variants: Sequence[Variant] | None = None,
+    retrieval_variants: Sequence[Variant] | None = None,
     loaded: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every measurement of ``settings``; return the JSON-ready results.
 
-    The full cache is always measured first; the variants default to the whole comparison.
-    ``loaded``: the embedded ``(model, tokenizer)`` if already loaded.
+    The full cache is always measured first; the variants default to the whole comparison
+    (:func:`~velox_bench.quality.methods.perplexity_variants` and ``retrieval_variants``, as
+    registered now). ``loaded``: the embedded ``(model, tokenizer)`` if already loaded.
     """
-    import mlx.core as mx
-
-    from velox_mlx_lm.embedded import load_default
-
+    ppl_variants = (
+        methods.perplexity_variants() if perplexity_variants is None else perplexity_variants
+    )
+    ret_variants = (
+        methods.retrieval_variants() if retrieval_variants is None else retrieval_variants
+    )
     started = time.perf_counter()
     model, tokenizer = load_default() if loaded is None else loaded
     encode = tokenizer.encode
@@ -123,9 +93,7 @@ def evaluate(
     ]
     n_prompt = sum(len(p.document) + sum(map(len, p.questions)) for p in prompts) // len(prompts)
     n_answer = sum(sum(map(len, p.answers)) for p in prompts) // len(prompts)
-    progress = Progress(
-        _work(settings, len(perplexity_variants), len(retrieval_variants), n_prompt, n_answer)
-    )
+    progress = Progress(_work(settings, len(ppl_variants), len(ret_variants), n_prompt, n_answer))
 
     def step(n: int) -> None:
         progress.advance(n)
@@ -135,7 +103,7 @@ def evaluate(
     nll: dict[str, dict[str, list[np.ndarray]]] = {}
     for doc in documents:
         tokens = encode(doc.text())[: settings.n_tokens + 1]
-        runs = [(FULL, 0)] + [(v, b) for v in perplexity_variants for b in budgets]
+        runs = [(FULL, 0)] + [(v, b) for v in ppl_variants for b in budgets]
         for variant, budget in runs:
             key = "full" if variant is FULL else str(budget)
             scores = token_nll(model, variant.config(budget), tokens, settings.chunk, step)
@@ -151,7 +119,7 @@ def evaluate(
 
     # Retrieval: the full cache first (it decides the measure), then every variant.
     answers: dict[str, dict[str, list[list[retrieval.Answer]]]] = {}
-    runs_r = [(FULL, 0)] + [(v, b) for v in retrieval_variants for b in settings.retrieval_budgets]
+    runs_r = [(FULL, 0)] + [(v, b) for v in ret_variants for b in settings.retrieval_budgets]
     for variant, budget in runs_r:
         key = "full" if variant is FULL else str(budget)
 
@@ -159,7 +127,7 @@ def evaluate(
             model, variant.config(budget), prompts, settings.chunk, settings.retrieval_batch, step
         )
     progress.close()
-    full_answers = answers["full"]["full"]
+    full_answers = answers[FULL.name]["full"]
     full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
     measure = "exact_match" if full_accuracy >= 0.8 else "likelihood"
     by_depth: dict[str, dict[str, dict[str, Any]]] = {}
@@ -182,7 +150,7 @@ def evaluate(
     return {
         "settings": asdict(settings),
         "environment": {
-            "blas": _blas(),
+            "blas": velox_blas.blas_in_use(),
             "mlx": getattr(mx, "__version__", "unknown"),
             "python": platform.python_version(),
             "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
@@ -197,7 +165,7 @@ def evaluate(
             "budgets": budgets,
             "ppl": ppl,
             "ppl_per_document": per_document,
-            "excluded": {"snapkv": "compresses once at a prompt end; streaming text has none"},
+            "excluded": methods.excluded_from_perplexity(),
         },
         "retrieval": {
             "document": source.name,
@@ -213,15 +181,7 @@ def evaluate(
     }
 
 
-def _blas() -> str:
-    from velox_mlx_lm.blas import blas_in_use
-
-    return blas_in_use()
-
-
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
@@ -259,8 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.from_json is not None:
-        from velox_bench.quality import report
-
         saved = json.loads(args.from_json.read_text())
         saved.pop("findings", None)
         print(report.summary(saved))
@@ -274,11 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(
         **{**asdict(settings), **{k: v for k, v in changes.items() if v is not None}}
     )
-    print(f"BLAS: {_blas()}")
+    print(f"BLAS: {velox_blas.blas_in_use()}")
     results = evaluate(settings)
-
-    from velox_bench.quality import report
-
     print(report.summary(results))
     out = args.out if args.out is not None else (None if settings.quick else repo_root())
     if out is not None:
