@@ -9,7 +9,7 @@ from velox_bench.results import loglog_slope
 
 __all__ = ["TARGETS", "summarize"]
 
-# DESIGN.md section 7, on the 2-core CPU machine (float32).
+# docs/architecture.md (measuring), on the 2-core CPU machine (float32).
 TARGETS = {
     "micro_tova_over_sdpa_budget512_hkv8_d128": ("<=", 0.5),
     "prefill_tova_sequential_4096_over_causal_sdpa": ("<=", 3.0),
