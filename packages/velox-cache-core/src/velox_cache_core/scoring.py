@@ -22,12 +22,15 @@ def grouped_logits(probe: mx.array, keys: mx.array, scale: float, scope: Scope) 
     """Scaled dot products of every probe head with the keys of its KV head.
 
     probe: ``[B, H_p, L, D]`` with ``H_p % H_kv == 0``; keys: ``[B, H_kv, n, D]``.
-    Returns ``[B, G, H_d, L, n]``: ``G`` decision groups (``H_kv`` for scope ``head``, 1 for
+    Returns float32 ``[B, G, H_d, L, n]``: ``G`` decision groups (``H_kv`` for scope ``head``, 1 for
     ``layer``) of ``H_d`` probe heads each.
     """
     B, H_p, L, D = probe.shape
     H_kv, n = keys.shape[1], keys.shape[2]
     per_kv = H_p // H_kv
+    # Half-precision caches stay half; their scores are float32 (the products of two half
+    # values are exact in float32), so decisions equal float32 scoring of the same keys.
+    probe, keys = probe.astype(mx.float32), keys.astype(mx.float32)
     q = (probe * scale).reshape(B, H_kv, per_kv, L, D)
     logits = q @ keys[:, :, None].swapaxes(-1, -2)
     if scope == "layer":
