@@ -152,3 +152,26 @@ def test_eviction_changes_logits(tiny_model, h):
     tova = h.forward_chunks(model, cache, tokens, [SEQ_N])
     assert not np.allclose(np.array(full[-1]), np.array(tova[-1]), atol=1e-3)
     assert mx.all(cache[0].positions < SEQ_N).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["tova", "tova_adapted", "h2o", "morphkv"])
+def test_long_chunk_equals_small_chunks(tiny_model, h, method):
+    """mlx-lm feeds 2048-token chunks; a sequential-mode cache splits a long chunk internally
+    (SUBCHUNK queries at a time), which must not change anything: one 4096-token chunk and
+    256-token chunks leave the same state and give the same last logits."""
+    import velox_mlx_lm.cache as vcache
+
+    model = tiny_model("llama")
+    policy = "tova" if method.startswith("tova") else method
+    config = KVCacheConfig(method=method, **{f"{policy}_budget": 64})
+    tokens = h.random_tokens(4097, seed=8)
+    assert tokens.shape[1] - 1 > vcache.SUBCHUNK
+    one = KVCacheBuilder.for_model(model, config)
+    small = KVCacheBuilder.for_model(model, config)
+    a = h.forward_chunks(model, one, tokens, [4096, 1])
+    b = h.forward_chunks(model, small, tokens, [256] * 16 + [1])
+    np.testing.assert_allclose(np.array(a[-1]), np.array(b[-1]), rtol=1e-4, atol=1e-4)
+    for x, y in zip(one, small, strict=True):
+        assert x.offset == y.offset == 4097
+        assert np.array_equal(np.sort(np.array(x.positions)), np.sort(np.array(y.positions)))

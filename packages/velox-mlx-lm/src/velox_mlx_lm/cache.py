@@ -35,6 +35,8 @@ _warned_no_hook: set[str] = set()
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
 # num_draft_tokens (2 by default, 3 on its command line) per round.
 TRIM_WINDOW = 16
+# Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once).
+SUBCHUNK = 256
 
 
 def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
@@ -143,6 +145,17 @@ def _decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     return after, None if skeleton is None else _unpack(skeleton, data)
 
 
+def _attention(queries: mx.array, step: Step, scale: float, sinks: mx.array | None) -> mx.array:
+    """``queries [B, H_q, L, D]`` over a step's keys/values with its mask (repeated over each
+    query group when given per KV head)."""
+    mask = step.mask
+    if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
+        mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
+    return mx.fast.scaled_dot_product_attention(
+        queries, step.keys, step.values, scale=scale, mask=mask, sinks=sinks
+    )
+
+
 class VeloxKVCache(_BaseCache):
     """Marker base: the attention hook hands attention calls for these caches to ``attend``."""
 
@@ -247,13 +260,15 @@ class PolicyKVCache(VeloxKVCache):
         return self._state.slots is None and self._pending is None
 
     # -- the model's calls -------------------------------------------------------------------
-    def _defers(self) -> bool:
-        return getattr(self._state, "signal", None) == "query"
+    def _defers(self, length: int) -> bool:
+        """Whether to decide in ``attend`` (with the queries): always for signal ``query``,
+        and for every chunk, which ``attend`` may split (see ``SUBCHUNK``)."""
+        return length > 1 or getattr(self._state, "signal", None) == "query"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new``."""
         self._settle()
-        if self._defers():
+        if self._defers(keys.shape[2]):
             slots = self._state.slots
             expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
             check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
@@ -277,6 +292,19 @@ class PolicyKVCache(VeloxKVCache):
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
+            L = keys.shape[2]
+            if L > SUBCHUNK and getattr(self._state, "prefill", None) == "sequential":
+                # Sequential mode does not depend on how a chunk is split: sub-chunks keep the
+                # scan and the attention on ``retained + SUBCHUNK`` keys, not ``retained + L``.
+                outs = []
+                for s in range(0, L, SUBCHUNK):
+                    part = slice(s, s + SUBCHUNK)
+                    q = queries[:, :, part]
+                    step = self._feed(self._state, keys[:, :, part], values[:, :, part], q, scale)
+                    self._state = step.state
+                    outs.append(_attention(q, step, scale, sinks))
+                self._state = self._after_call(self._state, L)
+                return mx.concatenate(outs, axis=2)
             step = self._feed(self._state, keys, values, queries, scale)
         elif self._step is not None:
             step = self._step
@@ -284,12 +312,7 @@ class PolicyKVCache(VeloxKVCache):
             raise RuntimeError("attend() called before update_and_fetch()")
         self._step = None
         self._state = self._after_call(step.state, queries.shape[2])
-        policy_mask = step.mask
-        if policy_mask is not None and policy_mask.shape[1] not in (1, queries.shape[1]):
-            policy_mask = mx.repeat(policy_mask, queries.shape[1] // policy_mask.shape[1], axis=1)
-        return mx.fast.scaled_dot_product_attention(
-            queries, step.keys, step.values, scale=scale, mask=policy_mask, sinks=sinks
-        )
+        return _attention(queries, step, scale, sinks)
 
     def _after_call(self, state: Any, length: int) -> Any:
         """Once a call's attention is built: the first single-token call ends the prompt
@@ -317,7 +340,8 @@ class PolicyKVCache(VeloxKVCache):
         self._step = None
         if self._pending is None:
             return
-        if self.policy_name not in _warned_no_hook:
+        query = getattr(self._state, "signal", None) == "query"
+        if query and self.policy_name not in _warned_no_hook:
             _warned_no_hook.add(self.policy_name)
             warnings.warn(
                 f"{type(self).__name__} was used without the attention hook "
@@ -327,9 +351,12 @@ class PolicyKVCache(VeloxKVCache):
             )
         keys, values = self._pending
         self._pending = None
-        signal = self._state.signal
+        if getattr(self._state, "signal", None) != "query":  # decided as the hook would have
+            step = self._feed(self._state, keys, values)
+            self._state = self._after_call(step.state, keys.shape[2])
+            return
         step = self._feed(replace(self._state, signal="key"), keys, values)
-        self._state = self._after_call(replace(step.state, signal=signal), keys.shape[2])
+        self._state = self._after_call(replace(step.state, signal="query"), keys.shape[2])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """Causal mask over ``retained + N`` (what the model sees without the hook)."""
