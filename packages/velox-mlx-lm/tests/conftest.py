@@ -182,7 +182,8 @@ def tova_reference(
     n_sink: int,
     scope: str,
 ) -> tuple[list[list[int]], np.ndarray]:
-    """Sequential TOVA for one chunk of one batch row, in float64, written from docs/architecture.md.
+    """Sequential TOVA for one chunk of one batch row, in float64, written from
+    docs/architecture.md (section 3).
 
     retained_keys: ``[H_kv, n, D]`` with ``retained_positions [H_kv, n]``; new_keys ``[H_kv, L, D]``
     at positions ``t0..t0+L-1``; probe ``[H_p, L, D]`` (queries, or the new keys for signal key).

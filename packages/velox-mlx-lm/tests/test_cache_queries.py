@@ -2,7 +2,8 @@
 
 The layer input is captured at each attention module; queries, keys and values are recomputed
 from it by hand in numpy (projection, RoPE at the true position) and compared with what reaches
-``tova_update``; evictions are recomputed from those with a float64 reference of docs/architecture.md §3.
+``tova_update``; evictions are recomputed from those with a float64 reference of
+docs/architecture.md §3.
 """
 
 from __future__ import annotations
