@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.scoring import Scope, decision_weights, grouped_logits, masked_softmax
+from velox_cache_core.scoring import (
+    Scope,
+    decision_weights,
+    grouped_logits,
+    masked_softmax,
+    softmax,
+)
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
 from velox_cache_core.slots import KVSlots
@@ -116,16 +122,26 @@ def decide_by_weights(
 
     if L == 1:
         evict = n > rule.budget
+        probs = None
         if evict or accumulate:
             rows, row_positions = _rows(history, probe, call)
             logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-            weights = _fused_weights(logits, positions, row_positions, rule.fusion)
+            if rule.signal == "query":
+                # The newest row is the model's own query, which sees every candidate: its
+                # softmax is the attention itself, so the caller can attend from it.
+                probs = softmax(logits[:, :, :, -1:])
+            if probs is not None and logits.shape[3] == 1:
+                weights = probs.mean(axis=2)[:, :, 0]  # decision_weights, computed once
+            else:
+                weights = _fused_weights(logits, positions, row_positions, rule.fusion)
             if scores is not None:
                 scores = weights = scores + weights
             if evict:
                 excluded = rule.protected(positions, newest)
                 kept = candidates.with_free(lowest_weight(weights, positions, excluded))
-        return Decision(kept), scores
+        if probs is not None:  # [B, G, H_d, 1, n] -> per query head [B, H_q, 1, n]
+            probs = probs.reshape(probs.shape[0], -1, 1, n)
+        return Decision(kept, probs=probs), scores
 
     if n <= rule.budget and not accumulate:
         pass

@@ -44,6 +44,9 @@ class Step:
     mask: mx.array | None
     state: Any
     log: UndoLog | None = None  # the undo log after the call, when one was given
+    # float32 [B, H_q, 1, n]: the decode query's attention weights over ``keys`` when the rule
+    # computed exactly them (signal query), so the caller can attend without computing them again
+    probs: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,14 @@ class Decision:
     mask: for a chunk, bool ``[B?, G, L, n]`` or ``[L, n]`` visibility of candidate ``j`` to
     query ``i`` (``G`` = 1 or one group per KV head); ``None`` means plain causal.
     changes: new values of the policy's own running fields.
+    probs: the query's attention weights over the candidates, when the rule computed them
+    (a decode step scored with the true query): float32 ``[B, H_q, 1, n]``.
     """
 
     kept: KVSlots
     mask: mx.array | None = None
     changes: dict[str, Any] = field(default_factory=dict)
+    probs: mx.array | None = None
 
 
 def open_call(
@@ -198,7 +204,12 @@ def update(
     if log is not None:
         entry = record(state, before, slots, candidates, decision.kept, *call_inputs(call))
         log = log.push(entry)
-    return Step(candidates.keys, candidates.values, mask, after, log)
+        # The entry's rows are gathered from slots that are about to be dropped: tie them to the
+        # kept keys (read by the next call) so they are evaluated with it, not held lazily.
+        kept = after.slots
+        keys = mx.depends([kept.keys], entry.arrays())[0]
+        after = replace(after, slots=replace(kept, keys=keys))
+    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
 
 
 def call_inputs(call: Call) -> tuple[mx.array, mx.array, mx.array | None, float]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -92,7 +93,9 @@ class UndoLog:
         if entry.length > self.window:
             return UndoLog(self.window)
         entries = (*self.entries, entry)
-        while entries and sum(e.length for e in entries[1:]) >= self.window:
+        tokens = sum(e.length for e in entries)
+        while tokens - entries[0].length >= self.window:
+            tokens -= entries[0].length
             entries = entries[1:]
         return UndoLog(self.window, entries)
 
@@ -128,6 +131,11 @@ def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
     )
 
 
+@cache
+def _running_names(state_type: Any) -> tuple[str, ...]:
+    return tuple(name for name in running_fields(state_type) if name != "slots")
+
+
 def record(
     state: PolicyState,
     before: KVSlots,
@@ -143,23 +151,16 @@ def record(
     candidates were laid out from (``before`` with a slot freed first, for StreamingLLM), the
     candidates and the ``kept`` slots."""
     L = int(keys.shape[2])
-    entry = Entry(
-        start=state.offset,
-        length=L,
-        running={name: getattr(state, name) for name in running_fields(state) if name != "slots"},
-        slots_none=state.slots is None,
-        free=before.free,
-    )
+    state_type: Any = type(state)
+    written = row = order = evicted = None
+    n_live = 0
     if L == 1 and laid_out_from.free is not None:  # written over one slot
         written = laid_out_from.free
-        entry = replace(entry, written=written, row=_gather(before, written[..., None]))
+        row = _gather(before, written[..., None])
     else:
         n_live = before.n_kept
         if before.free is not None:
-            entry = replace(entry, row=_gather(before, before.free[..., None]))
-        entry = replace(entry, n_live=n_live)
-    if L > 1:
-        entry = replace(entry, inputs=(keys, values, queries, scale))
+            row = _gather(before, before.free[..., None])
     if kept.keys is not candidates.keys:  # the rule took a subset in a new order
         n, m = candidates.n_slots, kept.n_slots
         same = kept.positions[..., :, None] == candidates.positions[..., None, :]
@@ -167,12 +168,21 @@ def record(
         cols = mx.arange(n)
         gone = mx.argsort(mx.where(same.any(axis=2), n + cols, cols), axis=-1)[..., : n - m]
         gone = gone.astype(mx.int32)
-        entry = replace(
-            entry,
-            order=mx.concatenate([survivors, gone], axis=-1),
-            evicted=_gather(candidates, gone),
-        )
-    return entry
+        order = mx.concatenate([survivors, gone], axis=-1)
+        evicted = _gather(candidates, gone)
+    return Entry(
+        start=state.offset,
+        length=L,
+        running={name: getattr(state, name) for name in _running_names(state_type)},
+        slots_none=state.slots is None,
+        free=before.free,
+        written=written,
+        row=row,
+        n_live=n_live,
+        order=order,
+        evicted=evicted,
+        inputs=(keys, values, queries, scale) if L > 1 else None,
+    )
 
 
 def undo(state: Any, entry: Entry) -> Any:

@@ -147,7 +147,17 @@ def _decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
 
 def _attention(queries: mx.array, step: Step, scale: float, sinks: mx.array | None) -> mx.array:
     """``queries [B, H_q, L, D]`` over a step's keys/values with its mask (repeated over each
-    query group when given per KV head)."""
+    query group when given per KV head).
+
+    Attend once: when the rule already computed the query's attention weights (a decode step
+    scored with the true query) and the backend is the CPU, where MLX's attention is not a fused
+    kernel, the output is those weights times the values. On Metal/CUDA the fused kernel runs.
+    """
+    if step.probs is not None and sinks is None and mx.default_device() == mx.cpu:
+        B, H_kv, n, D = step.values.shape
+        probs = step.probs.reshape(B, H_kv, -1, 1, n).astype(step.values.dtype)
+        out = probs @ step.values[:, :, None]  # [B, H_kv, H_q / H_kv, 1, D]
+        return out.reshape(B, -1, 1, D).astype(queries.dtype)
     mask = step.mask
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
@@ -203,12 +213,9 @@ class PolicyKVCache(VeloxKVCache):
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
-        """One core update, recorded in the undo log (whose new rows are evaluated with the
-        step: left lazy they would hold on to the previous slots)."""
+        """One core update, recorded in the undo log."""
         step = self._policy.update(state, keys, values, queries, scale, False, self._log)
         self._log = step.log
-        if self._log is not None and self._log.entries:
-            mx.async_eval(self._log.entries[-1].arrays())
         return step
 
     @property

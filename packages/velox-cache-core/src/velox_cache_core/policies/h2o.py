@@ -7,7 +7,7 @@ tokens. Inertial where TOVA is memoryless: the state carries the scores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -82,7 +82,7 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
         scores = mx.zeros((B, G, 0), dtype=mx.float32)
     scores = align_scores(scores, slots, G, L)
     decision, scores = decide_by_weights(state.rule, call, candidates, scores=scores)
-    return Decision(decision.kept, decision.mask, {"scores": scores})
+    return replace(decision, changes={"scores": scores})
 
 
 H2O = Policy("h2o", H2OState, init_h2o_state, h2o_rule)

@@ -10,7 +10,7 @@ window). With ``window=1`` this is TOVA, bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision
@@ -86,7 +86,7 @@ def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KV
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
     history = past.extend(probe, call.positions(), state.window - 1)
-    return Decision(decision.kept, decision.mask, {"history": history})
+    return replace(decision, changes={"history": history})
 
 
 MORPHKV = Policy("morphkv", MorphKVState, init_morphkv_state, morphkv_rule)
