@@ -172,3 +172,19 @@ def test_a_call_longer_than_the_window_clears_the_log() -> None:
     assert log is not None and log.tokens == 0 and log.nbytes == 0
     with pytest.raises(ValueError, match="trim_window"):
         new_log(-1)
+
+
+@pytest.mark.parametrize(("name", "options"), VARIANTS, ids=lambda x: str(x))
+def test_trimming_decode_steps(name: str, options: dict[str, Any]) -> None:
+    """Decode steps that each evict (and write over the slot the step before freed), trimmed
+    back one to eight at a time."""
+    policy = POLICIES[name]
+    sinks = {} if name == "snapkv" else {"n_sink": 1}
+    fresh = policy.init(budget=5, **sinks, **options)
+    stream = _stream(5, 30, h_kv=2, group=2)
+    chunks = [9] + [1] * 12
+    state, log = _feed(policy, fresh, stream, chunks, new_log(8))
+    for n in range(1, 9):
+        trimmed, _ = policy.trim(state, log, n)
+        expected, _ = _feed(policy, fresh, stream, chunks[: len(chunks) - n], None)
+        _assert_same(_canonical(trimmed), _canonical(expected))

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import mlx.core as mx
 
+from velox_cache_core.distributed import head_mean, layer_group
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.scoring import (
-    Scope,
-    decision_weights,
-    grouped_logits,
-    masked_softmax,
-    softmax,
-)
+from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
 from velox_cache_core.slots import KVSlots
@@ -75,14 +72,14 @@ def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.arra
 
 
 def _fused_weights(
-    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str
+    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str, group: Any
 ) -> mx.array:
     """``[B, G, H_d, R, n]`` logits of rows that all see every candidate they precede ->
-    fused ``[B, G, n]`` weights."""
+    fused ``[B, G, n]`` weights (heads averaged over ``group``'s ranks too, when given)."""
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA exactly)
-        return decision_weights(logits)[:, :, 0]
+        return head_mean(softmax(logits.astype(mx.float32)), 2, group)[:, :, 0]
     visible = row_visibility(positions, row_positions)[:, :, None]
-    return fuse_rows(masked_softmax(logits, visible).mean(axis=2), fusion)
+    return fuse_rows(head_mean(masked_softmax(logits, visible), 2, group), fusion)
 
 
 def align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
@@ -109,8 +106,11 @@ def decide_by_weights(
 
     ``scores`` (``[B, G, n]`` aligned with the candidates, see :func:`align_scores`) switch the
     rule to accumulating weights; the updated scores of the kept slots are returned.
+    Layer-wide weights are averaged over the heads of every rank of ``call.group``
+    (:mod:`velox_cache_core.distributed`), so every rank takes the same decision.
     """
     _, H_kv, L, _ = call.shape
+    group = layer_group(call.group, rule.scope)
     G = rule.groups(H_kv)
     accumulate = scores is not None
     probe = call.probe(rule.signal)
@@ -131,9 +131,9 @@ def decide_by_weights(
                 # softmax is the attention itself, so the caller can attend from it.
                 probs = softmax(logits[:, :, :, -1:])
             if probs is not None and logits.shape[3] == 1:
-                weights = probs.mean(axis=2)[:, :, 0]  # decision_weights, computed once
+                weights = head_mean(probs, 2, group)[:, :, 0]  # decision_weights, computed once
             else:
-                weights = _fused_weights(logits, positions, row_positions, rule.fusion)
+                weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
             if scores is not None:
                 scores = weights = scores + weights
             if evict:
@@ -161,6 +161,7 @@ def decide_by_weights(
             fusion=rule.fusion,
             scores=scores,
             recent=rule.recent,
+            group=group,
         )
         mask = alive_mask(evict_step, positions, call.start, L)
         if n > rule.budget:
@@ -175,12 +176,13 @@ def decide_by_weights(
             # Every chunk query attends causally; each adds its weights to the running sums.
             logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
             visible = row_visibility(positions, call.positions())[:, :, None]
-            scores = weights = scores + masked_softmax(logits, visible).mean(axis=2).sum(2)
+            weights = head_mean(masked_softmax(logits, visible), 2, group).sum(2)
+            scores = weights = scores + weights
         else:
             rows, row_positions = _rows(history, probe, call)
             rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
             logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-            weights = _fused_weights(logits, positions, row_positions, rule.fusion)
+            weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
         if n > rule.budget:
             protected = rule.protected(positions, newest)
             keep = highest_weights(weights, positions, protected, rule.budget)

@@ -58,6 +58,9 @@ class Call:
     queries: mx.array | None
     scale: float
     start: int  # absolute position of the first new token
+    # tensor-parallel group (``mx.distributed.Group``) whose ranks hold the layer's other heads:
+    # layer-wide decisions sum their weights over it (velox_cache_core.distributed); None: local
+    group: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -177,6 +180,7 @@ def update(
     *,
     check_finite: bool = True,
     log: UndoLog | None = None,
+    group: Any = None,
 ) -> Step:
     """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
 
@@ -185,11 +189,14 @@ def update(
     ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
     The input state is never modified; a failed call raises before anything is computed.
     With an undo ``log`` (:mod:`velox_cache_core.undo`), the call is recorded in the returned
-    ``Step.log`` so that it can be trimmed exactly.
+    ``Step.log`` so that it can be trimmed exactly. ``group``: the tensor-parallel group of a
+    sharded model (:mod:`velox_cache_core.distributed`); ``None`` for a single process.
     """
     slots, call = open_call(
         state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
     )
+    if group is not None:
+        call = replace(call, group=group)
     if call.length == 0:
         live = slots.compact()
         return Step(live.keys, live.values, None, advance(state, slots, call), log)
@@ -204,11 +211,10 @@ def update(
     if log is not None:
         entry = record(state, before, slots, candidates, decision.kept, *call_inputs(call))
         log = log.push(entry)
-        # The entry's rows are gathered from slots that are about to be dropped: tie them to the
-        # kept keys (read by the next call) so they are evaluated with it, not held lazily.
-        kept = after.slots
-        keys = mx.depends([kept.keys], entry.arrays())[0]
-        after = replace(after, slots=replace(kept, keys=keys))
+        # Evaluate the entry's rows with this call's attention (which reads the values), so they
+        # hold no lazy reference to slots the next call overwrites in place.
+        values = mx.depends([candidates.values], entry.arrays())[0]
+        return Step(candidates.keys, values, mask, after, log, decision.probs)
     return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
 
 

@@ -56,14 +56,26 @@ class Policy:
         scale: Any = None,
         check_finite: bool = True,
         log: UndoLog | None = None,
+        group: Any = None,
     ) -> Step:
         """Feed ``[B, H_kv, L, D]`` keys/values (and ``[B, H_q, L, D]`` queries); see
-        :func:`velox_cache_core.engine.update`."""
-        return update(self, state, keys, values, queries, scale, check_finite=check_finite, log=log)
+        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group)."""
+        return update(
+            self,
+            state,
+            keys,
+            values,
+            queries,
+            scale,
+            check_finite=check_finite,
+            log=log,
+            group=group,
+        )
 
-    def trim(self, state: Any, log: UndoLog, n: int) -> tuple[Any, UndoLog]:
+    def trim(self, state: Any, log: UndoLog, n: int, group: Any = None) -> tuple[Any, UndoLog]:
         """``(state, log)`` as if the last ``n`` tokens had never been fed (exact); raises
-        ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`)."""
+        ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`). ``group``:
+        the tensor-parallel group the re-fed calls decide over, as :meth:`update`'s."""
         if not isinstance(state, self.state_type):
             raise TypeError(
                 f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
@@ -72,7 +84,7 @@ class Policy:
             raise TypeError(f"log must be an UndoLog, got {type(log).__name__}")
 
         def feed(s: Any, k: Any, v: Any, q: Any, scale: float, lg: UndoLog) -> Any:
-            step = self.update(s, k, v, q, scale, check_finite=False, log=lg)
+            step = self.update(s, k, v, q, scale, check_finite=False, log=lg, group=group)
             return step.state, step.log
 
         return undo.trim(state, log, n, feed)

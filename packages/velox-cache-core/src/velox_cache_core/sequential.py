@@ -9,9 +9,11 @@ decisions run in order.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.distributed import head_mean
 from velox_cache_core.scoring import exp
 from velox_cache_core.selection import lowest_weight
 
@@ -33,12 +35,13 @@ def _decide(
     fusion: str,
     accumulate: bool,
     recent: int,
+    group: Any,
 ) -> tuple[mx.array, mx.array]:
     """One step: weights over the alive candidates, optional running sum, evict the lowest."""
     alive = (positions <= limit) & (evict_step >= step)
     e = exp_rows * alive[:, :, None, None, :]
     z = mx.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
-    weights = fuse_rows((e / z).mean(axis=2), fusion)
+    weights = fuse_rows(head_mean(e / z, 2, group), fusion)
     if accumulate:
         scores = scores + weights
         weights = scores
@@ -51,9 +54,9 @@ def _decide(
 
 
 @cache
-def _compiled(fusion: str, accumulate: bool, recent: int):  # type: ignore[no-untyped-def]
+def _compiled(fusion: str, accumulate: bool, recent: int, group: Any):  # type: ignore[no-untyped-def]
     def decide(*args: mx.array) -> tuple[mx.array, mx.array]:
-        return _decide(*args, fusion=fusion, accumulate=accumulate, recent=recent)
+        return _decide(*args, fusion=fusion, accumulate=accumulate, recent=recent, group=group)
 
     return mx.compile(decide)
 
@@ -80,6 +83,7 @@ def eviction_steps(
     fusion: str = "mean",
     scores: mx.array | None = None,
     recent: int = 0,
+    group: Any = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Step at which each candidate is evicted (``length`` if it survives the chunk).
 
@@ -87,7 +91,8 @@ def eviction_steps(
     rows at ``row_positions`` (int ``[R]``): earlier probes, then the chunk's. Step ``i`` of the
     chunk (position ``start + i``) fuses its own row and up to ``window - 1`` rows before it.
     positions: int32 ``[B, G, n]``. ``scores`` (``[B, G, n]``), if given, accumulate every
-    step's weights and decide instead of them.
+    step's weights and decide instead of them. ``group``: average the heads over its ranks
+    too (one ``all_sum`` per step, :mod:`velox_cache_core.distributed`).
     Returns int32 ``[B, G, n]`` and the final scores.
     """
     B, G, _, _, n = logits.shape
@@ -104,10 +109,10 @@ def eviction_steps(
         # Before the first eviction nothing is missing: every row sees all it could.
         e = exp_rows[:, :, :, n_history : n_history + min(first, length)]
         assert scores is not None
-        scores = scores + (e / e.sum(axis=-1, keepdims=True)).mean(axis=2).sum(axis=2)
+        scores = scores + head_mean(e / e.sum(axis=-1, keepdims=True), 2, group).sum(axis=2)
     if scores is None:
         scores = mx.zeros((1,))
-    decide = _compiled(fusion, accumulate, recent)
+    decide = _compiled(fusion, accumulate, recent, group)
     # The scan is a long chain of small steps: evaluating the shared inputs first and the chain
     # every few steps keeps each step's graph small (measured 5x faster on CPU than one big graph).
     mx.eval(exp_rows, positions, protected, evict_step, scores)

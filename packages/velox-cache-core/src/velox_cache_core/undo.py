@@ -4,8 +4,10 @@ Speculative decoding verifies ``num_draft + 1`` tokens in one call and then trim
 ones; a prompt cache is trimmed back to a shared prefix. Eviction is not reversible by itself,
 so every call records what it destroyed, relative to the slots it leaves behind:
 
-- a token written over a slot (the one freed by the last eviction, or StreamingLLM's oldest):
-  that slot's previous row and the previous dead-slot index;
+- a token written over a slot: the previous dead-slot index, and the row it overwrote when that
+  row was live (StreamingLLM drops its oldest first); a dead slot's row is the previous call's
+  victim, which that call recorded when it evicted it (from its own candidates, so no copy of
+  the slots being overwritten is kept alive and MLX can still write them in place);
 - a chunk: how many live rows came before it, the dead slot it compacted away (with its row),
   and, when it evicted, the evicted candidates' rows and where every candidate went;
 - the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before.
@@ -38,9 +40,10 @@ class Entry:
     running: every running field but ``slots`` before the call (``slots_none``: the state had
     no slots yet). Slots before the call, relative to the call's candidates:
     ``written`` int32 ``[B, H_kv]`` slot the single new token overwrote and ``row`` its previous
-    content (a 1-slot store); ``free`` the dead slot before the call; ``n_live`` the live rows a
-    chunk (or an appended token) came after; ``order`` int32 ``[B, H_kv, n]`` the candidate index
-    of every kept-then-evicted row and ``evicted`` those evicted rows, when the call reordered;
+    content when it was live (a 1-slot store); ``victim`` the row a single token's call
+    evicted; ``free`` the dead slot before the call; ``n_live`` the live rows a chunk (or an
+    appended token) came after; ``order`` int32 ``[B, H_kv, n]`` the candidate index of every
+    kept-then-evicted row and ``evicted`` those evicted rows, when the call reordered;
     ``inputs`` (keys, values, queries, scale) of a chunk, to feed a part of it again.
     """
 
@@ -51,6 +54,7 @@ class Entry:
     free: mx.array | None = None
     written: mx.array | None = None
     row: KVSlots | None = None
+    victim: KVSlots | None = None
     n_live: int = 0
     order: mx.array | None = None
     evicted: KVSlots | None = None
@@ -61,7 +65,7 @@ class Entry:
         for value in (self.free, self.written, self.order):
             if value is not None:
                 out.append(value)
-        for store in (self.row, self.evicted):
+        for store in (self.row, self.victim, self.evicted):
             if store is not None:
                 out += store.arrays()
         if self.inputs is not None:
@@ -152,15 +156,18 @@ def record(
     candidates and the ``kept`` slots."""
     L = int(keys.shape[2])
     state_type: Any = type(state)
-    written = row = order = evicted = None
+    written = row = victim = order = evicted = None
     n_live = 0
     if L == 1 and laid_out_from.free is not None:  # written over one slot
         written = laid_out_from.free
-        row = _gather(before, written[..., None])
+        if laid_out_from.free is not before.free:  # a live row, freed just now (StreamingLLM)
+            row = _gather(before, written[..., None])
     else:
         n_live = before.n_kept
         if before.free is not None:
             row = _gather(before, before.free[..., None])
+    if L == 1 and kept.keys is candidates.keys and kept.free is not None:
+        victim = _gather(candidates, kept.free[..., None])
     if kept.keys is not candidates.keys:  # the rule took a subset in a new order
         n, m = candidates.n_slots, kept.n_slots
         same = kept.positions[..., :, None] == candidates.positions[..., None, :]
@@ -178,6 +185,7 @@ def record(
         free=before.free,
         written=written,
         row=row,
+        victim=victim,
         n_live=n_live,
         order=order,
         evicted=evicted,
@@ -185,8 +193,9 @@ def record(
     )
 
 
-def undo(state: Any, entry: Entry) -> Any:
-    """The state before the call ``entry`` recorded, from the state right after it."""
+def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
+    """The state before the call ``entry`` recorded, from the state right after it
+    (``previous``: the entry before it, whose victim the call may have overwritten)."""
     kept = state.slots
     assert kept is not None
     if entry.evicted is not None:
@@ -195,16 +204,18 @@ def undo(state: Any, entry: Entry) -> Any:
     else:
         candidates = KVSlots(kept.keys, kept.values, kept.positions)
     if entry.written is not None:
-        assert entry.row is not None
-        B, H, _, D = candidates.keys.shape
-        slot = entry.written[..., None]
-        feat = mx.broadcast_to(slot[..., None], (B, H, 1, D))
-        slots = KVSlots(
-            mx.put_along_axis(candidates.keys, feat, entry.row.keys, axis=2),
-            mx.put_along_axis(candidates.values, feat, entry.row.values, axis=2),
-            mx.put_along_axis(candidates.positions, slot, entry.row.positions, axis=2),
-            entry.free,
-        )
+        row = entry.row or (previous.victim if previous is not None else None)
+        slots = KVSlots(candidates.keys, candidates.values, candidates.positions, entry.free)
+        if row is not None:  # else the slot was dead and stays dead: its content is moot
+            B, H, _, D = candidates.keys.shape
+            slot = entry.written[..., None]
+            feat = mx.broadcast_to(slot[..., None], (B, H, 1, D))
+            slots = KVSlots(
+                mx.put_along_axis(candidates.keys, feat, row.keys, axis=2),
+                mx.put_along_axis(candidates.values, feat, row.values, axis=2),
+                mx.put_along_axis(candidates.positions, slot, row.positions, axis=2),
+                entry.free,
+            )
     else:
         live = KVSlots(
             candidates.keys[:, :, : entry.n_live],
@@ -241,7 +252,7 @@ def trim(state: Any, log: UndoLog, n: int, feed: Feed) -> tuple[Any, UndoLog]:
     entries = list(log.entries)
     while n > 0:
         entry = entries.pop()
-        state = undo(state, entry)
+        state = undo(state, entry, entries[-1] if entries else None)
         keep = entry.length - min(n, entry.length)
         n -= entry.length - keep
         if keep:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from velox_cache_core.policies.h2o import H2O
+from velox_cache_core.policies.kvzip import KVZIP, kvzip_compress
 from velox_cache_core.policies.morphkv import MORPHKV
 from velox_cache_core.policies.snapkv import SNAPKV, snapkv_compress
 from velox_cache_core.policies.streaming_llm import STREAMING_LLM
@@ -14,5 +15,6 @@ register(H2O)
 register(STREAMING_LLM)
 register(SNAPKV)
 register(MORPHKV)
+register(KVZIP)
 
-__all__ = ["POLICIES", "Policy", "register", "snapkv_compress"]
+__all__ = ["POLICIES", "Policy", "kvzip_compress", "register", "snapkv_compress"]

@@ -1,0 +1,196 @@
+"""KVzip: compress a context once by how much reconstructing it attends to each pair (Kim et al.,
+2025, https://arxiv.org/abs/2505.23416).
+
+While the context streams in nothing is evicted (like SnapKV); the last probe row is
+remembered. Compression then keeps the sinks and the ``budget - n_sink`` best-scoring rows per
+KV head (a uniform per-head budget; the paper's global ratio across heads and layers would give
+heads different row counts, which the slot store does not hold). The scores come from:
+
+- ``probe="reconstruct"`` (KVzip): the caller feeds a reconstruction prompt (an instruction to
+  repeat the context, then the context itself) in chunks and passes each chunk's queries to
+  :func:`reconstruction_scores`: a context row's score is the largest attention weight any
+  query of the chunk that repeats it gives it (max over the query heads of its KV group and over
+  the chunk's queries; each chunk's softmax runs over the sinks, its own context rows and the
+  chunk's own keys, causally). :func:`kvzip_compress` takes the concatenated scores. The
+  policy's prompt end does nothing with this probe: compression waits for the scores.
+- ``probe="latest"``: the last context query's weights, exactly TOVA's oneshot cut with scope
+  ``head`` (its prompt end compresses by itself).
+
+After compression, ``after="append"`` keeps every new token (like SnapKV: the questions and
+answers grow the cache), ``after="tova"`` continues with TOVA's rule (scope ``head``,
+sequential prefill) at ``budget``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.engine import Call, Decision
+from velox_cache_core.masks import chunk_causal
+from velox_cache_core.policies.tova import SIGNALS
+from velox_cache_core.registry import Policy
+from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
+from velox_cache_core.selection import highest_weights, sinks
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
+from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
+
+PROBES = ("reconstruct", "latest")
+AFTERS = ("append", "tova")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVzipState(PolicyState):
+    """KVzip layer state; ``compressed`` once the context has been cut to ``budget``."""
+
+    budget: int
+    n_sink: int
+    probe: str
+    signal: str
+    after: str
+    history: History | None = running(attention=True)  # the last probe row (probe "latest")
+    scale: float | None = running()
+    compressed: bool = running(False)
+
+    @property
+    def scope(self) -> str:
+        """What the engine reads for the mask layout: per KV head once TOVA decides."""
+        return "head" if self.compressed and self.after == "tova" else "layer"
+
+    @property
+    def rule(self) -> Rule:
+        """TOVA's rule that runs after compression with ``after="tova"``."""
+        return Rule(self.budget, self.n_sink, self.signal, "head", "sequential")
+
+
+def init_kvzip_state(
+    budget: int = 512,
+    n_sink: int = 4,
+    probe: str = "reconstruct",
+    signal: str = "query",
+    after: str = "append",
+) -> KVzipState:
+    """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
+    ``after`` ``append`` or ``tova``."""
+    check_budget_and_sinks(budget, n_sink)
+    return KVzipState(
+        budget=budget,
+        n_sink=n_sink,
+        probe=check_choice("probe", probe, PROBES),
+        signal=check_choice("signal", signal, SIGNALS),
+        after=check_choice("after", after, AFTERS),
+    )
+
+
+def kvzip_rule(state: KVzipState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
+    """Before compression keep everything and remember the last probe row; after it append
+    (``after="append"``) or evict by TOVA's rule (``after="tova"``)."""
+    if state.compressed:
+        if state.after == "tova":
+            return decide_by_weights(state.rule, call, candidates)[0]
+        return Decision(candidates)
+    probe = call.probe(state.signal)
+    past = state.history or History(probe[:, :, :0], call.positions()[:0])
+    history = past.extend(probe, call.positions(), 1)
+    return Decision(candidates, changes={"history": history, "scale": call.scale})
+
+
+def _context(state: KVzipState) -> KVSlots:
+    """The uncompressed context's slots: every position, in arrival order (slot i holds i)."""
+    if not isinstance(state, KVzipState):
+        raise TypeError(f"state must be a KVzipState, got {type(state).__name__}")
+    if state.compressed:
+        raise ValueError("the KVzip state is already compressed")
+    if state.slots is None:
+        raise ValueError("the KVzip state holds no context yet")
+    return state.slots.compact()
+
+
+def latest_scores(state: KVzipState) -> mx.array:
+    """float32 ``[B, H_kv, n]``: the last context probe row's softmax over the context,
+    averaged within each GQA group (TOVA's current-step weights, scope ``head``)."""
+    live = _context(state)
+    assert state.history is not None and state.scale is not None
+    logits = grouped_logits(state.history.probes, live.keys, state.scale, "head")
+    return decision_weights(logits)[:, :, 0]
+
+
+def reconstruction_scores(
+    state: KVzipState,
+    queries: mx.array,
+    keys: mx.array,
+    start: int,
+    end: int,
+    scale: float | None = None,
+) -> mx.array:
+    """float32 ``[B, H_kv, end - start]``: the scores of context rows ``start..end-1`` from one
+    reconstruction chunk (the chunk that repeats those rows).
+
+    queries: ``[B, H_q, R, D]`` the chunk's queries; keys: ``[B, H_kv, R, D]`` its own keys
+    (rotated at positions after the context). Each query's softmax runs over the
+    ``min(n_sink, start)`` sinks, context rows ``start..end-1`` and the chunk's keys up to its
+    own; a row's score is its largest weight over the query heads of its KV group and over the
+    queries. Memory is ``O(R * (n_sink + (end - start) + R))`` per head, whatever the context.
+    """
+    live = _context(state)
+    n = live.n_slots
+    if not 0 <= start < end <= n:
+        raise ValueError(f"need 0 <= start < end <= {n} (context rows), got {start}, {end}")
+    scale = check_scale(scale, keys.shape[3])
+    sink = min(state.n_sink, start)
+    scored = mx.concatenate(
+        [live.keys[:, :, :sink], live.keys[:, :, start:end], keys.astype(live.keys.dtype)], axis=2
+    )
+    R = keys.shape[2]
+    logits = grouped_logits(queries, scored, scale, "head")  # [B, H_kv, g, R, m]
+    probs = masked_softmax(logits, chunk_causal(scored.shape[2] - R, R))
+    return probs[..., sink : sink + end - start].max(axis=(2, 3))
+
+
+def kvzip_compress(state: KVzipState, scores: mx.array | None = None) -> KVzipState:
+    """Cut the context to ``budget`` per KV head: the sinks, then the highest ``scores``
+    (``[B, H_kv, n]``, one per context row in slot order; ties lose the oldest). Without
+    ``scores`` (``probe="latest"`` only) the last probe row's weights decide. A no-op on a
+    compressed state."""
+    if not isinstance(state, KVzipState):
+        raise TypeError(f"state must be a KVzipState, got {type(state).__name__}")
+    if state.compressed:
+        return state
+    done = replace(state, compressed=True, history=None)
+    if state.slots is None:
+        return done
+    live = _context(state)
+    if scores is None:
+        if state.probe != "latest":
+            raise ValueError("probe='reconstruct' needs the reconstruction scores")
+        scores = latest_scores(state)
+    B, H, n = live.positions.shape
+    if tuple(scores.shape) != (B, H, n):
+        raise ValueError(f"scores must be [B, H_kv, n] = {(B, H, n)}, got {tuple(scores.shape)}")
+    if n <= state.budget:
+        return done
+    positions = live.positions
+    keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
+    return replace(done, slots=live.take(keep))
+
+
+def kvzip_end_prompt(state: KVzipState) -> KVzipState:
+    """End of the context: ``probe="latest"`` compresses now; ``reconstruct`` waits for the
+    scores (:func:`kvzip_compress`), so the cache stays whole until then."""
+    if state.compressed or state.probe != "latest":
+        return state
+    return kvzip_compress(state)
+
+
+KVZIP = Policy(
+    "kvzip",
+    KVzipState,
+    init_kvzip_state,
+    kvzip_rule,
+    prompt_end=kvzip_end_prompt,
+    grows_after_prompt_end=True,
+)
+kvzip_update = KVZIP.update
