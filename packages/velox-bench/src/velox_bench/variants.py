@@ -90,8 +90,13 @@ class Variant:
 
 
 def policy_variants() -> list[Variant]:
-    """Every registered method as a variant named after it, in registry order."""
-    return [Variant(m, m) for m in methods() if m != FULL]
+    """Every registered method as a variant named after it, in registry order; policies whose
+    prompt end is a model pass (KVzip's reconstruction) are left out of these cache-only suites."""
+    return [
+        Variant(m, m)
+        for m in methods()
+        if m != FULL and not policy_for_method(m).prompt_end_needs_model
+    ]
 
 
 def tova_grid() -> Iterator[tuple[str, str, str]]:

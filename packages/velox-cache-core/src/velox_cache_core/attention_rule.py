@@ -9,7 +9,6 @@ that decide (H2O: inertial). The lowest goes; sinks and, for H2O, a recent windo
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 import mlx.core as mx

@@ -31,6 +31,8 @@ class Policy:
     uses_queries: whether the rule can read the true queries (else it never looks at attention).
     prompt_end: optional step run once the prompt has been fed (SnapKV's cut); a no-op after.
     grows_after_prompt_end: whether the cache keeps every token after ``prompt_end``.
+    prompt_end_needs_model: whether the prompt end is a pass through the model that a cache
+    alone cannot run (KVzip's reconstruction, ``velox_mlx_lm.kvzip.compress``).
     evict_before: optional decode hook freeing a slot before the new token attends
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
@@ -44,6 +46,7 @@ class Policy:
     uses_queries: bool = True
     prompt_end: Callable[[Any], Any] | None = None
     grows_after_prompt_end: bool = False
+    prompt_end_needs_model: bool = False
     evict_before: Callable[[Any, KVSlots, Call], KVSlots] | None = None
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

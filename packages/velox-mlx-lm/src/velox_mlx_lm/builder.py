@@ -10,19 +10,24 @@ from mlx_lm.models.cache import KVCache
 
 from velox_mlx_lm.cache import cache_class
 from velox_mlx_lm.config import KVCacheConfig
+from velox_mlx_lm.distributed import tensor_group
 from velox_mlx_lm.hook import install_attention_hook
+
+AUTO = "auto"  # for_model's default group: the one the model's attention is sharded over
 
 
 class KVCacheFactory:
     """One layer's cache for a config."""
 
     @staticmethod
-    def create(config: KVCacheConfig) -> Any:
+    def create(config: KVCacheConfig, group: Any = None) -> Any:
+        """``group``: the tensor-parallel group of a sharded model (``docs/distributed.md``)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.policy is None:
             return KVCache()
-        return cache_class(config.policy)(trim_window=config.trim_window, **config.settings())
+        cls = cache_class(config.policy)
+        return cls(trim_window=config.trim_window, group=group, **config.settings())
 
 
 def _base_caches(model: nn.Module) -> list[Any]:
@@ -55,11 +60,15 @@ class KVCacheBuilder:
     """Per-model cache lists."""
 
     @staticmethod
-    def for_model(model: nn.Module, config: KVCacheConfig) -> list[Any]:
+    def for_model(model: nn.Module, config: KVCacheConfig, group: Any = AUTO) -> list[Any]:
         """One cache per layer, every config field propagated, attention hook installed.
 
         Full-attention layers (mlx-lm ``KVCache``) get the configured cache; layers the model
         already bounds (``RotatingKVCache`` sliding windows) and non-attention layers keep theirs.
+        ``group``: the tensor-parallel group layer-wide decisions are summed over; by default
+        the one the model's attention is sharded over (``model.shard``, ``sharded_load``),
+        ``None`` for an unsharded model. Passing ``None`` for a sharded model turns the
+        communication off: the ranks then decide on their own heads and can diverge.
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -82,10 +91,12 @@ class KVCacheBuilder:
                 stacklevel=2,
             )
             config = config.replace(**{field: "key"})
+        if isinstance(group, str) and group == AUTO:
+            group = tensor_group(model)
         caches = []
         for base in _base_caches(model):
             if type(base) is KVCache:
-                caches.append(KVCacheFactory.create(config))
+                caches.append(KVCacheFactory.create(config, group))
             else:  # sliding windows, recurrent state: already bounded, keep
                 caches.append(base)
         return caches

@@ -166,6 +166,22 @@ def _attention(queries: mx.array, step: Step, scale: float, sinks: mx.array | No
     )
 
 
+class _Shared:
+    """Holds an object that copies of a cache share instead of copying (an
+    ``mx.distributed.Group`` cannot be deep-copied, and mlx-lm's server deep-copies caches)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __copy__(self) -> _Shared:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
 class VeloxKVCache(_BaseCache):
     """Marker base: the attention hook hands attention calls for these caches to ``attend``."""
 
@@ -191,6 +207,8 @@ class PolicyKVCache(VeloxKVCache):
     """
 
     policy_name: ClassVar[str]
+    # Class default: a cache rebuilt by ``from_state`` (a loaded prompt cache) skips __init__.
+    _group_ref: _Shared | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -198,12 +216,26 @@ class PolicyKVCache(VeloxKVCache):
             _CLASSES[cls.policy_name] = cls
             setattr(_mlx_cache, cls.__name__, cls)
 
-    def __init__(self, trim_window: int = TRIM_WINDOW, **settings: Any) -> None:
+    def __init__(self, trim_window: int = TRIM_WINDOW, group: Any = None, **settings: Any) -> None:
         self._state = self._policy.init(**settings)
         self._log = new_log(trim_window)
         self._pending: tuple[mx.array, mx.array] | None = None
         self._step: Step | None = None
         self._step_length = 0
+        self.group = group
+
+    @property
+    def group(self) -> Any:
+        """The tensor-parallel group (``mx.distributed.Group``) of a sharded model's layer, or
+        ``None``: layer-wide decisions ``all_sum`` the heads' weights over it (see
+        ``docs/distributed.md``). A group of one rank is stored as ``None``."""
+        return None if self._group_ref is None else self._group_ref.value
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        if group is not None and not callable(getattr(group, "size", None)):
+            raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
+        self._group_ref = None if group is None or group.size() == 1 else _Shared(group)
 
     def _feed(
         self,
@@ -214,7 +246,9 @@ class PolicyKVCache(VeloxKVCache):
         scale: float | None = None,
     ) -> Step:
         """One core update, recorded in the undo log."""
-        step = self._policy.update(state, keys, values, queries, scale, False, self._log)
+        step = self._policy.update(
+            state, keys, values, queries, scale, False, self._log, self.group
+        )
         self._log = step.log
         return step
 
@@ -259,6 +293,27 @@ class PolicyKVCache(VeloxKVCache):
     def positions(self) -> mx.array | None:
         """int32 ``[B, H_kv, n_kept]`` absolute positions of the retained tokens."""
         return self.policy_state.positions
+
+    @property
+    def keys(self) -> mx.array | None:
+        """``[B, H_kv, n_kept, D]`` retained keys (``None`` while empty)."""
+        return self.policy_state.keys
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        """Tie ``value`` to the stored keys without changing them.
+
+        mlx-lm's pipeline-parallel models end a rank's forward pass with
+        ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating the caches' state
+        (as prefill does after every chunk) also runs the ``send`` of ``h`` to the next rank.
+        The retained rows stay exactly what they were; only the dependency is kept.
+        """
+        self._settle()
+        slots = self._state.slots
+        if slots is None or not isinstance(value, mx.array):
+            return
+        tied = mx.depends([slots.keys], [value])[0]
+        self._state = replace(self._state, slots=replace(slots, keys=tied))
 
     def size(self) -> int:
         return int(self.policy_state.n_kept)
@@ -405,7 +460,7 @@ class PolicyKVCache(VeloxKVCache):
             raise ValueError(
                 f"cannot trim {type(self).__name__}: it keeps no undo log (trim_window=0)"
             )
-        self._state, self._log = self._policy.trim(self._state, self._log, n)
+        self._state, self._log = self._policy.trim(self._state, self._log, n, self.group)
         return n
 
     @property
@@ -471,3 +526,119 @@ class SnapKVCache(PolicyKVCache):
     """
 
     policy_name = "snapkv"
+
+
+# -- KVzip: a scoring mode for the reconstruction pass (velox_mlx_lm.kvzip drives it) ---------
+
+
+class KVzipKVCache(PolicyKVCache):
+    """KVzip: the context is kept whole until ``velox_mlx_lm.kvzip.compress`` scores it by a
+    reconstruction pass and cuts it to ``budget`` per KV head (``probe="latest"``: cut at the
+    prompt's end by its last query, like TOVA's oneshot cut).
+
+    In scoring mode (``start_scoring`` .. ``finish_scoring``) a forward pass is a
+    reconstruction chunk: its keys and values are attended to but never stored, its queries
+    score the context rows ``score_chunk(start, end)`` names, and ``offset`` stays the
+    context's length, so every chunk is rotated right after the context.
+    """
+
+    policy_name = "kvzip"
+    # Class defaults: a cache rebuilt by ``from_state`` skips ``__init__``.
+    _kvzip_scores: list[mx.array] | None = None
+    _kvzip_chunk: tuple[int, int] | None = None
+    _kvzip_recon: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def scoring(self) -> bool:
+        return self._kvzip_scores is not None
+
+    def start_scoring(self) -> None:
+        """Enter scoring mode (the context must be whole: not compressed yet)."""
+        from velox_cache_core.policies.kvzip import _context
+
+        self._settle()
+        _context(self._state)  # raises on a compressed or empty state
+        self._kvzip_scores = []
+
+    def score_chunk(self, start: int, end: int) -> None:
+        """The next forward pass reconstructs context rows ``start..end-1``."""
+        if not self.scoring:
+            raise RuntimeError("score_chunk() outside scoring mode (call start_scoring())")
+        self._kvzip_chunk = (start, end)
+
+    def chunk_scores(self) -> mx.array | None:
+        """The scores of the last scored chunk (``None`` before the first)."""
+        return self._kvzip_scores[-1] if self._kvzip_scores else None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if not self.scoring:
+            return super().update_and_fetch(keys, values)
+        live = _kvzip_live(self._state)
+        B, H, _, D = live.keys.shape
+        check_kv(keys, values, expect=(B, H, D), dtype=live.keys.dtype)
+        self._kvzip_recon = (keys, values)
+        return (
+            mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
+            mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
+        )
+
+    def attend(
+        self, queries: mx.array, scale: float, mask: Any, sinks: mx.array | None
+    ) -> mx.array:
+        if not self.scoring:
+            return super().attend(queries, scale, mask, sinks)
+        from velox_cache_core.masks import chunk_causal
+        from velox_cache_core.policies.kvzip import reconstruction_scores
+
+        if self._kvzip_recon is None or self._kvzip_chunk is None:
+            raise RuntimeError("attend() in scoring mode needs score_chunk() and a forward call")
+        keys, values = self._kvzip_recon
+        self._kvzip_recon = None
+        assert self._kvzip_scores is not None
+        start, end = self._kvzip_chunk
+        self._kvzip_scores.append(
+            reconstruction_scores(self._state, queries, keys, start, end, scale)
+        )
+        live = _kvzip_live(self._state)
+        dtype = live.keys.dtype
+        all_keys = mx.concatenate([live.keys, keys.astype(dtype)], axis=2)
+        all_values = mx.concatenate([live.values, values.astype(dtype)], axis=2)
+        L = keys.shape[2]
+        causal = None if L == 1 else chunk_causal(live.n_slots, L)[None, None]
+        return mx.fast.scaled_dot_product_attention(
+            queries, all_keys, all_values, scale=scale, mask=causal, sinks=sinks
+        ).astype(queries.dtype)
+
+    def finish_scoring(self, budget: int | None = None) -> None:
+        """Leave scoring mode: cut the context to ``budget`` (default: the cache's) by the
+        scores of every chunk, in order (they must cover the context once)."""
+        from velox_cache_core.policies.kvzip import kvzip_compress
+
+        if not self.scoring:
+            raise RuntimeError("finish_scoring() outside scoring mode")
+        scores, self._kvzip_scores = self._kvzip_scores, None
+        self._kvzip_chunk = self._kvzip_recon = None
+        assert scores is not None
+        if not scores:
+            raise ValueError("no reconstruction chunk was scored")
+        self._state = kvzip_compress(self._with_budget(budget), mx.concatenate(scores, axis=-1))
+        if self._log is not None:  # the cut cannot be undone
+            self._log = self._log.cleared()
+
+    def compress_latest(self, budget: int | None = None) -> None:
+        """Cut now by the last context query (``probe="latest"``)."""
+        self._settle()
+        self._state = self._with_budget(budget)
+        self.finish_prefill()
+
+    def _with_budget(self, budget: int | None) -> Any:
+        if budget is None or budget == self._state.budget:
+            return self._state
+        self._policy.init(**{**self._state.settings, "budget": budget})  # validates
+        return replace(self._state, budget=budget)
+
+
+def _kvzip_live(state: Any) -> KVSlots:
+    if state.slots is None:
+        raise ValueError("the KVzip cache holds no context to score")
+    return state.slots.compact()

@@ -26,6 +26,8 @@ METHOD_HELP = (
     "streaming_llm keeps the first tokens and a sliding window of the latest (StreamingLLM); "
     "snapkv cuts the prompt once, at its end, by what its last tokens attend to (SnapKV); "
     "morphkv drops the token the last few tokens' queries attend to least (MorphKV); "
+    "kvzip compresses the document part of the prompt (all but its last line) once, by how "
+    "much reconstructing it attends to each token, then answers (KVzip); "
     "full keeps everything (mlx-lm's own cache). Default: %(default)s"
 )
 # A Hugging Face repo id: owner/name, letters, digits, '-', '_' and '.' (the hub's own rule).
@@ -60,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--n-sink",
         type=int,
-        help="first positions never evicted (tova, h2o, streaming_llm, morphkv; default: 4)",
+        help="first positions never evicted (tova, h2o, streaming_llm, morphkv, kvzip; default: 4)",
     )
     p.add_argument(
         "--signal",
         choices=("query", "key"),
         help="what scores the tokens: the model's true queries or the keys as a stand-in "
-        "(tova, h2o, snapkv, morphkv; default: the method's)",
+        "(tova, h2o, snapkv, morphkv, kvzip; default: the method's)",
     )
     p.add_argument(
         "--scope",
@@ -279,12 +281,14 @@ def _load_draft(args: argparse.Namespace, model: Any) -> Any:
 
 
 def _table(runs: list[Run]) -> str:
-    rows = list(runs[0].stats)
+    rows = list(dict.fromkeys(key for r in runs for key in r.stats))  # kvzip adds rows
     width = max(len(r) for r in rows) + 2
     cols = [max(14, len(r.label) + 2) for r in runs]
     lines = ["".ljust(width) + "".join(r.label.rjust(c) for r, c in zip(runs, cols, strict=True))]
     for key in rows:
-        cells = "".join(str(r.stats[key]).rjust(c) for r, c in zip(runs, cols, strict=True))
+        cells = "".join(
+            str(r.stats.get(key, "-")).rjust(c) for r, c in zip(runs, cols, strict=True)
+        )
         lines.append(key.ljust(width) + cells)
     return "\n".join(lines)
 
@@ -367,6 +371,29 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return model, tokenizer, args.model
 
 
+def _load_for_launch(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """``_load``, sharded over the ranks when run by ``mlx.launch`` with several
+    (docs/distributed.md): a model folder or repo through ``mlx_lm.utils.sharded_load``, a GGUF
+    (the embedded model too) by ``model.shard``. Ranks other than 0 print nothing."""
+    from velox_mlx_lm.distributed import shard_model, world
+
+    group = world()
+    if group is None:
+        return _load(args)
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    ref = None if args.model is None else model_ref(args.model)
+    if ref is not None and not ref.lower().endswith(".gguf"):
+        from mlx_lm.utils import sharded_load
+
+        model, tokenizer = sharded_load(ref)[:2]
+        name = args.model
+    else:
+        model, tokenizer, name = _load(args)
+        shard_model(model, group)
+    return model, tokenizer, f"{name}, sharded over {group.size()} ranks"
+
+
 def read_prompt(args: argparse.Namespace) -> tuple[str, bool]:
     """The prompt text the flags name and whether to apply the chat template; read before the
     model is loaded. ``ValueError`` for no prompt or an empty (or blank) one, ``OSError`` for
@@ -420,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
         if args.num_draft_tokens < 1:
             raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+        if args.draft_model is not None and config.policy == "kvzip":
+            raise ValueError("--draft-model does not apply to --method kvzip")
         if args.draft_model is not None and config.policy is not None and not config.trim_window:
             raise ValueError("--draft-model needs a trimmable cache")
         if args.prompt is None and args.prompt_file is None and not args.demo:
@@ -441,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     echo = not args.json
     try:
         started = time.perf_counter()
-        model, tokenizer, model_name = _load(args)
+        model, tokenizer, model_name = _load_for_launch(args)
         draft_model = _load_draft(args, model)
         prompt = _prompt_tokens(text, chat, tokenizer)
     except (ValueError, OSError) as exc:
@@ -462,9 +491,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.append(generate_once(model, tokenizer, prompt, full, args, "full", echo, draft))
     caches = KVCacheBuilder.for_model(model, config)
     label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
-    runs.append(
-        generate_once(model, tokenizer, prompt, caches, args, label, echo, drafting(config))
-    )
+    if config.policy == "kvzip":
+        try:
+            runs.append(_kvzip_run(model, tokenizer, text, chat, caches, args, label, echo))
+        except ValueError as exc:
+            return _error(exc)
+    else:
+        runs.append(
+            generate_once(model, tokenizer, prompt, caches, args, label, echo, drafting(config))
+        )
     elapsed = time.perf_counter() - started
     if args.json:
         print(
@@ -485,6 +520,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + _table(runs))
     print(f"\ntotal time: {elapsed:.1f} s")
     return 0
+
+
+def split_document(text: str, chat: bool, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """``--method kvzip``: the prompt's tokens as (document, rest). The document is the prompt
+    minus its last non-empty line (the question; for ``--demo``, the demo's question), with the
+    chat template's opening where it applies; the rest is the question and the template's
+    closing."""
+    body = text.rstrip()
+    cut = body.rfind("\n")
+    if cut <= 0 or not body[:cut].strip():
+        raise ValueError("--method kvzip needs a document and, on its last line, the question")
+    full = _prompt_tokens(text, chat, tokenizer)
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        head = rendered[: rendered.index(text) + cut]
+        document = list(tokenizer.encode(head, add_special_tokens=False))
+    else:
+        document = list(tokenizer.encode(text[:cut]))
+    n = 0  # the longest common prefix (token merges may differ at the boundary)
+    while n < min(len(document), len(full) - 1) and document[n] == full[n]:
+        n += 1
+    return full[:n], full[n:]
+
+
+def _kvzip_run(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    chat: bool,
+    caches: list[Any],
+    args: argparse.Namespace,
+    label: str,
+    echo: bool,
+) -> Run:
+    """Prefill the document, compress it (KVzip), then generate the answer to the rest."""
+    from velox_mlx_lm.kvzip import compress, prefill
+
+    document, rest = split_document(text, chat, tokenizer)
+    started = time.perf_counter()
+    prefill(model, caches, document, step=args.prefill_step_size)
+    prefilled = time.perf_counter()
+    info = compress(model, tokenizer, caches, document)
+    scored = time.perf_counter()
+    run = generate_once(model, tokenizer, rest, caches, args, label, echo)
+    run.stats = {
+        "document_tokens": len(document),
+        **run.stats,
+        "document_prefill_s": round(prefilled - started, 2),
+        "kvzip_scoring_s": round(scored - prefilled, 2),
+        "kvzip_scored_tokens": info["scored_tokens"],
+    }
+    return run
 
 
 def _error(exc: BaseException) -> int:

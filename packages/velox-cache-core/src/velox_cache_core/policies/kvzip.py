@@ -160,18 +160,18 @@ def kvzip_compress(state: KVzipState, scores: mx.array | None = None) -> KVzipSt
     if state.compressed:
         return state
     done = replace(state, compressed=True, history=None)
+    if scores is None and state.probe != "latest":
+        raise ValueError("probe='reconstruct' needs the reconstruction scores")
     if state.slots is None:
         return done
     live = _context(state)
-    if scores is None:
-        if state.probe != "latest":
-            raise ValueError("probe='reconstruct' needs the reconstruction scores")
-        scores = latest_scores(state)
     B, H, n = live.positions.shape
-    if tuple(scores.shape) != (B, H, n):
+    if scores is not None and tuple(scores.shape) != (B, H, n):
         raise ValueError(f"scores must be [B, H_kv, n] = {(B, H, n)}, got {tuple(scores.shape)}")
     if n <= state.budget:
         return done
+    if scores is None:
+        scores = latest_scores(state)
     positions = live.positions
     keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
     return replace(done, slots=live.take(keep))
@@ -192,5 +192,6 @@ KVZIP = Policy(
     kvzip_rule,
     prompt_end=kvzip_end_prompt,
     grows_after_prompt_end=True,
+    prompt_end_needs_model=True,
 )
 kvzip_update = KVZIP.update

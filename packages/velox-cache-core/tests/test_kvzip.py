@@ -1,0 +1,208 @@
+"""KVzip (velox_cache_core.policies.kvzip): the reconstruction scoring against a plain numpy
+reference, the "latest" probe against TOVA's oneshot cut, the budget, and what decoding does
+after the cut. The contract matrix (test_policy_contract.py) covers the rest with probe
+"latest"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from velox_cache_core import POLICIES
+from velox_cache_core.policies.kvzip import (
+    KVZIP,
+    kvzip_compress,
+    kvzip_end_prompt,
+    reconstruction_scores,
+)
+from velox_cache_core.policies.tova import TOVA, init_tova_state
+
+B, H_KV, GROUP, D = 2, 2, 3, 8
+
+
+def stream(n: int, seed: int = 0, scale: float = 1.5) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    keys = (rng.standard_normal((B, H_KV, n, D)) * scale).astype(np.float32)
+    values = rng.standard_normal((B, H_KV, n, D)).astype(np.float32)
+    queries = (rng.standard_normal((B, H_KV * GROUP, n, D)) * scale).astype(np.float32)
+    return keys, values, queries
+
+
+def feed(state, keys, values, queries, chunks: list[int]):
+    start = 0
+    for size in chunks:
+        part = slice(start, start + size)
+        args = (mx.array(keys[:, :, part]), mx.array(values[:, :, part]))
+        state = KVZIP.update(state, *args, mx.array(queries[:, :, part])).state
+        start += size
+    return state
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def reference_scores(
+    ctx_keys: np.ndarray,
+    chunks: list[tuple[int, int, np.ndarray, np.ndarray]],
+    n_sink: int,
+    scale: float,
+) -> np.ndarray:
+    """Loops over rows, KV heads, query heads and queries: for the chunk repeating context rows
+    start..end-1, each query's softmax runs over the sinks before ``start``, those rows and
+    the chunk's own keys up to itself; a row scores its largest weight. [B, H_kv, n]."""
+    n = ctx_keys.shape[2]
+    out = np.full((B, H_KV, n), np.nan)
+    for start, end, queries, keys in chunks:
+        sink = min(n_sink, start)
+        for b in range(B):
+            for h in range(H_KV):
+                rows = [*range(sink), *range(start, end)]
+                for qh in range(h * GROUP, (h + 1) * GROUP):
+                    for i in range(queries.shape[2]):
+                        q = queries[b, qh, i].astype(np.float64)
+                        visible = [ctx_keys[b, h, p] for p in rows] + [
+                            keys[b, h, j] for j in range(i + 1)
+                        ]
+                        weights = softmax(np.array([q @ k * scale for k in visible]))
+                        for slot, p in enumerate(rows[sink:], start=sink):
+                            prev = out[b, h, p]
+                            out[b, h, p] = (
+                                weights[slot] if np.isnan(prev) else max(prev, weights[slot])
+                            )
+    return out
+
+
+def reference_keep(scores: np.ndarray, budget: int, n_sink: int) -> list[list[list[int]]]:
+    n = scores.shape[2]
+    out = []
+    for b in range(B):
+        row = []
+        for h in range(H_KV):
+            rest = sorted(range(n_sink, n), key=lambda p: -scores[b, h, p])
+            row.append(sorted([*range(min(n_sink, n)), *rest[: budget - n_sink]]))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("n_sink", [0, 2, 5])
+@pytest.mark.parametrize("sizes", [[17], [6, 6, 5], [4, 9, 4]])
+def test_reconstruction_scores_and_cut_match_numpy(n_sink: int, sizes: list[int]) -> None:
+    n, budget, scale = sum(sizes), 9, 0.4
+    keys, values, queries = stream(n, seed=1)
+    state = feed(KVZIP.init(budget=budget, n_sink=n_sink), keys, values, queries, [7, 1, n - 8])
+    rng = np.random.default_rng(2)
+    chunks, got, start = [], [], 0
+    for size in sizes:
+        R = size + 3  # an instruction of 3 tokens, then the repeated rows
+        rq = (rng.standard_normal((B, H_KV * GROUP, R, D)) * 1.5).astype(np.float32)
+        rk = (rng.standard_normal((B, H_KV, R, D)) * 1.5).astype(np.float32)
+        chunks.append((start, start + size, rq, rk))
+        got.append(
+            reconstruction_scores(state, mx.array(rq), mx.array(rk), start, start + size, scale)
+        )
+        start += size
+    scores = mx.concatenate(got, axis=-1)
+    want = reference_scores(keys, chunks, n_sink, scale)
+    np.testing.assert_allclose(np.array(scores), want, rtol=1e-5, atol=1e-7)
+    cut = kvzip_compress(state, scores)
+    assert cut.compressed and cut.n_kept == budget and cut.offset == n
+    kept = [[sorted(h) for h in b] for b in np.array(cut.positions).tolist()]
+    assert kept == reference_keep(want, budget, n_sink)
+    # The kept rows are the context's own keys and values at their true positions.
+    positions = np.array(cut.positions)
+    for b in range(B):
+        for h in range(H_KV):
+            np.testing.assert_array_equal(np.array(cut.keys)[b, h], keys[b, h, positions[b, h]])
+            np.testing.assert_array_equal(np.array(cut.values)[b, h], values[b, h, positions[b, h]])
+
+
+@pytest.mark.parametrize("signal", ["query", "key"])
+@pytest.mark.parametrize(("n", "budget", "n_sink"), [(30, 10, 2), (30, 29, 0), (8, 10, 1)])
+def test_latest_probe_is_tova_oneshot_bit_for_bit(
+    signal: str, n: int, budget: int, n_sink: int
+) -> None:
+    keys, values, queries = stream(n, seed=3)
+    k, v, q = mx.array(keys), mx.array(values), mx.array(queries)
+    tova = init_tova_state(
+        budget=budget, n_sink=n_sink, signal=signal, scope="head", prefill="oneshot"
+    )
+    tova = TOVA.update(tova, k, v, q).state
+    fed = KVZIP.update(
+        KVZIP.init(budget=budget, n_sink=n_sink, probe="latest", signal=signal), k, v, q
+    ).state
+    zipped = KVZIP.end_prompt(fed)
+    assert zipped.compressed and zipped.offset == tova.offset == n
+    for name in ("positions", "keys", "values"):
+        assert mx.array_equal(getattr(zipped.slots, name), getattr(tova.slots, name)), name
+    # Fed in several chunks, the cut is the same (only the last context row decides).
+    chunked = feed(
+        KVZIP.init(budget=budget, n_sink=n_sink, probe="latest", signal=signal),
+        keys,
+        values,
+        queries,
+        [3, 1, n - 4],
+    )
+    assert mx.array_equal(kvzip_end_prompt(chunked).positions, zipped.positions)
+
+
+def test_budget_is_never_exceeded_and_decode_after_the_cut() -> None:
+    keys, values, queries = stream(40, seed=4)
+    for budget in (3, 7, 12):
+        state = feed(KVZIP.init(budget=budget, n_sink=2), keys, values, queries, [25])
+        assert state.n_kept == 25 and not state.compressed
+        assert kvzip_end_prompt(state) is state  # the reconstruction probe waits for scores
+        scores = mx.array(np.random.default_rng(budget).random((B, H_KV, 25)).astype(np.float32))
+        cut = kvzip_compress(state, scores)
+        assert cut.n_kept == budget
+        assert (np.array(cut.positions)[..., :2] == [0, 1]).all()  # sinks kept
+        assert kvzip_compress(cut, scores) is cut
+        # after="append": questions and answers grow the cache.
+        grown = feed(cut, keys[:, :, 25:], values[:, :, 25:], queries[:, :, 25:], [5, 1, 1])
+        assert grown.n_kept == budget + 7 and grown.offset == 32
+
+
+def test_after_tova_continues_with_tovas_rule() -> None:
+    keys, values, queries = stream(40, seed=5)
+    state = feed(KVZIP.init(budget=8, n_sink=1, after="tova"), keys, values, queries, [20])
+    scores = mx.array(np.random.default_rng(0).random((B, H_KV, 20)).astype(np.float32))
+    cut = kvzip_compress(state, scores)
+    tova = replace(
+        init_tova_state(budget=8, n_sink=1, scope="head"),
+        slots=cut.slots,
+        offset=cut.offset,
+        tokens_seen=cut.tokens_seen,
+    )
+    start = 20
+    for size in (6, 1, 1, 3, 1):
+        part = slice(start, start + size)
+        args = (mx.array(keys[:, :, part]), mx.array(values[:, :, part]))
+        a = KVZIP.update(cut, *args, mx.array(queries[:, :, part]))
+        b = TOVA.update(tova, *args, mx.array(queries[:, :, part]))
+        assert a.state.n_kept <= 8
+        assert mx.array_equal(a.state.slots.positions, b.state.slots.positions)
+        if size > 1:
+            assert mx.array_equal(a.mask, b.mask)
+        cut, tova = a.state, b.state
+        start += size
+
+
+def test_bad_arguments() -> None:
+    keys, values, queries = stream(12, seed=6)
+    state = feed(KVZIP.init(budget=4, n_sink=1), keys, values, queries, [12])
+    with pytest.raises(ValueError, match="reconstruction scores"):
+        kvzip_compress(state)
+    with pytest.raises(ValueError, match="scores must be"):
+        kvzip_compress(state, mx.zeros((B, H_KV, 11)))
+    with pytest.raises(TypeError, match="KVzipState"):
+        kvzip_compress(POLICIES["snapkv"].init())
+    q, k = mx.array(queries[:, :, :3]), mx.array(keys[:, :, :3])
+    with pytest.raises(ValueError, match="start < end"):
+        reconstruction_scores(state, q, k, 5, 13)
+    cut = kvzip_compress(state, mx.zeros((B, H_KV, 12)))
+    with pytest.raises(ValueError, match="already compressed"):
+        reconstruction_scores(cut, q, k, 0, 4)

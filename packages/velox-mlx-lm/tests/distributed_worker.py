@@ -1,0 +1,172 @@
+"""One rank of the distributed tests (``test_distributed.py`` launches it with ``mlx.launch``).
+
+Every rank builds the same tiny random model (same seed), runs each case twice: on the
+unsharded model (the single-process reference, no communication) and on its shard, and writes
+what it saw to ``<out>/rank<r>.json``: per case, the greedy tokens and, per layer and local KV
+head, the sorted kept positions. The test compares the shards with the reference.
+
+    python distributed_worker.py OUT tensor|pipeline|embedded [STEPS] [CASE ...]
+
+- ``tensor``: a llama with 8 query / 4 KV heads, ``model.shard(group)``.
+- ``pipeline``: a qwen2 with 4 layers, ``model.model.pipeline(group)``.
+- ``embedded``: the embedded SmolLM2 (9 query / 3 KV heads), ``model.shard(group)``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# isort: off
+import velox_mlx_lm  # noqa: F401  (first: loads OpenBLAS before mlx does, velox_mlx_lm.blas)
+import mlx.core as mx
+
+# isort: on
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama, qwen2
+
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
+from velox_mlx_lm.distributed import shard_model, tensor_group
+
+PROMPT = 40
+STEPS = 64  # greedy decode steps (the first argument after the mode overrides it)
+PREFILL_STEP = 16  # several chunks: sequential scans and oneshot cuts at every chunk
+BUDGET = 16
+
+# name -> (KVCacheConfig fields, for_model group: "auto" or None = all-reduce disabled)
+CASES: dict[str, tuple[dict[str, Any], Any]] = {
+    "tova": ({"method": "tova"}, "auto"),
+    "tova_adapted": ({"method": "tova_adapted"}, "auto"),
+    "tova_oneshot": ({"method": "tova", "tova_prefill": "oneshot"}, "auto"),
+    "tova_key_layer": ({"method": "tova", "tova_signal": "key"}, "auto"),
+    "h2o_layer": ({"method": "h2o", "h2o_scope": "layer"}, "auto"),
+    "h2o_head": ({"method": "h2o", "h2o_scope": "head"}, "auto"),
+    "h2o_layer_oneshot": (
+        {"method": "h2o", "h2o_scope": "layer", "h2o_prefill": "oneshot"},
+        "auto",
+    ),
+    "morphkv": ({"method": "morphkv", "morphkv_window": 4}, "auto"),
+    "morphkv_max": ({"method": "morphkv", "morphkv_window": 4, "morphkv_fusion": "max"}, "auto"),
+    "snapkv": ({"method": "snapkv", "snapkv_window": 4}, "auto"),
+    "streaming_llm": ({"method": "streaming_llm"}, "auto"),
+    # The test of the test: layer scope without the all-reduce must diverge from the reference.
+    "tova_no_allreduce": ({"method": "tova"}, None),
+}
+PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm")
+
+
+def _sharpen(model: Any, factor: float) -> None:
+    """Scale q/k projections so a random model's attention is peaked (far from ties)."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.q_proj.weight = attn.q_proj.weight * factor
+        attn.k_proj.weight = attn.k_proj.weight * factor
+
+
+def tiny_llama() -> Any:
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    _sharpen(model, 3.0)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen2() -> Any:
+    mx.random.seed(0)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=128,
+        tie_word_embeddings=True,
+    )
+    model = qwen2.Model(args)
+    _sharpen(model, 3.0)
+    mx.eval(model.parameters())
+    return model
+
+
+def embedded() -> Any:
+    from velox_mlx_lm.embedded import load_default
+
+    return load_default()[0]
+
+
+def run(
+    model: Any, prompt: mx.array, fields: dict[str, Any], group: Any, steps: int = STEPS
+) -> dict[str, Any]:
+    config = KVCacheConfig(**fields, **_budget(fields["method"]))
+    caches = KVCacheBuilder.for_model(model, config, group=group)
+    tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt, model, max_tokens=steps, prompt_cache=caches, prefill_step_size=PREFILL_STEP
+        )
+    ]
+    kept = []
+    for cache in caches:
+        positions = cache.positions
+        kept.append(None if positions is None else mx.sort(positions[0], axis=-1).tolist())
+    return {"tokens": tokens, "kept": kept, "grouped": [c.group is not None for c in caches]}
+
+
+def _budget(method: str) -> dict[str, int]:
+    policy = {"tova_adapted": "tova"}.get(method, method)
+    return {f"{policy}_budget": BUDGET}
+
+
+def main() -> None:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else STEPS
+    world = mx.distributed.init()
+    make = {"tensor": tiny_llama, "pipeline": tiny_qwen2, "embedded": embedded}[mode]
+    mx.random.seed(1)
+    vocab = 128 if mode != "embedded" else 2000
+    prompt = mx.random.randint(0, vocab, (PROMPT,))
+    reference_model = make()
+    if mode == "pipeline":
+        sharded = make()
+        sharded.model.pipeline(world)
+    else:
+        sharded = shard_model(make(), world)
+    names = tuple(sys.argv[4:]) or (PIPELINE_CASES if mode == "pipeline" else tuple(CASES))
+    result: dict[str, Any] = {
+        "rank": world.rank(),
+        "size": world.size(),
+        "detected_group": tensor_group(sharded) is not None,
+        "layers": None,
+        "cases": {},
+    }
+    if mode == "pipeline":
+        inner = sharded.model
+        result["layers"] = [inner.start_idx, inner.end_idx]
+    for name in names:
+        fields, group = CASES[name]
+        result["cases"][name] = {
+            "reference": run(reference_model, prompt, fields, None, steps),
+            "sharded": run(sharded, prompt, fields, group, steps),
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{world.rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""KVzip on tiny mlx-lm models (velox_mlx_lm.kvzip): compress a prefilled context once, save it,
+and ask it several questions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, cli
+from velox_mlx_lm.cache import KVzipKVCache
+from velox_mlx_lm.kvzip import compress, prefill, reconstruction_chunks, reply_prefix
+
+N = 40
+
+
+def context(seed: int = 0, n: int = N) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 128, size=n).tolist()
+
+
+def zipped(model: Any, tokenizer: Any, tokens: list[int], **settings: Any) -> list[Any]:
+    config = KVCacheConfig(method="kvzip", **{"kvzip_budget": 12, "kvzip_n_sink": 2, **settings})
+    caches = KVCacheBuilder.for_model(model, config)
+    prefill(model, caches, tokens, step=16)
+    compress(model, tokenizer, caches, tokens, chunk_size=16)
+    return caches
+
+
+def answer(model: Any, caches: list[Any], question: list[int], n: int = 6) -> list[int]:
+    steps = generate_step(mx.array(question), model, prompt_cache=caches, max_tokens=n)
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_compress_leaves_the_context_alone(tiny_model: Any, tiny_tokenizer: Any, arch: str) -> None:
+    model = tiny_model(arch)
+    tokens = context()
+    caches = zipped(model, tiny_tokenizer, tokens)
+    full = [KVCache() for _ in model.layers]
+    model(mx.array(tokens)[None], cache=full)
+    for cache, plain in zip(caches, full, strict=True):
+        state = cache.policy_state
+        assert type(cache) is KVzipKVCache and state.compressed and not cache.scoring
+        assert cache.offset == N and cache.size() == 12  # no reconstruction token stays
+        positions = np.array(cache.positions)
+        assert (positions[..., :2] == [0, 1]).all() and (positions < N).all()
+        # The kept rows are the context's own (rotated at their true positions).
+        want = np.take_along_axis(np.array(plain.keys[..., :N, :]), positions[..., None], axis=2)
+        np.testing.assert_allclose(np.array(state.keys), want, rtol=1e-5, atol=1e-6)
+    # Different rows survive per KV head: a per-head budget, not one cut per layer.
+    assert any(len({tuple(r) for r in np.array(c.positions)[0].tolist()}) > 1 for c in caches)
+
+
+def test_scoring_chunks_are_bounded_and_cover_the_context(tiny_tokenizer: Any) -> None:
+    tokens = context(n=37)
+    chunks = reconstruction_chunks(tiny_tokenizer, tokens, chunk_size=16)
+    assert [(s, e) for s, e, _ in chunks] == [(0, 16), (16, 32), (32, 37)]
+    reply = reply_prefix(tiny_tokenizer)  # no chat template: a newline
+    for start, end, ids in chunks:
+        assert ids[-(end - start) :] == tokens[start:end]
+        assert ids[-(end - start) - len(reply) : -(end - start)] == reply
+    assert chunks[1][2][: -(16 + len(reply))][-8:] == tokens[8:16]  # quotes the previous chunk
+
+
+def test_prompt_cache_round_trip_and_many_questions(
+    tiny_model: Any, tiny_tokenizer: Any, tmp_path: Path
+) -> None:
+    model = tiny_model("llama")
+    tokens = context(seed=1)
+    caches = zipped(model, tiny_tokenizer, tokens)
+    path = str(tmp_path / "doc.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    for a, b in zip(caches, loaded, strict=True):
+        assert type(b) is KVzipKVCache and b.settings == a.settings
+        assert b.offset == a.offset == N and b.policy_state.compressed
+        assert mx.array_equal(b.positions, a.positions)
+        assert mx.array_equal(b.policy_state.keys, a.policy_state.keys)
+    questions = [[5, 9, 17, 3], [60, 61, 2, 100, 7]]
+    answers = []
+    for question in questions:
+        reused = answer(model, load_prompt_cache(path), question)
+        afresh = answer(model, zipped(model, tiny_tokenizer, tokens), question)
+        assert reused == afresh
+        answers.append(reused)
+    assert answers[0] != answers[1]
+    # The file is untouched by the questions: the first one again gives the same answer.
+    assert answer(model, load_prompt_cache(path), questions[0]) == answers[0]
+
+
+def test_budget_override_and_after_tova(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    model = tiny_model("mistral")
+    tokens = context(seed=2)
+    config = KVCacheConfig(method="kvzip", kvzip_budget=30, kvzip_n_sink=1, kvzip_after="tova")
+    caches = KVCacheBuilder.for_model(model, config)
+    prefill(model, caches, tokens)
+    info = compress(model, tiny_tokenizer, caches, tokens, budget=10, chunk_size=64)
+    assert info["chunks"] == 1 and info["scored_tokens"] > N
+    assert all(c.size() == 10 and c.settings["budget"] == 10 for c in caches)
+    answer(model, caches, [3, 4, 5, 6], n=5)
+    assert all(c.size() <= 10 and c.offset >= N + 8 for c in caches)  # TOVA keeps the budget
+
+
+def test_latest_probe_is_tovas_oneshot_cut(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    model = tiny_model("mistral")
+    tokens = context(seed=3)
+    caches = KVCacheBuilder.for_model(
+        model, KVCacheConfig(method="kvzip", kvzip_budget=12, kvzip_probe="latest")
+    )
+    prefill(model, caches, tokens, step=N)
+    assert compress(model, tiny_tokenizer, caches, tokens)["scored_tokens"] == 0
+    tova = KVCacheBuilder.for_model(
+        model,
+        KVCacheConfig(method="tova", tova_budget=12, tova_scope="head", tova_prefill="oneshot"),
+    )
+    prefill(model, tova, tokens, step=N)
+    for a, b in zip(caches, tova, strict=True):
+        assert mx.array_equal(a.positions, b.positions)
+        assert mx.array_equal(a.policy_state.keys, b.policy_state.keys)
+
+
+def test_compress_refuses_other_caches_and_token_mismatch(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    model = tiny_model("llama")
+    tova = KVCacheBuilder.for_model(model, KVCacheConfig(method="tova"))
+    with pytest.raises(ValueError, match="KVzip caches"):
+        compress(model, tiny_tokenizer, tova, context())
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvzip"))
+    prefill(model, caches, context())
+    with pytest.raises(ValueError, match="tokens were given"):
+        compress(model, tiny_tokenizer, caches, context()[:-1])
+
+
+@pytest.mark.model
+def test_velox_generate_kvzip(capsys: pytest.CaptureFixture[str], embedded_model_path: Any) -> None:
+    document = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(30))
+    code = cli.main(
+        [
+            *("--prompt", f"{document}\nWhich box holds item 4?", "--max-tokens", "3"),
+            *("--method", "kvzip", "--budget", "64", "--chat", "--json"),
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["method"] == "kvzip" and report["config"]["budget"] == 64
+    run = report["runs"][0]
+    assert run["document_tokens"] > 64 and run["kvzip_scored_tokens"] > run["document_tokens"]
+    assert run["tokens_kept_per_layer"] <= 64 + run["prompt_tokens"] + 3
