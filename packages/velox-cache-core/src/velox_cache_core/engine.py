@@ -209,14 +209,20 @@ def update(
     mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
     after = advance(state, decision.kept, call, **decision.changes)
     if log is not None:
-        entry = record(state, before, slots, candidates, decision.kept, *call_inputs(call))
+        entry = record(
+            state,
+            before,
+            slots,
+            candidates,
+            decision.kept,
+            call.keys,
+            call.values,
+            call.queries,
+            call.scale,
+        )
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
         values = mx.depends([candidates.values], entry.arrays())[0]
         return Step(candidates.keys, values, mask, after, log, decision.probs)
     return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
-
-
-def call_inputs(call: Call) -> tuple[mx.array, mx.array, mx.array | None, float]:
-    return call.keys, call.values, call.queries, call.scale

@@ -17,23 +17,16 @@ import mlx.core as mx
 from velox_cache_core.slots import KVSlots
 
 _RUNNING = "velox_running"
-_ATTENTION = "velox_attention"
 
 
-def running(default: Any = None, *, attention: bool = False) -> Any:
-    """A running-state field. ``attention=True`` marks state that holds what past tokens'
-    attention contributed (running scores, remembered probe rows)."""
-    return dataclasses.field(default=default, metadata={_RUNNING: True, _ATTENTION: attention})
+def running(default: Any = None) -> Any:
+    """A running-state field: state that changes as tokens arrive (not a setting)."""
+    return dataclasses.field(default=default, metadata={_RUNNING: True})
 
 
 def running_fields(state: Any) -> tuple[str, ...]:
     """Names of the running-state fields of a state (or state type)."""
     return tuple(f.name for f in dataclasses.fields(state) if f.metadata.get(_RUNNING))
-
-
-def attention_fields(state: Any) -> tuple[str, ...]:
-    """Running fields that carry past attention (they cannot be rolled back by a trim)."""
-    return tuple(f.name for f in dataclasses.fields(state) if f.metadata.get(_ATTENTION))
 
 
 def setting_fields(state: Any) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ class H2OState(PolicyState):
     signal: str
     scope: str
     prefill: str
-    scores: mx.array | None = running(attention=True)
+    scores: mx.array | None = running()
 
     @property
     def rule(self) -> Rule:

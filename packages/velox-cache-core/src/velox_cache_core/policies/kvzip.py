@@ -51,7 +51,7 @@ class KVzipState(PolicyState):
     probe: str
     signal: str
     after: str
-    history: History | None = running(attention=True)  # the last probe row (probe "latest")
+    history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
 

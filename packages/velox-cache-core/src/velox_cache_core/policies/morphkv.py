@@ -34,7 +34,7 @@ class MorphKVState(PolicyState):
     signal: str
     scope: str
     prefill: str
-    history: History | None = running(attention=True)
+    history: History | None = running()
 
     @property
     def rule(self) -> Rule:

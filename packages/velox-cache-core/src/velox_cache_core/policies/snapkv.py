@@ -33,7 +33,7 @@ class SnapKVState(PolicyState):
     window: int
     kernel: int
     signal: str
-    history: History | None = running(attention=True)
+    history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
 
