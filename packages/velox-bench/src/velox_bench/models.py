@@ -26,6 +26,7 @@ __all__ = [
     "kv_bytes",
     "make_caches",
     "prefill",
+    "random_llama",
     "sotu_tokens",
     "tiny_llama",
 ]
@@ -41,13 +42,13 @@ def _variant(method: str) -> Variant:
     return found[method]
 
 
-def make_caches(model: nn.Module, method: str) -> list[Any]:
+def make_caches(model: nn.Module, method: str, budget: int = BUDGET) -> list[Any]:
     """One model's caches for ``method``, one of ``velox_bench.variants.model_methods()``."""
     if method == FULL:
         return [KVCache() for _ in model.layers]
     if method == ROTATING:
-        return [RotatingKVCache(max_size=BUDGET, keep=4) for _ in model.layers]
-    return KVCacheBuilder.for_model(model, _variant(method).config(BUDGET))
+        return [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers]
+    return KVCacheBuilder.for_model(model, _variant(method).config(budget))
 
 
 def grows_after_prompt_end(method: str) -> bool:
@@ -60,19 +61,34 @@ def grows_after_prompt_end(method: str) -> bool:
 
 def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     """A random mlx-lm llama with the attention hook installed (vocabulary 256)."""
+    return random_llama(layers, hidden, heads, kv_heads, intermediate=2 * hidden, vocab=256)
+
+
+def random_llama(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    dtype: mx.Dtype = mx.float32,
+) -> nn.Module:
+    """A random mlx-lm llama (seed 0) in ``dtype`` with the attention hook installed."""
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=hidden,
         num_hidden_layers=layers,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         rms_norm_eps=1e-5,
-        vocab_size=256,
+        vocab_size=vocab,
         rope_theta=10000.0,
     )
     mx.random.seed(0)
     model = llama.Model(args)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
     mx.eval(model.parameters())
     install_attention_hook(model)
     return model
@@ -97,13 +113,15 @@ def _eval_caches(caches: list[Any], *arrays: Any) -> None:
     mx.eval(*arrays, [c.state for c in caches])
 
 
-def prefill(model: nn.Module, caches: list[Any], tokens: mx.array) -> mx.array:
-    """Feed ``tokens [1, n]`` in ``PREFILL_STEP`` chunks; return the next greedy token [1, 1]."""
+def prefill(
+    model: nn.Module, caches: list[Any], tokens: mx.array, step: int = PREFILL_STEP
+) -> mx.array:
+    """Feed ``tokens [1, n]`` in chunks of ``step``; return the next greedy token [1, 1]."""
     n = tokens.shape[1]
     logits = None
-    for start in range(0, n, PREFILL_STEP):
-        logits = model(tokens[:, start : start + PREFILL_STEP], cache=caches)
-        if start + PREFILL_STEP < n:
+    for start in range(0, n, step):
+        logits = model(tokens[:, start : start + step], cache=caches)
+        if start + step < n:
             _eval_caches(caches)
     for c in caches:  # every Velox cache ends its prompt (SnapKV cuts it); mlx-lm's have no step
         if hasattr(c, "finish_prefill"):

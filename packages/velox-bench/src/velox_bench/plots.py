@@ -62,6 +62,50 @@ def _line_plot(
     return path
 
 
+def _real_shape_plot(data: dict[str, Any], path: Path) -> Path:
+    """Prefill seconds and decode ms per step vs context, one column per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 8), squeeze=False)
+    panels = (("prefill", "prefill time (s)", 1.0), ("decode", "decode step (ms)", 1e3))
+    for col, dtype in enumerate(dtypes):
+        for row, (phase, ylabel, factor) in enumerate(panels):
+            ax = axes[row][col]
+            series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+            for r in rows:
+                if r["dtype"] == dtype and r["phase"] == phase:
+                    series[r["method"]].append((r["context"], r["seconds"] * factor))
+            for name, points in series.items():
+                points.sort()
+                style = "--" if name in ("full", "rotating") else "-"
+                ax.plot(
+                    [p[0] for p in points], [p[1] for p in points], style, marker="o", label=name
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{phase}, {dtype}", fontsize=10)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+    settings = data["settings"]
+    shape = settings.get("shape", {})
+    fig.suptitle(
+        f"Random llama, {shape.get('heads')}/{shape.get('kv_heads')} heads, head_dim "
+        f"{shape.get('head_dim')}, {shape.get('layers')} layers, budget {settings.get('budget')}, "
+        f"prefill chunks of {settings.get('prefill_chunk')}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(directory: Path | None = None) -> list[Path]:
     """Write every figure the available results allow; returns the paths written."""
     directory = directory or results_dir()
@@ -122,6 +166,9 @@ def plot_all(directory: Path | None = None) -> list[Path]:
                 loglog=True,
             )
         )
+    real = _load("real_shape", directory)
+    if real and real["rows"]:
+        written.append(_real_shape_plot(real, out_dir / "real_shape.png"))
     for extra in targets[1:]:
         extra.mkdir(parents=True, exist_ok=True)
         for path in written:

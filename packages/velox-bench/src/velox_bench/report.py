@@ -87,6 +87,29 @@ def _prefill(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _real_shape(data: dict[str, Any]) -> list[str]:
+    ratios = data["summary"]["ratios"]
+    by = {(r["dtype"], r["context"], r["method"], r["phase"]): r for r in data["rows"]}
+    lines = [
+        "| dtype | context | method | prefill s | vs full | vs rotating | peak MiB | "
+        "decode ms | speed-up vs full | vs rotating |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for dtype, ctx, m, phase in by:
+        if phase != "prefill" or (dtype, ctx, m, "decode") not in by:
+            continue
+        p, d = by[(dtype, ctx, m, "prefill")], by[(dtype, ctx, m, "decode")]
+        pr = ratios.get(f"{dtype}-prefill-{ctx}", {}).get(m, {})
+        dr = ratios.get(f"{dtype}-decode-{ctx}", {}).get(m, {})
+        lines.append(
+            f"| {dtype} | {ctx} | {m} | {p['seconds']:.2f} | {_fmt(pr.get('time_vs_full'))} | "
+            f"{_fmt(pr.get('time_vs_rotating'))} | {p['peak_memory_bytes'] / 2**20:.0f} | "
+            f"{d['seconds'] * 1e3:.1f} | {_fmt(dr.get('speedup_vs_full'))} | "
+            f"{_fmt(dr.get('speedup_vs_rotating'))} |"
+        )
+    return lines
+
+
 def _targets(datas: list[dict[str, Any]]) -> list[str]:
     lines = ["| target | measured | bound | met |", "| --- | ---: | ---: | --- |"]
     for data in datas:
@@ -99,7 +122,8 @@ def _targets(datas: list[dict[str, Any]]) -> list[str]:
 def perf_markdown(directory: Path | None = None) -> str:
     directory = directory or results_dir()
     out: list[str] = []
-    loaded = {s: _load(directory, s) for s in ("micro", "prefill", "model", "soak")}
+    suites = ("micro", "prefill", "model", "soak", "real_shape")
+    loaded = {s: _load(directory, s) for s in suites}
     datas = [d for d in loaded.values() if d is not None]
     if datas:
         out += ["### Targets", "", *_targets(datas), ""]
@@ -109,6 +133,8 @@ def perf_markdown(directory: Path | None = None) -> str:
         out += ["### Prefill", "", *_prefill(loaded["prefill"]), ""]
     if loaded["model"]:
         out += ["### Model", "", *_model(loaded["model"]), ""]
+    if loaded["real_shape"]:
+        out += ["### Real attention shape", "", *_real_shape(loaded["real_shape"]), ""]
     if loaded["soak"]:
         s = loaded["soak"]["summary"]
         out += [
