@@ -12,8 +12,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import (
-    BatchGenerator,
-    _merge_caches,
     generate_step,
     speculative_generate_step,
     stream_generate,
@@ -334,34 +332,6 @@ def test_stream_generate_with_draft_model_without_undo_log_is_refused(
                 model, tiny_tokenizer, prompt, draft_model=draft, prompt_cache=caches, max_tokens=3
             )
         )
-
-
-# -- batching -----------------------------------------------------------------------------------
-
-
-def test_merge_is_refused_clearly(tiny_model, h):
-    model = tiny_model("llama")
-    a = KVCacheBuilder.for_model(model, KVCacheConfig(tova_budget=8))
-    b = KVCacheBuilder.for_model(model, KVCacheConfig(tova_budget=8))
-    h.forward_chunks(model, a, h.random_tokens(5), [5])
-    with pytest.raises(ValueError, match="does not support batched generation"):
-        TOVAKVCache.merge([a[0], b[0]])
-    with pytest.raises(ValueError, match="does not support batched generation"):
-        _merge_caches([a, b])
-    assert a[0].offset == 5 and b[0].empty()
-
-
-def test_batch_generator_is_refused_clearly(tiny_model):
-    model = tiny_model("llama", fresh=True)
-    model.make_cache = lambda: KVCacheBuilder.for_model(model, KVCacheConfig(tova_budget=8))
-    gen = BatchGenerator(model, max_tokens=3)
-    try:
-        gen.insert([[1, 2, 3, 4, 5], [6, 7, 8]])
-        with pytest.raises(ValueError, match="TOVAKVCache does not support batched"):
-            for _ in range(4):
-                gen.next()
-    finally:
-        gen.close()
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -294,13 +294,10 @@ def test_snapkv_finish_prefill_compresses_explicitly(tiny_model, h):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_merge_is_refused_and_trim_is_exact_after_eviction(tiny_model, h, method):
+def test_trim_is_exact_after_eviction(tiny_model, h, method):
     model = tiny_model("llama")
     cache = KVCacheBuilder.for_model(model, config(method, BUDGET))
     tokens = h.random_tokens(20, seed=10)
-    other = KVCacheBuilder.for_model(model, config(method, BUDGET))
-    with pytest.raises(ValueError, match="does not support batched generation"):
-        CLASSES[method].merge([cache[0], other[0]])
     h.forward_chunks(model, cache, tokens, [6])
     assert cache[0].is_trimmable()
     assert cache[0].trim(2) == 2 and cache[0].offset == 4

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
+from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Step
 from velox_cache_core.registry import POLICIES, Policy
@@ -145,27 +146,6 @@ def _decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     return after, None if skeleton is None else _unpack(skeleton, data)
 
 
-def _attention(queries: mx.array, step: Step, scale: float, sinks: mx.array | None) -> mx.array:
-    """``queries [B, H_q, L, D]`` over a step's keys/values with its mask (repeated over each
-    query group when given per KV head).
-
-    Attend once: when the rule already computed the query's attention weights (a decode step
-    scored with the true query) and the backend is the CPU, where MLX's attention is not a fused
-    kernel, the output is those weights times the values. On Metal/CUDA the fused kernel runs.
-    """
-    if step.probs is not None and sinks is None and mx.default_device() == mx.cpu:
-        B, H_kv, n, D = step.values.shape
-        probs = step.probs.reshape(B, H_kv, -1, 1, n).astype(step.values.dtype)
-        out = probs @ step.values[:, :, None]  # [B, H_kv, H_q / H_kv, 1, D]
-        return out.reshape(B, -1, 1, D).astype(queries.dtype)
-    mask = step.mask
-    if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
-        mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
-    return mx.fast.scaled_dot_product_attention(
-        queries, step.keys, step.values, scale=scale, mask=mask, sinks=sinks
-    )
-
-
 class _Shared:
     """Holds an object that copies of a cache share instead of copying (an
     ``mx.distributed.Group`` cannot be deep-copied, and mlx-lm's server deep-copies caches)."""
@@ -192,11 +172,11 @@ class VeloxKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
-        raise ValueError(
-            f"{cls.__name__} does not support batched generation (BatchGenerator, mlx_lm.server) "
-            "yet: batches need per-row eviction with left padding. Generate one prompt at a "
-            "time, or use method='full' for batched serving."
-        )
+        """One batched cache (``velox_mlx_lm.batch_cache``) from single-sequence caches of one
+        layer, as ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed."""
+        from velox_mlx_lm.batch_cache import merge
+
+        return merge(caches)
 
 
 class PolicyKVCache(VeloxKVCache):
@@ -364,7 +344,7 @@ class PolicyKVCache(VeloxKVCache):
                     q = queries[:, :, part]
                     step = self._feed(self._state, keys[:, :, part], values[:, :, part], q, scale)
                     self._state = step.state
-                    outs.append(_attention(q, step, scale, sinks))
+                    outs.append(attend_step(q, step, scale, sinks))
                 self._state = self._after_call(self._state, L)
                 return mx.concatenate(outs, axis=2)
             step = self._feed(self._state, keys, values, queries, scale)
@@ -374,7 +354,7 @@ class PolicyKVCache(VeloxKVCache):
             raise RuntimeError("attend() called before update_and_fetch()")
         self._step = None
         self._state = self._after_call(step.state, queries.shape[2])
-        return _attention(queries, step, scale, sinks)
+        return attend_step(queries, step, scale, sinks)
 
     def _after_call(self, state: Any, length: int) -> Any:
         """Once a call's attention is built: the first single-token call ends the prompt

@@ -1,0 +1,31 @@
+"""Attention of a call's queries over what a policy's step says they see."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from velox_cache_core.engine import Step
+
+
+def attend(
+    queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None
+) -> mx.array:
+    """``queries [B, H_q, L, D]`` over ``step.keys``/``step.values`` ``[B, H_kv, n, D]`` with
+    ``step.mask`` (repeated over each query group when given per KV head): ``[B, H_q, L, D]``.
+
+    Attend once: when the rule already computed the query's attention weights (a decode step
+    scored with the true query) and the backend is the CPU, where MLX's attention is not a fused
+    kernel, the output is those weights times the values. On Metal/CUDA the fused kernel runs.
+    ``sinks``: per-head attention sink logits ``[H_q]`` of models that have them (gpt-oss).
+    """
+    if step.probs is not None and sinks is None and mx.default_device() == mx.cpu:
+        B, H_kv, n, D = step.values.shape
+        probs = step.probs.reshape(B, H_kv, -1, 1, n).astype(step.values.dtype)
+        out = probs @ step.values[:, :, None]  # [B, H_kv, H_q / H_kv, 1, D]
+        return out.reshape(B, -1, 1, D).astype(queries.dtype)
+    mask = step.mask
+    if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
+        mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
+    return mx.fast.scaled_dot_product_attention(
+        queries, step.keys, step.values, scale=scale, mask=mask, sinks=sinks
+    )

@@ -1,0 +1,350 @@
+"""Batched Velox caches: what ``mlx_lm.generate.BatchGenerator`` (``batch_generate``,
+``mlx_lm.server``) uses when every layer cache has ``merge``.
+
+A :class:`BatchVeloxKVCache` holds one single-sequence Velox cache per row. Each row keeps its
+own offset, positions, evictions and running state, so row ``b`` of a batch keeps exactly what
+the same sequence keeps alone (row equivalence). Padding is never stored: ``prepare`` says
+which tokens of the coming calls are real (mlx-lm right-pads prompts and passes ``lengths``;
+left padding is supported too), ``update_and_fetch`` hands each row only its span, and
+``attend`` (reached through the attention hook) attends each row over its own keys with its
+own mask, ignoring the mask the model shares between layers (it was built from one layer's
+cache and would be wrong for the others, which evict different tokens).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.batch import check_compatible, scatter
+from velox_cache_core.validation import check_kv
+from velox_mlx_lm.cache import PolicyKVCache, VeloxKVCache
+
+
+def _signature(cache: PolicyKVCache) -> dict[str, Any]:
+    """What caches of one batch share: policy, settings, trim window, group, and once fed,
+    KV heads, head dim and dtype."""
+    sig: dict[str, Any] = {
+        "policy state": cache.policy_name,
+        **cache.settings,
+        "trim_window": cache.trim_window,
+        "group": id(cache.group) if cache.group is not None else None,
+    }
+    state = cache.policy_state
+    if state.slots is not None:
+        _, H, _, D = state.slots.keys.shape
+        sig.update({"H_kv": H, "D": D, "dtype": str(state.slots.keys.dtype)})
+    return sig
+
+
+def _row_copies(caches: Sequence[Any], what: str) -> list[PolicyKVCache]:
+    """Independent single-sequence copies of ``caches`` (batched ones give all their rows),
+    checked to be able to share a batch; the inputs are not changed."""
+    rows: list[PolicyKVCache] = []
+    for i, cache in enumerate(caches):
+        if isinstance(cache, BatchVeloxKVCache):
+            rows.extend(cache._copy_rows())
+        elif isinstance(cache, PolicyKVCache):
+            if getattr(cache, "scoring", False):
+                raise ValueError(f"{what}[{i}] is in KVzip scoring mode; finish_scoring() first")
+            state = cache.policy_state
+            if state.slots is not None and state.slots.keys.shape[0] != 1:
+                raise ValueError(
+                    f"{what}[{i}] holds {state.slots.keys.shape[0]} sequences in lockstep; "
+                    "merge takes single-sequence caches (or batched Velox caches)"
+                )
+            rows.append(copy.copy(cache))
+        else:
+            raise TypeError(
+                f"{what}[{i}] must be a Velox cache, got {type(cache).__name__}: every layer of "
+                "a batch must use the same kind of cache"
+            )
+    if not rows:
+        raise ValueError(f"{what} must hold at least one cache")
+    first = _signature(rows[0])
+    for i, row in enumerate(rows[1:], 1):
+        check_compatible(first, _signature(row), f"row 0 and row {i}")
+        first = {**_signature(row), **first}
+    return rows
+
+
+def merge(caches: Sequence[Any]) -> BatchVeloxKVCache:
+    """One batched cache from single-sequence (or batched) Velox caches of one layer, in order.
+
+    Caches that already evicted merge as they are: each keeps its own rows and offset. Raises
+    ``ValueError`` naming what differs (policy, a setting, trim window, heads, dtype) and
+    leaves the caches unchanged.
+    """
+    if not isinstance(caches, Sequence) or isinstance(caches, (str, bytes)):
+        raise TypeError(f"caches must be a list of caches, got {type(caches).__name__}")
+    return BatchVeloxKVCache(_row_copies(caches, "caches"))
+
+
+def _indices(batch_indices: Any, size: int) -> list[int]:
+    if isinstance(batch_indices, mx.array):
+        batch_indices = batch_indices.tolist()
+    if isinstance(batch_indices, int):
+        batch_indices = [batch_indices]
+    out = []
+    for i in batch_indices:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"batch_indices must be ints, got {type(i).__name__}")
+        if not -size <= i < size:
+            raise IndexError(f"batch index {i} out of range for a batch of {size}")
+        out.append(i % size)
+    return out
+
+
+def _counts(name: str, value: Any, size: int) -> list[int]:
+    if isinstance(value, mx.array):
+        value = value.tolist()
+    values = list(value)
+    if len(values) != size:
+        raise ValueError(f"{name} must have one entry per row ({size}), got {len(values)}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be ints >= 0, got {values}")
+    return values
+
+
+class BatchVeloxKVCache(VeloxKVCache):
+    """``B`` sequences of one Velox policy in one layer; ``rows[b]`` is row ``b``'s
+    single-sequence cache. Needs the attention hook (``KVCacheBuilder.for_model``)."""
+
+    def __init__(self, rows: list[PolicyKVCache]) -> None:
+        self.rows = rows
+        self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
+        self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
+        self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
+
+    # -- what BatchGenerator reads ---------------------------------------------------------
+    @property
+    def policy_name(self) -> str:
+        return self.rows[0].policy_name
+
+    @property
+    def offset(self) -> mx.array:
+        """int32 ``[B]``: each row's position of its next real token (less pending left
+        padding, so that the padding's real successor is rotated to the right position)."""
+        return mx.array(
+            [row.offset - pad for row, pad in zip(self.rows, self._pad_left, strict=True)],
+            dtype=mx.int32,
+        )
+
+    @property
+    def tokens_kept(self) -> list[int]:
+        """Retained tokens per row (per KV head)."""
+        return [row.tokens_kept for row in self.rows]
+
+    @property
+    def tokens_seen(self) -> list[int]:
+        return [row.offset for row in self.rows]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every row's retained keys and values; padding is never stored."""
+        return sum(row.nbytes for row in self.rows)
+
+    @property
+    def undo_nbytes(self) -> int:
+        return sum(row.undo_nbytes for row in self.rows)
+
+    def size(self) -> int:
+        """The longest row's retained tokens."""
+        return max(row.size() for row in self.rows)
+
+    def empty(self) -> bool:
+        return all(row.empty() for row in self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def keys(self) -> mx.array | None:
+        """Row 0's retained keys (what pipeline-parallel models tie their send to)."""
+        return self.rows[0].keys
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self.rows[0].keys = value
+
+    # -- padding -----------------------------------------------------------------------------
+    def prepare(
+        self,
+        *,
+        left_padding: Any = None,
+        lengths: Any = None,
+        right_padding: Any = None,
+    ) -> None:
+        """Say which tokens of the coming calls are padding: ``left_padding[b]`` tokens before
+        row ``b``'s next real ones, and (mlx-lm's right padding) ``lengths[b]`` real tokens
+        after which row ``b``'s tokens are padding until :meth:`finalize`."""
+        B = len(self.rows)
+        pads = None if left_padding is None else _counts("left_padding", left_padding, B)
+        real = None if lengths is None else _counts("lengths", lengths, B)
+        if right_padding is not None:
+            right = _counts("right_padding", right_padding, B)
+            if real is None and any(right):
+                raise ValueError("prepare(right_padding=...) needs lengths=... (real tokens)")
+        if pads is not None:
+            self._pad_left = [a + b for a, b in zip(self._pad_left, pads, strict=True)]
+        if real is not None:
+            self._real_left = list(real)
+
+    def finalize(self) -> None:
+        """End of a padded prompt: later calls are all real tokens again."""
+        self._real_left = [None] * len(self.rows)
+
+    def _take_spans(self, length: int) -> list[tuple[int, int]]:
+        spans = []
+        for b in range(len(self.rows)):
+            skip = min(self._pad_left[b], length)
+            self._pad_left[b] -= skip
+            count = length - skip
+            left = self._real_left[b]
+            if left is not None:
+                count = min(count, left)
+                self._real_left[b] = left - count
+            spans.append((skip, count))
+        return spans
+
+    # -- the model's calls -------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Give each row its real tokens of ``[B, H_kv, L, D]`` keys/values. The return value
+        is the input: attention happens in :meth:`attend`, per row."""
+        if self._spans is not None:
+            raise RuntimeError(
+                "a batched Velox cache needs the attention hook (KVCacheBuilder.for_model "
+                "installs it): update_and_fetch() was called twice without attention"
+            )
+        fed = next((r.policy_state for r in self.rows if r.policy_state.slots is not None), None)
+        expect = None
+        dtype = None
+        if fed is not None:
+            _, H, _, D = fed.slots.keys.shape
+            expect, dtype = (len(self.rows), H, D), fed.slots.keys.dtype
+        check_kv(keys, values, expect=expect, dtype=dtype)
+        if keys.shape[0] != len(self.rows):
+            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self.rows)} rows")
+        spans = self._take_spans(keys.shape[2])
+        for row, b, (first, count) in zip(self.rows, range(len(self.rows)), spans, strict=True):
+            if count:
+                part = slice(first, first + count)
+                row.update_and_fetch(keys[b : b + 1, :, part], values[b : b + 1, :, part])
+        self._spans = spans
+        return keys, values
+
+    def attend(
+        self, queries: mx.array, scale: float, mask: Any, sinks: mx.array | None
+    ) -> mx.array:
+        """``[B, H_q, L, D]``: each row's real queries over its own candidates and mask (the
+        model's shared ``mask`` is not used); zero at padded queries."""
+        if self._spans is None:
+            raise RuntimeError("attend() called before update_and_fetch()")
+        spans, self._spans = self._spans, None
+        parts: list[mx.array | None] = []
+        for row, b, (first, count) in zip(self.rows, range(len(self.rows)), spans, strict=True):
+            if count == 0:
+                parts.append(None)
+                continue
+            q = queries[b : b + 1, :, first : first + count]
+            parts.append(row.attend(q, scale, None, sinks))
+        return scatter(parts, spans, queries)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """What the model shares between layers; the hook ignores it (every layer's rows
+        build their own masks), so this is only the plain causal mask."""
+        if window_size is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot serve a sliding-window layer "
+                f"(window_size={window_size})"
+            )
+        if N == 1:
+            return None
+        if not return_array:
+            return "causal"
+        n = self.size()
+        return mx.arange(n + N)[None, :] <= (mx.arange(N) + n)[:, None]
+
+    # -- batch membership ----------------------------------------------------------------------
+    def _copy_rows(self) -> list[PolicyKVCache]:
+        if (
+            self._spans is not None
+            or any(self._pad_left)
+            or any(r is not None for r in self._real_left)
+        ):
+            raise ValueError("cannot take rows out of a batched cache in the middle of a call")
+        return [copy.copy(row) for row in self.rows]
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchVeloxKVCache:
+        return merge(caches)
+
+    def filter(self, batch_indices: Any) -> None:
+        """Keep rows ``batch_indices`` (list or ``mx.array`` of ints), in that order."""
+        keep = _indices(batch_indices, len(self.rows))
+        if not keep:
+            raise ValueError("filter() must keep at least one row (drop the cache instead)")
+        seen: set[int] = set()
+        rows = []
+        for i in keep:
+            rows.append(copy.copy(self.rows[i]) if i in seen else self.rows[i])
+            seen.add(i)
+        self.rows = rows
+        self._pad_left = [self._pad_left[i] for i in keep]
+        self._real_left = [self._real_left[i] for i in keep]
+
+    def extend(self, other: Any) -> None:
+        """Append ``other``'s rows (a batched or single-sequence Velox cache of the same policy
+        and settings); ``ValueError`` naming what differs, and nothing changes, otherwise."""
+        if self._spans is not None:
+            raise ValueError("cannot extend a batched cache in the middle of a call")
+        if isinstance(other, BatchVeloxKVCache):
+            pads, real = list(other._pad_left), list(other._real_left)
+        else:
+            pads, real = [0], [None]
+        new = _row_copies([other], "other")
+        check_compatible(_signature(self.rows[0]), _signature(new[0]), "this batch and other")
+        for row in self.rows[1:]:
+            check_compatible(_signature(row), _signature(new[0]), "this batch and other")
+        self.rows = [*self.rows, *new]
+        self._pad_left += pads
+        self._real_left += real
+
+    def extract(self, idx: int) -> PolicyKVCache:
+        """Row ``idx`` as an independent single-sequence Velox cache (merge it again, save it
+        with ``save_prompt_cache``, reuse it)."""
+        (i,) = _indices([idx], len(self.rows))
+        if self._spans is not None:
+            raise ValueError("cannot extract a row in the middle of a call")
+        row = copy.copy(self.rows[i])
+        row.policy_state  # noqa: B018 (settle any pending decision in the copy)
+        return row
+
+    # -- trims (speculative decoding is one sequence at a time in mlx-lm; kept for symmetry) ----
+    def is_trimmable(self) -> bool:
+        return all(row.is_trimmable() for row in self.rows)
+
+    def trim(self, n: int) -> int:
+        """Trim ``n`` tokens from every row exactly; all or nothing."""
+        trimmed = [copy.copy(row) for row in self.rows]
+        for row in trimmed:
+            row.trim(n)
+        self.rows = trimmed
+        return n
+
+    # -- what mx.eval and copy.deepcopy see ------------------------------------------------------
+    @property
+    def state(self) -> list[dict[str, Any]]:
+        """Every row's arrays (``mx.eval``-ed by mlx-lm after every prefill chunk)."""
+        return [row.state for row in self.rows]
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        raise ValueError(
+            "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
+            "save those (each is a single-sequence cache)"
+        )
