@@ -125,14 +125,17 @@ def decide_by_weights(
         if evict or accumulate:
             rows, row_positions = _rows(history, probe, call)
             logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+            if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
+                row_weights = softmax(logits.astype(mx.float32))
+                weights = head_mean(row_weights, 2, group)[:, :, 0]
+            else:  # earlier rows (MorphKV) do not see the candidates that came after them
+                visible = row_visibility(positions, row_positions)[:, :, None]
+                row_weights = masked_softmax(logits, visible)
+                weights = fuse_rows(head_mean(row_weights, 2, group), rule.fusion)
             if rule.signal == "query":
                 # The newest row is the model's own query, which sees every candidate: its
                 # softmax is the attention itself, so the caller can attend from it.
-                probs = softmax(logits[:, :, :, -1:])
-            if probs is not None and logits.shape[3] == 1:
-                weights = head_mean(probs, 2, group)[:, :, 0]  # decision_weights, computed once
-            else:
-                weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
+                probs = row_weights[:, :, :, -1:]
             if scores is not None:
                 scores = weights = scores + weights
             if evict:
