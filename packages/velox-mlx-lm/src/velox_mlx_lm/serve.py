@@ -1,0 +1,630 @@
+"""``velox-serve``: mlx-lm's OpenAI-compatible server with a Velox cache for every sequence.
+
+mlx-lm's own server (``mlx_lm.server``) does the HTTP, the batching (``BatchGenerator``), the
+one-at-a-time path and the prompt cache; this module plugs into it and forks none of it:
+
+- the flags are mlx-lm's server flags (its parser, taken from ``mlx_lm.server.main``) plus
+  ``velox-generate``'s method flags; the model is loaded like ``velox-generate`` (the embedded
+  model by default, an mlx-lm folder or a GGUF) and its ``make_cache`` makes Velox caches;
+- :class:`~velox_mlx_lm.serve_cache.VeloxPromptCache` keeps prompt-cache reuse exact;
+- the request handler adds checks (4xx JSON errors), ``GET /v1/velox/stats`` and a ``velox``
+  field in ``usage``; ``BatchGenerator`` and ``stream_generate`` are wrapped to watch the
+  live sequences (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.server as mlx_server
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from velox_mlx_lm.batch_cache import BatchVeloxKVCache
+from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, kv_stats
+
+LOG = logging.getLogger("velox-serve")
+# velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
+VELOX_FLAGS: tuple[str, ...] = ("--method", "--budget", "--n-sink", "--signal", "--scope")
+VELOX_FLAGS += ("--prefill", "--window", "--quantized")
+STATS_PATH = "/v1/velox/stats"
+
+
+class _Parser(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def _mlx_server_parser() -> argparse.ArgumentParser:
+    """The parser ``mlx_lm.server.main`` builds (caught at ``parse_args``), so that every flag
+    keeps mlx-lm's name, default and help."""
+
+    def grab(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parser(self)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = grab  # type: ignore[method-assign]
+    try:
+        mlx_server.main()
+    except _Parser as caught:
+        return caught.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    raise RuntimeError("mlx_lm.server.main() did not parse arguments")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from velox_mlx_lm.cli import build_parser as generate_parser
+
+    parser = _mlx_server_parser()
+    parser.prog = "velox-serve"
+    parser.description = (
+        "mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models) with a fixed-budget Velox KV cache for every sequence; "
+        f"GET {STATS_PATH} reports the caches. See docs/serving.md."
+    )
+    for action in parser._actions:
+        if "--model" in action.option_strings:
+            action.help = (
+                "a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf "
+                "file (default: the embedded SmolLM2-135M-Instruct)"
+            )
+        if "--draft-model" in action.option_strings:
+            action.help = (
+                "speculative decoding (requests are then served one at a time): "
+                "'embedded:layers=N' or a model like --model; it gets a Velox cache too"
+            )
+    ours = generate_parser()
+    for action in ours._actions:
+        if any(flag in VELOX_FLAGS for flag in action.option_strings):
+            parser._add_action(action)
+    return parser
+
+
+class VeloxModelProvider(mlx_server.ModelProvider):
+    """Serves one model, loaded like ``velox-generate`` loads it, whose ``make_cache`` makes
+    the configured Velox caches; other model names, adapters and draft models are refused."""
+
+    def __init__(self, cli_args: argparse.Namespace, config: Any) -> None:
+        super().__init__(cli_args)
+        self.config = config
+        self.name = "velox-embedded" if cli_args.model is None else cli_args.model
+        self.names = {"default_model", self.name}
+        if cli_args.model is not None:
+            self.names.add(os.path.abspath(os.path.expanduser(cli_args.model)))
+        self.context_length: int | None = None
+
+    def load_default(self) -> None:
+        self.load("default_model")
+
+    def load(self, model_path: Any, adapter_path: Any = None, draft_model_path: Any = None) -> Any:
+        if model_path not in self.names:
+            raise ValueError(f"model {model_path!r} is not served here (this server: {self.name})")
+        if adapter_path is not None:
+            raise ValueError("velox-serve does not load adapters")
+        if draft_model_path not in (None, "default_model", self.cli_args.draft_model):
+            raise ValueError("velox-serve serves only the draft model it was started with")
+        if self.model is None:
+            self._load_velox()
+        return self.model, self.tokenizer
+
+    def _load_velox(self) -> None:
+        from velox_mlx_lm.builder import KVCacheBuilder
+        from velox_mlx_lm.cli import _load, _load_draft
+
+        self.reset()
+        gc.collect()
+        model, tokenizer, name = _load(self.cli_args)
+        if self.cli_args.chat_template:
+            tokenizer.chat_template = self.cli_args.chat_template
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        draft = _load_draft(self.cli_args, model)
+        mx.eval(model.parameters())
+        config = self.config
+
+        def velox_caches(model: Any = model) -> list[Any]:
+            return KVCacheBuilder.for_model(model, config)
+
+        model.make_cache = velox_caches
+        if draft is not None:
+            mx.eval(draft.parameters())
+            draft.make_cache = lambda: KVCacheBuilder.for_model(draft, config)
+        args = getattr(model, "args", None)
+        self.context_length = getattr(args, "max_position_embeddings", None)
+        self.model_key: Any = (self.name, None, self.cli_args.draft_model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = None
+        self.draft_model = draft
+        self.is_batchable = draft is None and all(
+            hasattr(c, "merge") for c in make_prompt_cache(model)
+        )
+        LOG.info("loaded %s; caches: %s", name, describe(config))
+
+
+def describe(config: Any) -> str:
+    if config.policy is None:
+        return f"{config.method} (mlx-lm's own, unbounded)"
+    return f"{config.method} {config.settings()}"
+
+
+class Monitor:
+    """What ``GET /v1/velox/stats`` and the ``usage.velox`` field report.
+
+    The live sequences are read in the generation thread (between steps, where reading a
+    cache changes nothing) into a snapshot that the HTTP threads only copy.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.lock = threading.Condition()
+        self.live: list[dict[str, Any]] = []
+        self.max_tokens_kept = 0  # the most any live sequence kept per layer, since start
+        self.finished: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
+        self.order: deque[tuple[int, ...]] = deque()
+        self.completed = 0
+        self.started = time.time()
+
+    # -- generation thread -----------------------------------------------------------------
+    def set_live(self, rows: list[dict[str, Any]]) -> None:
+        with self.lock:
+            self.live = rows
+            for row in rows:
+                self.max_tokens_kept = max(self.max_tokens_kept, row["tokens_kept"])
+
+    def finish(self, tokens: list[int], caches: list[Any]) -> None:
+        stats = kv_stats(caches)
+        LOG.info(
+            "sequence done: %d tokens seen, %d kept per layer (compression %.2fx), "
+            "KV %.2f MB (%.2f MB with the cache's other state)",
+            stats["tokens_seen"],
+            stats["tokens_kept"],
+            stats["compression_ratio"],
+            stats["kv_bytes"] / 1e6,
+            stats["cache_bytes"] / 1e6,
+        )
+        key = tuple(tokens)
+        with self.lock:
+            self.completed += 1
+            self.max_tokens_kept = max(self.max_tokens_kept, stats["tokens_kept"])
+            self.finished.setdefault(key, deque()).append({**stats, "tokens": len(tokens)})
+            self.order.append(key)
+            while len(self.order) > 256:  # requests whose client left never collect theirs
+                old = self.order.popleft()
+                if old in self.finished:
+                    self.finished[old].popleft()
+                    if not self.finished[old]:
+                        del self.finished[old]
+            self.lock.notify_all()
+
+    # -- HTTP threads ------------------------------------------------------------------------
+    def collect(self, prompt: list[int], timeout: float = 10.0) -> dict[str, Any] | None:
+        """The stats of the finished sequence that began with ``prompt`` (the generation
+        thread stores them just after the last token)."""
+        n = len(prompt)
+        head = tuple(prompt)
+
+        def find() -> tuple[int, ...] | None:
+            for key in reversed(self.order):
+                if key[:n] == head and key in self.finished:
+                    return key
+            return None
+
+        with self.lock:
+            key = find()
+            deadline = time.monotonic() + timeout
+            while key is None and time.monotonic() < deadline:
+                self.lock.wait(timeout=deadline - time.monotonic())
+                key = find()
+            if key is None:
+                return None
+            stats = self.finished[key].popleft()
+            if not self.finished[key]:
+                del self.finished[key]
+            self.order.remove(key)
+            return stats
+
+    def snapshot(self, prompt_cache: Any, provider: Any) -> dict[str, Any]:
+        with self.lock:
+            live = [dict(row) for row in self.live]
+            max_kept = self.max_tokens_kept
+            completed = self.completed
+        config = self.config
+        return {
+            "ready": provider.model is not None,
+            "model": provider.name,
+            "method": config.method,
+            "settings": {} if config.policy is None else config.settings(),
+            "budget": None if config.policy is None else config.settings().get("budget"),
+            "live": {
+                "sequences": len(live),
+                "kv_bytes": sum(r["kv_bytes"] for r in live),
+                "cache_bytes": sum(r["cache_bytes"] for r in live),
+                "max_tokens_kept": max((r["tokens_kept"] for r in live), default=0),
+                "per_sequence": live,
+            },
+            "max_tokens_kept_since_start": max_kept,
+            "prompt_cache": {
+                "sequences": len(prompt_cache),
+                "bytes": prompt_cache.nbytes,
+                "max_bytes": None if prompt_cache.max_bytes >= 1 << 62 else prompt_cache.max_bytes,
+                "max_sequences": prompt_cache.max_size,
+            },
+            "memory": memory(),
+            "requests_completed": completed,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+
+def memory() -> dict[str, int]:
+    """MLX's active and peak bytes and the process's resident and peak resident bytes."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    rss = peak_rss
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    return {
+        "mlx_active_bytes": int(mx.get_active_memory()),
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "rss_bytes": int(rss),
+        "rss_peak_bytes": int(peak_rss),
+    }
+
+
+def _batch_rows(caches: list[Any]) -> list[dict[str, Any]]:
+    """One stats row per sequence of a batch's layer caches."""
+    if not caches:
+        return []
+    if isinstance(caches[0], BatchVeloxKVCache):
+        return [kv_stats([c.rows[i] for c in caches]) for i in range(len(caches[0].rows))]
+    offsets = getattr(caches[0], "offset", None)
+    if not isinstance(offsets, mx.array) or offsets.ndim != 1:
+        return []
+    # mlx-lm's BatchKVCache: every row holds all it has seen (offset counts left padding out).
+    values: Any = offsets.tolist()
+    seen = [int(o) for o in values]
+    total = sum(cache_nbytes(c) for c in caches)
+    share = total // max(len(seen), 1)
+    return [
+        {
+            "tokens_seen": s,
+            "tokens_kept": s,
+            "compression_ratio": 1.0,
+            "kv_bytes": share,
+            "cache_bytes": share,
+        }
+        for s in seen
+    ]
+
+
+def watched_batch_generator(monitor: Monitor) -> type:
+    """``BatchGenerator`` reporting its sequences to ``monitor`` after every step."""
+
+    class WatchedBatchGenerator(BatchGenerator):
+        def _report(self) -> None:
+            rows = _batch_rows(self._prompt_batch.prompt_cache)
+            rows += _batch_rows(self._generation_batch.prompt_cache)
+            monitor.set_live(rows)
+
+        def next(self) -> Any:
+            out = super().next()
+            self._report()
+            return out
+
+        def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+            out = super().remove(uids, return_prompt_caches)
+            self._report()
+            return out
+
+        def close(self) -> None:
+            super().close()
+            monitor.set_live([])
+
+    return WatchedBatchGenerator
+
+
+def watched_stream_generate(monitor: Monitor) -> Any:
+    """``stream_generate`` (the one-at-a-time path) reporting its sequence to ``monitor``."""
+    original = mlx_server.stream_generate
+
+    def stream_generate(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        caches = kwargs.get("prompt_cache") or []
+        try:
+            for response in original(*args, **kwargs):
+                monitor.set_live([kv_stats(caches)])
+                yield response
+        finally:
+            monitor.set_live([])
+
+    return stream_generate
+
+
+class VeloxResponseGenerator(mlx_server.ResponseGenerator):
+    """Remembers, per HTTP thread, the prompt of the request it is serving (to find its
+    sequence's stats afterwards)."""
+
+    local = threading.local()
+
+    def __init__(self, provider: Any, prompt_cache: Any, monitor: Monitor) -> None:
+        self.monitor = monitor
+        super().__init__(provider, prompt_cache)
+
+    def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
+        self.local.prompt = None
+        ctx, responses = super().generate(request, generation_args, progress_callback)
+        self.local.prompt = list(ctx.prompt)
+        self.local.cached = ctx.prompt_cache_count
+        self.local.stats = None
+        return ctx, responses
+
+
+class BadRequest(Exception):  # not a ValueError: mlx-lm's handler turns those into 400s
+    """A request to refuse with ``status`` and an OpenAI-style JSON error body."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] must be an object")
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
+        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+            raise BadRequest(f"messages[{i}].content parts must be objects")
+
+
+class VeloxHandler(mlx_server.APIHandler):
+    """mlx-lm's handler plus: 4xx JSON errors for bad requests, one model name, the stats
+    endpoint, and ``usage.velox`` (tokens kept, compression ratio, KV bytes)."""
+
+    response_generator: VeloxResponseGenerator
+
+    @property
+    def provider(self) -> VeloxModelProvider:
+        provider = self.response_generator.model_provider
+        assert isinstance(provider, VeloxModelProvider)
+        return provider
+
+    def _error(self, status: int, message: str, code: str | None = None) -> None:
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        if self.requested_model not in self.provider.names:
+            raise BadRequest(
+                f"model {self.requested_model!r} is not served here; this server serves "
+                f"{self.provider.name!r} (GET /v1/models)",
+                404,
+                "model_not_found",
+            )
+        self.requested_model = self.provider.name
+        self.requested_draft_model = "default_model"
+        if self.adapter is not None:
+            raise BadRequest("adapters are not supported by velox-serve")
+        stop = self.body.get("stop")
+        if stop is not None and not (
+            isinstance(stop, str)
+            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+        ):
+            raise BadRequest("stop must be a string or a list of strings")
+        options = self.stream_options
+        if options is not None and not (
+            isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
+        ):
+            raise BadRequest("stream_options must be an object with a boolean include_usage")
+        for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict)):
+            value = self.body.get(name)
+            if value is not None and not isinstance(value, kind):
+                raise BadRequest(f"{name} must be an object")
+        tools = self.body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("tools must be a list")
+        if self.path.endswith("chat/completions"):
+            _check_messages(self.body.get("messages"))
+        elif not isinstance(self.body.get("prompt"), str) or not self.body["prompt"]:
+            raise BadRequest("prompt must be a non-empty string")
+
+    def do_POST(self) -> None:
+        try:
+            super().do_POST()
+        except BadRequest as exc:  # raised before anything was sent
+            self._error(exc.status, str(exc), exc.code)
+
+    def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        # Tokenize here too, so that a prompt the model cannot take is a 400, not a failure
+        # in the generation thread.
+        provider = self.provider
+        try:
+            if provider.tokenizer is None:
+                raise BadRequest("the model is still loading", 503, "not_ready")
+            args = argparse.Namespace(chat_template_kwargs=self.chat_template_kwargs)
+            prompt = self.response_generator._tokenize(provider.tokenizer, request, args)[0]
+        except BadRequest as exc:
+            return self._error(exc.status, str(exc), exc.code)
+        except Exception as exc:  # a template or tokenizer that rejects the messages
+            return self._error(400, f"cannot tokenize the request: {exc}")
+        limit = provider.context_length
+        if limit is not None and len(prompt) > limit:
+            return self._error(
+                400,
+                f"the prompt has {len(prompt)} tokens; the model's context is {limit}",
+                "context_length_exceeded",
+            )
+        if not prompt:
+            return self._error(400, "the prompt is empty")
+        return super().handle_completion(request, stop_words)
+
+    def _velox_usage(self) -> dict[str, Any] | None:
+        local = self.response_generator.local
+        if getattr(local, "stats", None) is None and getattr(local, "prompt", None):
+            local.stats = self.response_generator.monitor.collect(local.prompt)
+        stats = getattr(local, "stats", None)
+        if stats is None:
+            return None
+        return {
+            "method": self.provider.config.method,
+            "tokens_kept": stats["tokens_kept"],
+            "tokens_seen": stats["tokens_seen"],
+            "compression_ratio": stats["compression_ratio"],
+            "kv_bytes": stats["kv_bytes"],
+            "cache_bytes": stats["cache_bytes"],
+        }
+
+    def generate_response(self, text: str, finish_reason: Any, *args: Any, **kwargs: Any) -> Any:
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if finish_reason is not None:
+            velox = self._velox_usage()
+            if "usage" in response and velox is not None:
+                response["usage"]["velox"] = velox
+            self._log_request(velox)
+        return response
+
+    def completion_usage_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().completion_usage_response(*args, **kwargs)
+        velox = self._velox_usage()
+        if velox is not None:
+            response["usage"]["velox"] = velox
+        return response
+
+    def _log_request(self, velox: dict[str, Any] | None) -> None:
+        local = self.response_generator.local
+        prompt = getattr(local, "prompt", None) or []
+        if velox is None:
+            LOG.info("request %s: prompt %d tokens (no cache stats)", self.path, len(prompt))
+            return
+        LOG.info(
+            "request %s: prompt %d tokens (%d from the prompt cache), %d generated; "
+            "kept %d per layer, compression %.2fx, KV %.2f MB",
+            self.path,
+            len(prompt),
+            getattr(local, "cached", 0),
+            velox["tokens_seen"] - len(prompt),
+            velox["tokens_kept"],
+            velox["compression_ratio"],
+            velox["kv_bytes"] / 1e6,
+        )
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == STATS_PATH:
+            rg = self.response_generator
+            body = rg.monitor.snapshot(rg.prompt_cache, self.provider)
+            data = json.dumps(body).encode()
+            self._set_completion_headers(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        super().do_GET()
+
+    def handle_models_request(self) -> None:
+        data = json.dumps(
+            {
+                "object": "list",
+                "data": [{"id": self.provider.name, "object": "model", "created": self.created}],
+            }
+        ).encode()
+        self._set_completion_headers(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve(args: argparse.Namespace, config: Any) -> None:
+    """Load the model, then serve until interrupted."""
+    monitor = Monitor(config)
+    provider = VeloxModelProvider(args, config)
+    provider.load_default()
+    max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else 1 << 63
+    prompt_cache = VeloxPromptCache(
+        args.prompt_cache_size,
+        max_bytes,
+        on_insert=lambda tokens, caches, kind: (
+            monitor.finish(tokens, caches) if kind == "assistant" else None
+        ),
+    )
+    # mlx-lm's server looks these up as module globals at each use.
+    mlx_server.BatchGenerator = watched_batch_generator(monitor)  # type: ignore[misc,assignment]
+    mlx_server.stream_generate = watched_stream_generate(monitor)
+    generator = VeloxResponseGenerator(provider, prompt_cache, monitor)
+    LOG.info("velox-serve: %s with %s caches, %s", provider.name, describe(config), _mode(provider))
+    mlx_server._run_http_server(args.host, args.port, generator, handler_class=VeloxHandler)
+
+
+def _mode(provider: VeloxModelProvider) -> str:
+    if provider.is_batchable:
+        return "batched (BatchGenerator)"
+    return "one request at a time (draft model)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from velox_mlx_lm.cli import config_from_args, model_ref
+
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = config_from_args(args)
+        if config.policy == "kvzip":
+            raise ValueError(
+                "--method kvzip compresses one document with an extra scoring pass "
+                "(velox-generate); the server does not run it"
+            )
+        if args.kv_bits is not None and config.policy is not None:
+            raise ValueError("--kv-bits quantizes mlx-lm's own caches: use it with --method full")
+        if args.adapter_path is not None:
+            raise ValueError("--adapter-path is not supported by velox-serve")
+        for name in ("max_tokens", "prefill_step_size", "decode_concurrency"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.prompt_cache_size < 0:
+            raise ValueError("--prompt-cache-size must be >= 0")
+        if args.draft_model is not None and config.policy is not None and not config.trim_window:
+            raise ValueError("--draft-model needs a trimmable cache")
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    try:
+        if args.model is not None:
+            model_ref(args.model)
+        serve(args, config)
+    except (OSError, ValueError) as exc:
+        print(f"velox-serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

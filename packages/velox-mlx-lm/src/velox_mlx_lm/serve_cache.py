@@ -1,0 +1,162 @@
+"""The server's prompt cache and its byte and token counts, with Velox caches in mind.
+
+mlx-lm's ``LRUPromptCache`` assumes a trimmable cache trims any number of tokens: it reuses a
+longer stored sequence by trimming it back, and drops a stored prefix once a longer trimmable
+entry holds it. A Velox cache trims exactly, but only its last ``trim_window`` tokens (its undo
+log), and an evicted row cannot come back. :class:`VeloxPromptCache` trims an entry only when
+every layer can take back that many tokens exactly, keeps the prefixes it could not reach
+again, counts the bytes a cache really holds (undo log included) against ``max_bytes``, and
+always leaves at least one prompt token to feed (mlx-lm's ``BatchGenerator`` refuses an empty
+prompt).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from velox_mlx_lm.batch_cache import BatchVeloxKVCache
+from velox_mlx_lm.cache import PolicyKVCache
+
+
+def trimmable_tokens(caches: list[Any]) -> int:
+    """How many of the last tokens every layer of ``caches`` can take back exactly."""
+    reach = 1 << 62
+    for cache in caches:
+        if isinstance(cache, PolicyKVCache):
+            cache.policy_state  # noqa: B018 (settle a pending decision; the log is then final)
+            log = cache._log
+            reach = min(reach, 0 if log is None else log.tokens)
+        elif callable(getattr(cache, "is_trimmable", None)) and cache.is_trimmable():
+            reach = min(reach, int(cache.offset))  # mlx-lm's KVCache trims any suffix
+        else:
+            reach = 0
+    return reach
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes one layer cache holds: for a Velox cache every array of its state (kept rows,
+    positions, running scores, undo log); for mlx-lm's caches their ``nbytes`` (the allocation)."""
+    if isinstance(cache, BatchVeloxKVCache):
+        return sum(cache_nbytes(row) for row in cache.rows)
+    if isinstance(cache, PolicyKVCache):
+        leaves: Any = tree_flatten(cache.state)
+        arrays = [a for _, a in leaves if isinstance(a, mx.array)]
+        return sum(int(a.nbytes) for a in arrays)
+    return int(cache.nbytes)
+
+
+def kv_stats(caches: list[Any]) -> dict[str, Any]:
+    """One sequence's counters: tokens kept (the fullest layer), tokens seen, compression
+    ratio, bytes of kept keys and values, and all bytes held (Velox: with the undo log)."""
+    kept = [int(c.size()) for c in caches]
+    seen = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
+    seen_max = max(seen) if seen else 0
+    kept_max = max(kept) if kept else 0
+    return {
+        "tokens_seen": seen_max,
+        "tokens_kept": kept_max,
+        "compression_ratio": round(seen_max / kept_max, 3) if kept_max else 1.0,
+        "kv_bytes": sum(_kept_bytes(c) for c in caches),
+        "cache_bytes": sum(cache_nbytes(c) for c in caches),
+    }
+
+
+def _kept_bytes(cache: Any) -> int:
+    """Bytes of the kept keys and values (mlx-lm's KVCache allocates in 256-token steps: count
+    the rows in use, as ``velox-generate`` does)."""
+    if isinstance(cache, PolicyKVCache):
+        return cache.nbytes
+    keys: Any = getattr(cache, "keys", None)
+    if isinstance(getattr(cache, "offset", None), int) and hasattr(keys, "shape"):
+        rows = min(int(cache.size()), keys.shape[2])
+        return int(2 * keys.nbytes * rows // max(keys.shape[2], 1))
+    return int(cache.nbytes)
+
+
+class VeloxPromptCache(LRUPromptCache):
+    """``LRUPromptCache`` whose reuse is exact for Velox caches (see the module docstring).
+
+    ``on_insert(tokens, caches, cache_type)`` is called for every cache the server stores
+    (``cache_type="assistant"``: a finished request's cache), before it is stored.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        on_insert: Callable[[list[int], list[Any], str], None] | None = None,
+    ) -> None:
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.on_insert = on_insert
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        # Look up all but the last token: the last one is always fed (it gives the logits).
+        if len(tokens) < 2:
+            return None, tokens
+        wanted = tokens[:-1]
+        result = self._trie.search(model, wanted)
+        if result.exact is not None:
+            entry = self._trie.get(result.model, result.exact)
+            return copy.deepcopy(entry.prompt_cache), tokens[len(wanted) :]
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            entry = self._trie.get(result.model, result.longer)
+            prefix = result.common_prefix
+            extra = len(result.longer) - prefix
+            if can_trim_prompt_cache(entry.prompt_cache) and (
+                trimmable_tokens(entry.prompt_cache) >= extra
+            ):
+                cache = copy.deepcopy(entry.prompt_cache)
+                trim_prompt_cache(cache, extra)
+                return cache, tokens[prefix:]
+        if short > 0:
+            entry = self._trie.get(result.model, result.shorter or [])
+            return copy.deepcopy(entry.prompt_cache), tokens[short:]
+        return None, tokens
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        if self.on_insert is not None:
+            self.on_insert(tokens, prompt_cache, cache_type)
+        entry = LRUPromptCache.CacheEntry(
+            prompt_cache, sum(cache_nbytes(c) for c in prompt_cache), cache_type
+        )
+        self._n_bytes += entry.nbytes
+        self._n_bytes_by_type[cache_type] += entry.nbytes
+        prev = self._trie.add(model, tokens, entry)
+        if prev is not None:
+            self._forget(prev)
+            self._lru.remove(model, tokens)
+        self._lru.push(model, tokens, cache_type)
+        # A stored prefix is redundant only if this entry can be trimmed back to it exactly.
+        if can_trim_prompt_cache(prompt_cache):
+            reach = trimmable_tokens(prompt_cache)
+            for n in range(max(1, len(tokens) - reach), len(tokens)):
+                try:
+                    old = self._trie.get(model, tokens[:n])
+                except KeyError:
+                    continue
+                self._trie.pop(model, tokens[:n])
+                self._forget(old)
+                self._lru.remove(model, tokens[:n])
+        while len(self._lru) > self.max_size or self._n_bytes > self.max_bytes:
+            if not len(self._lru):
+                break
+            model, tokens = self._lru.pop()
+            self._forget(self._trie.pop(model, tokens))
+
+    def _forget(self, entry: Any) -> None:
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
