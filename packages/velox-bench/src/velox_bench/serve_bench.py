@@ -1,0 +1,369 @@
+"""Load generator for ``velox-serve``: N concurrent conversations of growing length.
+
+Each conversation is a thread that sends turns to ``/v1/chat/completions`` (streaming, greedy,
+``stream_options.include_usage``) and appends the answer to its messages, so each turn's prompt
+is the previous turn plus a new user message (the server's prompt cache serves the shared
+prefix). A sampler thread polls ``GET /v1/velox/stats`` for memory over time. Plain
+``http.client``: nothing to install, and each SSE chunk is timestamped as it arrives.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TOKENS_PER_WORD = 1.3  # the passage's words per token with SmolLM2's tokenizer, roughly
+QUESTION = "Summarise the last paragraph in one sentence."
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    conversations: int = 4
+    turns: int = 5
+    start_tokens: int = 400  # the first turn's prompt, below the budget: no eviction yet
+    end_tokens: int = 6000  # the last turn's prompt
+    gen_tokens: int = 32
+    poll_s: float = 0.5
+
+    def turn_tokens(self) -> list[int]:
+        """The prompt length each turn aims at (linear from start to end)."""
+        if self.turns == 1:
+            return [self.end_tokens]
+        step = (self.end_tokens - self.start_tokens) / (self.turns - 1)
+        return [round(self.start_tokens + i * step) for i in range(self.turns)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    body = conn.getresponse().read()
+    conn.close()
+    return json.loads(body)
+
+
+class ServerProcess:
+    """``velox-serve`` in a subprocess on a free port; ``stop()`` always."""
+
+    def __init__(self, flags: list[str]) -> None:
+        self.port = _free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        argv = [sys.executable, "-m", "velox_mlx_lm.serve", "--port", str(self.port), *flags]
+        argv += ["--log-level", "WARNING"]
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"velox-serve exited:\n{Path(self.log.name).read_text()}")
+            try:
+                if _get(self.port, "/v1/velox/stats")["ready"]:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError("velox-serve did not become ready")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streaming chat request: its text, chunk arrival times and usage."""
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+    arrivals: list[float] = []
+    text, usage = "", None
+    while True:
+        line = response.readline()
+        if not line:
+            break
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                arrivals.append(time.perf_counter())
+                text += piece
+    conn.close()
+    return {"start": started, "arrivals": arrivals, "text": text, "usage": usage}
+
+
+def passage_words(offset: int) -> list[str]:
+    """Words of real text (the embedded model's paragraph, rotated per conversation so that
+    conversations share no prefix)."""
+    from velox_mlx_lm.embedded import paragraph
+
+    words = paragraph().split()
+    offset %= len(words)
+    return words[offset:] + words[:offset]
+
+
+def conversation(
+    port: int, index: int, spec: LoadSpec, t0: float, out: list[dict[str, Any]]
+) -> None:
+    words = passage_words(index * 37)
+    messages: list[dict[str, str]] = []
+    sent = 0  # words sent so far
+    for turn, target in enumerate(spec.turn_tokens()):
+        have = round(sent * TOKENS_PER_WORD)
+        n = max(8, round((target - have) / TOKENS_PER_WORD))
+        chunk = " ".join(words[(sent + i) % len(words)] for i in range(n))
+        sent += n
+        messages.append({"role": "user", "content": f"{chunk}\n\n{QUESTION}"})
+        result = stream_chat(port, messages, spec.gen_tokens)
+        messages.append({"role": "assistant", "content": result["text"]})
+        arrivals = result["arrivals"]
+        usage = result["usage"] or {}
+        velox = usage.get("velox", {})
+        out.append(
+            {
+                "conversation": index,
+                "turn": turn,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "tokens_kept": velox.get("tokens_kept"),
+                "kv_bytes": velox.get("kv_bytes"),
+                "start_s": result["start"] - t0,
+                "first_token_s": (arrivals[0] - t0) if arrivals else None,
+                "end_s": (arrivals[-1] - t0) if arrivals else None,
+                "ttft_s": (arrivals[0] - result["start"]) if arrivals else None,
+                "itl_s": [b - a for a, b in itertools.pairwise(arrivals)],
+                "chunks": len(arrivals),
+            }
+        )
+
+
+def run_load(flags: list[str], spec: LoadSpec) -> dict[str, Any]:
+    """Start a server with ``flags``, drive ``spec``'s conversations, stop it."""
+    server = ServerProcess(flags)
+    try:
+        server.wait_ready()
+        timeline: list[dict[str, Any]] = []
+        requests: list[dict[str, Any]] = []
+        stop = threading.Event()
+        t0 = time.perf_counter()
+
+        def sample() -> None:
+            while not stop.is_set():
+                stats = _get(server.port, "/v1/velox/stats")
+                timeline.append(
+                    {
+                        "t_s": time.perf_counter() - t0,
+                        **stats["memory"],
+                        "live_sequences": stats["live"]["sequences"],
+                        "live_kv_bytes": stats["live"]["kv_bytes"],
+                        "prompt_cache_bytes": stats["prompt_cache"]["bytes"],
+                    }
+                )
+                stop.wait(spec.poll_s)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [
+            threading.Thread(target=conversation, args=(server.port, i, spec, t0, requests))
+            for i in range(spec.conversations)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        stop.set()
+        sampler.join()
+        final = _get(server.port, "/v1/velox/stats")
+    finally:
+        server.stop()
+    return {
+        "flags": flags,
+        "wall_s": wall,
+        "requests": sorted(requests, key=lambda r: (r["turn"], r["conversation"])),
+        "timeline": timeline,
+        "max_tokens_kept": final["max_tokens_kept_since_start"],
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    """Per turn: mean prompt tokens, aggregate decode tokens/s (chunks after the first over the
+    span from the first first-token to the last token), TTFT and inter-token latency p50/p95;
+    overall: generated tokens/s over the run and peak memory."""
+    turns: dict[int, list[dict[str, Any]]] = {}
+    for r in run["requests"]:
+        turns.setdefault(r["turn"], []).append(r)
+    per_turn = []
+    for turn, rows in sorted(turns.items()):
+        done = [r for r in rows if r["chunks"]]
+        decoded = sum(r["chunks"] - 1 for r in done)
+        span = max(r["end_s"] for r in done) - min(r["first_token_s"] for r in done) if done else 0
+        itls = [x for r in done for x in r["itl_s"]]
+        ttfts = [r["ttft_s"] for r in done]
+        per_turn.append(
+            {
+                "turn": turn,
+                "prompt_tokens_mean": round(sum(r["prompt_tokens"] or 0 for r in rows) / len(rows)),
+                "decode_tokens_per_s": decoded / span if span > 0 else None,
+                "ttft_p50_s": _pct(ttfts, 0.5),
+                "ttft_p95_s": _pct(ttfts, 0.95),
+                "itl_p50_s": _pct(itls, 0.5),
+                "itl_p95_s": _pct(itls, 0.95),
+                "tokens_kept_max": max((r["tokens_kept"] or 0 for r in rows), default=0),
+            }
+        )
+    generated = sum(r["chunks"] for r in run["requests"])
+    timeline = run["timeline"]
+    return {
+        "per_turn": per_turn,
+        "generated_tokens_per_s": generated / run["wall_s"] if run["wall_s"] else None,
+        "wall_s": run["wall_s"],
+        "peak_rss_bytes": max((s["rss_bytes"] for s in timeline), default=None),
+        "peak_mlx_active_bytes": max((s["mlx_active_bytes"] for s in timeline), default=None),
+        "mlx_peak_bytes": max((s["mlx_peak_bytes"] for s in timeline), default=None),
+        "max_tokens_kept": run["max_tokens_kept"],
+    }
+
+
+def goals(summaries: dict[str, dict[str, Any]], velox: str, full: str) -> dict[str, Any]:
+    """Issue 14's goals, measured: aggregate decode throughput ratio at the longest and at the
+    shortest turn, and whether Velox's memory stayed flat (peak RSS vs the first turn's)."""
+    a, b = summaries[velox]["per_turn"], summaries[full]["per_turn"]
+
+    def ratio(i: int) -> float | None:
+        x, y = a[i]["decode_tokens_per_s"], b[i]["decode_tokens_per_s"]
+        return x / y if x and y else None
+
+    long_ratio, short_ratio = ratio(-1), ratio(0)
+    return {
+        "decode_ratio_longest_turn": long_ratio,
+        "decode_ratio_longest_turn_goal": 1.5,
+        "decode_ratio_longest_turn_met": bool(long_ratio and long_ratio >= 1.5),
+        "decode_ratio_shortest_turn": short_ratio,
+        "decode_ratio_shortest_turn_goal": 0.85,
+        "decode_ratio_shortest_turn_met": bool(short_ratio and short_ratio >= 0.85),
+    }
+
+
+def plot_serve(data: dict[str, Any], paths: list[Path]) -> list[Path]:
+    """Memory (RSS, MLX active) and aggregate decode throughput over time, both methods."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label, run in data["runs"].items():
+        tl = run["timeline"]
+        t = [s["t_s"] for s in tl]
+        axes[0].plot(t, [s["rss_bytes"] / 1e9 for s in tl], label=f"{label} RSS")
+        axes[0].plot(t, [s["mlx_active_bytes"] / 1e9 for s in tl], "--", label=f"{label} MLX")
+        axes[1].plot(t, [s["live_kv_bytes"] / 1e6 for s in tl], label=label)
+        # Tokens/s over time: arrivals of every request, in 5 s bins.
+        times = sorted(
+            r["first_token_s"] + sum(r["itl_s"][:i])
+            for r in run["requests"]
+            if r["chunks"]
+            for i in range(r["chunks"])
+        )
+        if times:
+            width = max(1.0, (times[-1] - times[0]) / 40)
+            edges = [times[0] + i * width for i in range(int((times[-1] - times[0]) / width) + 2)]
+            counts = [sum(1 for x in times if lo <= x < lo + width) / width for lo in edges[:-1]]
+            axes[2].plot([lo + width / 2 for lo in edges[:-1]], counts, label=label)
+    axes[0].set(title="server memory", xlabel="time (s)", ylabel="GB")
+    axes[1].set(title="KV bytes of live sequences", xlabel="time (s)", ylabel="MB")
+    axes[2].set(title="generated tokens/s (all conversations)", xlabel="time (s)", ylabel="tok/s")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    spec = data["spec"]
+    fig.suptitle(
+        f"velox-serve: {spec['conversations']} conversations, {spec['turns']} turns, "
+        f"prompts {spec['start_tokens']} -> {spec['end_tokens']} tokens"
+    )
+    fig.tight_layout()
+    written = []
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    plt.close(fig)
+    return written
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> str:
+    lines = ["method        turn  prompt  decode tok/s  TTFT p50/p95 s   ITL p50/p95 ms  kept"]
+    for label, s in summaries.items():
+        for t in s["per_turn"]:
+            lines.append(
+                f"{label:<13} {t['turn']:>4} {t['prompt_tokens_mean']:>7} "
+                f"{_num(t['decode_tokens_per_s'], 1):>13} "
+                f"{_num(t['ttft_p50_s'], 2):>7}/{_num(t['ttft_p95_s'], 2):<7} "
+                f"{_num(_ms(t['itl_p50_s']), 0):>8}/{_num(_ms(t['itl_p95_s']), 0):<6} "
+                f"{t['tokens_kept_max']:>5}"
+            )
+        lines.append(
+            f"{label:<13} peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB, MLX peak "
+            f"{s['mlx_peak_bytes'] / 1e9:.2f} GB, {s['generated_tokens_per_s']:.1f} tok/s overall"
+        )
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1000 * x
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def spec_dict(spec: LoadSpec) -> dict[str, Any]:
+    return {**asdict(spec), "turn_tokens": spec.turn_tokens()}
