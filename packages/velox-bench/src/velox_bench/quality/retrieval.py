@@ -108,9 +108,15 @@ class Prompt:
         return len(self.document), tuple(map(len, self.questions)), tuple(map(len, self.answers))
 
 
-def build_prompt(tokenizer: Any, document: str, planted: Sequence[Fact]) -> Prompt:
-    """Plant ``planted`` at ``DEPTHS`` of ``document`` and tokenize through the chat template."""
-    text = plant(document, planted)
+def build_prompt(
+    tokenizer: Any,
+    document: str,
+    planted: Sequence[Fact],
+    where: Sequence[float] = DEPTHS,
+) -> Prompt:
+    """Plant ``planted`` at relative depths ``where`` (one each) of ``document`` and tokenize
+    through the chat template."""
+    text = plant(document, planted, where)
     doc_ids: list[int] = []
     questions, answers, depths = [], [], []
     for fact in planted:
