@@ -61,7 +61,10 @@ def run_cli(
     monkeypatch.setattr(cli, "_load", load)
 
     def run(*argv: str) -> tuple[int, str]:
-        code = cli.main(["--prompt", PROMPT, "--max-tokens", "8", *argv])
+        """Runs ``--prompt PROMPT`` unless ``argv`` names its own prompts."""
+        sources = {"--prompt", "--prompt-file", "--prompts-file", "--demo"}
+        prompt = [] if sources & set(argv) else ["--prompt", PROMPT]
+        code = cli.main([*prompt, "--max-tokens", "8", *argv])
         return code, capsys.readouterr().out
 
     return run
@@ -118,6 +121,38 @@ def test_prompt_from_standard_input(run_cli: Any, monkeypatch: pytest.MonkeyPatc
     code, out = run_cli("--prompt", "-")
     assert code == 0
     assert int(_table(out)["generated_tokens"][0]) == 8
+
+
+@pytest.mark.model
+def test_several_prompts_run_as_one_batch_each_answer_as_alone(
+    run_cli: Any, tmp_path: Path
+) -> None:
+    """Two prompts (one from --prompts-file, blank lines skipped) in one batch: each answer,
+    kept count and compression ratio is the one the prompt gets alone."""
+    second = "Water freezes at zero degrees and boils at"
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{PROMPT}\n\n{second}\n", encoding="utf-8")
+    code, out = run_cli("--prompts-file", str(path), "--json", "--budget", "16")
+    assert code == 0
+    (run,) = json.loads(out)["runs"]
+    assert run["label"] == "tova(16)" and run["sequences"] == 2
+    assert run["kv_bytes"] == sum(p["kv_bytes"] for p in run["prompts"])
+    for text, got in zip((PROMPT, second), run["prompts"], strict=True):
+        code, out = run_cli("--prompt", text, "--json", "--budget", "16")
+        alone = json.loads(out)["runs"][0]
+        assert got["answer"] == alone["answer"]
+        for key in ("prompt_tokens", "generated_tokens", "compression_ratio"):
+            assert got[key] == alone[key], key
+        assert got["tokens_kept_per_layer"] <= 16
+
+
+@pytest.mark.model
+def test_repeated_prompt_flag_prints_each_answer_and_a_table(run_cli: Any) -> None:
+    code, out = run_cli("--prompt", PROMPT, "--prompt", "One, two, three,", "--budget", "16")
+    assert code == 0
+    assert "2 prompts in one batch" in out
+    assert "=== prompt 1 (tova(16)) ===" in out and "=== prompt 2 (tova(16)) ===" in out
+    assert "tova(16), per prompt:" in out and "decode_tokens_per_s" in out
 
 
 @pytest.mark.model
@@ -202,6 +237,30 @@ def test_bad_flags_exit_2_with_a_clear_message(
 ) -> None:
     err = _usage_error(capsys, "--prompt", "hi", *argv)
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--draft-model", "embedded:layers=4"], "--draft-model generates one prompt at a time"),
+        (["--method", "kvzip"], "--method kvzip compresses one document at a time"),
+        (["--prompt", " "], "--prompt #3 holds only whitespace"),
+    ],
+)
+def test_several_prompts_refuse_what_cannot_batch(
+    capsys: pytest.CaptureFixture[str], no_load: None, argv: list[str], message: str
+) -> None:
+    err = _usage_error(capsys, "--prompt", "hi", "--prompt", "there", *argv)
+    assert message in err
+
+
+def test_blank_prompts_file(
+    capsys: pytest.CaptureFixture[str], no_load: None, tmp_path: Path
+) -> None:
+    path = tmp_path / "blank.txt"
+    path.write_text("\n  \n", encoding="utf-8")
+    err = _usage_error(capsys, "--prompts-file", str(path))
+    assert "holds no prompt (one prompt per non-blank line)" in err
 
 
 def test_no_prompt(capsys: pytest.CaptureFixture[str], no_load: None) -> None:

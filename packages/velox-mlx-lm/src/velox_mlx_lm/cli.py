@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE or --demo"
+NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE, --prompts-file FILE or --demo"
 METHOD_HELP = (
     "the cache: "
     "tova drops the token the newest query attends to least (TOVA); "
@@ -47,8 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text ('-' reads standard input)")
+    src.add_argument(
+        "--prompt",
+        action="append",
+        help="prompt text ('-' reads standard input); repeat it to generate several prompts "
+        "as one batch",
+    )
     src.add_argument("--prompt-file", help="file holding the prompt")
+    src.add_argument(
+        "--prompts-file",
+        help="file with one prompt per line (blank lines skipped), generated as one batch",
+    )
     src.add_argument(
         "--demo", action="store_true", help="the built-in long document and its question"
     )
@@ -394,38 +403,53 @@ def _load_for_launch(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return model, tokenizer, f"{name}, sharded over {group.size()} ranks"
 
 
-def read_prompt(args: argparse.Namespace) -> tuple[str, bool]:
-    """The prompt text the flags name and whether to apply the chat template; read before the
-    model is loaded. ``ValueError`` for no prompt or an empty (or blank) one, ``OSError`` for
-    a prompt file that cannot be read."""
+def _nonblank(text: str, where: str) -> str:
+    if not text.strip():
+        what = "is empty" if not text else "holds only whitespace"
+        raise ValueError(f"{where} {what}: the prompt needs some text")
+    return text
+
+
+def _read_file(path: str, where: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not UTF-8 text ({exc.reason})") from exc
+    except OSError as exc:
+        raise OSError(f"{where}: {exc.strerror or exc}") from exc
+
+
+def read_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
+    """The prompt texts the flags name (several with ``--prompt`` repeated or
+    ``--prompts-file``) and whether to apply the chat template; read before the model is
+    loaded. ``ValueError`` for no prompt or an empty (or blank) one, ``OSError`` for a prompt
+    file that cannot be read."""
     chat = bool(args.chat)
     if args.demo:
         from velox_mlx_lm.embedded import demo_prompt
 
         text = demo_prompt().messages()[0]["content"]
-        chat = args.chat is None or args.chat
-        where = "--demo"
-    elif args.prompt_file is not None:
+        return [text], args.chat is None or args.chat
+    if args.prompt_file is not None:
         where = f"--prompt-file {args.prompt_file}"
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{where} is not UTF-8 text ({exc.reason})") from exc
-        except OSError as exc:
-            raise OSError(f"{where}: {exc.strerror or exc}") from exc
-    elif args.prompt == "-":
-        text = sys.stdin.read()
-        where = "standard input (--prompt -)"
-    elif args.prompt is not None:
-        text = args.prompt
-        where = "--prompt"
-    else:
+        return [_nonblank(_read_file(args.prompt_file, where), where)], chat
+    if args.prompts_file is not None:
+        where = f"--prompts-file {args.prompts_file}"
+        lines = [line for line in _read_file(args.prompts_file, where).splitlines()]
+        texts = [line for line in lines if line.strip()]
+        if not texts:
+            raise ValueError(f"{where} holds no prompt (one prompt per non-blank line)")
+        return texts, chat
+    if not args.prompt:
         raise ValueError(NO_PROMPT)
-    if not text.strip():
-        what = "is empty" if not text else "holds only whitespace"
-        raise ValueError(f"{where} {what}: the prompt needs some text")
-    return text, chat
+    texts = []
+    for i, prompt in enumerate(args.prompt):
+        where = "--prompt" if len(args.prompt) == 1 else f"--prompt #{i + 1}"
+        if prompt == "-":
+            prompt, where = sys.stdin.read(), "standard input (--prompt -)"
+        texts.append(_nonblank(prompt, where))
+    return texts, chat
 
 
 def _prompt_tokens(text: str, chat: bool, tokenizer: Any) -> list[int]:
@@ -451,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--draft-model does not apply to --method kvzip")
         if args.draft_model is not None and config.policy is not None and not config.trim_window:
             raise ValueError("--draft-model needs a trimmable cache")
-        if args.prompt is None and args.prompt_file is None and not args.demo:
+        if not (args.prompt or args.prompt_file or args.prompts_file or args.demo):
             raise ValueError(NO_PROMPT)  # before loading a model for nothing
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
@@ -459,7 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.model is not None:
             model_ref(args.model)
-        text, chat = read_prompt(args)
+        texts, chat = read_prompts(args)
+        if len(texts) > 1:
+            if args.draft_model is not None:
+                raise ValueError("--draft-model generates one prompt at a time, not a batch")
+            if config.policy == "kvzip":
+                raise ValueError("--method kvzip compresses one document at a time, not a batch")
     except OSError as exc:  # a missing model path or prompt file
         return _error(exc)
     except ValueError as exc:  # no prompt, an empty one, or a prompt file that is not UTF-8
@@ -472,9 +501,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         model, tokenizer, model_name = _load_for_launch(args)
         draft_model = _load_draft(args, model)
-        prompt = _prompt_tokens(text, chat, tokenizer)
+        prompts = [_prompt_tokens(text, chat, tokenizer) for text in texts]
     except (ValueError, OSError) as exc:
         return _error(exc)
+    if len(prompts) > 1:
+        from velox_mlx_lm.cli_batch import generate_batch, print_batch
+
+        batch_runs = []
+        if args.compare and config.method != "full":
+            full_config = KVCacheConfig(method="full")
+            batch_runs.append(generate_batch(model, tokenizer, prompts, full_config, args, "full"))
+        label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
+        batch_runs.append(generate_batch(model, tokenizer, prompts, config, args, label))
+        print_batch(
+            batch_runs, model_name, _blas_name(), config, time.perf_counter() - started, args
+        )
+        return 0
+    prompt, text = prompts[0], texts[0]
 
     def drafting(config: Any) -> tuple[Any, list[Any]] | None:
         if draft_model is None:
