@@ -7,9 +7,7 @@ import mlx.core as mx
 from velox_cache_core.engine import Step
 
 
-def attend(
-    queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None
-) -> mx.array:
+def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None) -> mx.array:
     """``queries [B, H_q, L, D]`` over ``step.keys``/``step.values`` ``[B, H_kv, n, D]`` with
     ``step.mask`` (repeated over each query group when given per KV head): ``[B, H_q, L, D]``.
 
