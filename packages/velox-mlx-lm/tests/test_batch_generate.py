@@ -277,3 +277,59 @@ def test_left_padding_is_never_stored_or_attended(tiny_model, h):
     solo = KVCacheBuilder.for_model(model, cfg)
     want = model(mx.array([p[1]]), cache=solo)
     np.testing.assert_allclose(np.array(logits[1, 4:]), np.array(want[0]), atol=1e-4)
+
+
+EMBEDDED_TEXTS = (
+    "The Roman Empire grew out of the Roman Republic. Its emperors ruled lands around the "
+    "Mediterranean Sea for centuries, and its roads, laws and language shaped Europe. " * 2,
+    "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar and oxygen. "
+    "It happens in the chloroplasts of leaf cells, which hold the green pigment chlorophyll. "
+    "Without it there would be almost no oxygen in the air we breathe. " * 3,
+    "The sea.",
+    "The first computers filled whole rooms and used vacuum tubes. Transistors replaced the "
+    "tubes, and integrated circuits put many transistors on one chip. ",
+)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_embedded_model_batch_equals_each_prompt_alone(embedded_model_path: Any) -> None:
+    """The embedded SmolLM2: four chat prompts of different lengths (about 40 to 190 tokens)
+    through batch_generate with TOVA(32), greedy, 32 new tokens each, equal the tokens of
+    each prompt generated alone through generate_step with the same config. Every prompt is
+    longer than the budget, so every row evicts during prefill and at every decode step, and
+    every cache stays within its budget."""
+    from mlx_lm.generate import generate_step
+
+    from velox_mlx_lm.embedded import load_default
+
+    model, tokenizer = load_default()
+    cfg = KVCacheConfig(method="tova", tova_budget=32)
+    ps = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text + " Explain this in detail."}],
+            add_generation_prompt=True,
+        )
+        for text in EMBEDDED_TEXTS
+    ]
+    assert min(len(p) for p in ps) < 64 < max(len(p) for p in ps)
+    tokens = 32
+    model.make_cache = lambda: KVCacheBuilder.for_model(model, cfg)
+    try:
+        response = batch_generate(
+            model, tokenizer, ps, max_tokens=tokens, return_token_ids=True, prefill_step_size=64
+        )
+    finally:
+        del model.make_cache
+    for prompt, ids in zip(ps, response.token_ids, strict=True):
+        caches = KVCacheBuilder.for_model(model, cfg)
+        want: list[int] = []
+        for token, _ in generate_step(
+            mx.array(prompt), model, prompt_cache=caches, max_tokens=tokens, prefill_step_size=64
+        ):
+            if int(token) in tokenizer.eos_token_ids:
+                break
+            want.append(int(token))
+        assert len(want) == tokens, "the test needs answers that do not stop early"
+        assert ids == want
+        assert all(c.tokens_kept <= 32 for c in caches)
