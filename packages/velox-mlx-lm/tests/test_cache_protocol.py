@@ -263,8 +263,10 @@ def test_trim_is_exact_within_the_undo_log(tiny_model, h):
     cache = KVCacheBuilder.for_model(model, config)
     assert all(c.is_trimmable() and c.trim_window == 12 for c in cache)
     h.forward_chunks(model, cache, tokens, [10])
+    assert all(c.trimmable_tokens == 10 for c in cache)
     assert all(c.trim(0) == 0 for c in cache)
     assert all(c.trim(3) == 3 for c in cache)
+    assert all(c.trimmable_tokens == 7 for c in cache)
     assert all(c.offset == 7 and c.size() == 7 for c in cache)
     assert np.array(cache[0].positions).tolist() == [[list(range(7))] * 4]
     # Re-feeding the trimmed tokens gives what an untrimmed cache gives.
@@ -282,12 +284,15 @@ def test_trim_is_exact_within_the_undo_log(tiny_model, h):
         assert a.offset == b.offset == 27
         assert np.array_equal(np.sort(np.array(a.positions)), np.sort(np.array(b.positions)))
     # Beyond the log: a clear error and an untouched cache.
+    # The 13-token call was longer than the window and cleared the log: only the 6 tokens fed
+    # after it, less the 4 trimmed, can be taken back.
+    assert cache[0].trimmable_tokens == 2
     before = _snapshot(cache[0])
     with pytest.raises(ValueError, match="cannot trim 13 tokens"):
         cache[0].trim(13)
     _assert_same_state(before, _snapshot(cache[0]))
     off = TOVAKVCache(budget=4, n_sink=0, trim_window=0)
-    assert not off.is_trimmable()
+    assert not off.is_trimmable() and off.trimmable_tokens == 0
     with pytest.raises(ValueError, match="trim_window=0"):
         off.trim(1)
 

@@ -426,6 +426,13 @@ class PolicyKVCache(VeloxKVCache):
         self._settle()
         return 0 if self._log is None else self._log.nbytes
 
+    @property
+    def trimmable_tokens(self) -> int:
+        """How many of the last tokens ``trim`` can take back now: those the undo log holds
+        (at most ``trim_window``; 0 without a log)."""
+        self._settle()
+        return 0 if self._log is None else self._log.tokens
+
     def is_trimmable(self) -> bool:
         """True when the cache keeps an undo log (``trim_window > 0``): ``trim(n)`` then
         works for up to the last ``trim_window`` tokens (more raises ``ValueError``)."""

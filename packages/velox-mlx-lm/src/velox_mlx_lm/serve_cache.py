@@ -29,9 +29,7 @@ def trimmable_tokens(caches: list[Any]) -> int:
     reach = 1 << 62
     for cache in caches:
         if isinstance(cache, PolicyKVCache):
-            cache.policy_state  # noqa: B018 (settle a pending decision; the log is then final)
-            log = cache._log
-            reach = min(reach, 0 if log is None else log.tokens)
+            reach = min(reach, cache.trimmable_tokens)
         elif callable(getattr(cache, "is_trimmable", None)) and cache.is_trimmable():
             reach = min(reach, int(cache.offset))  # mlx-lm's KVCache trims any suffix
         else:
