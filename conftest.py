@@ -1,0 +1,17 @@
+"""Loaded by pytest before any test module: make OpenBLAS the BLAS of every test process.
+
+MLX's Linux CPU wheel links a reference BLAS that runs the float32 embedded model several
+times slower. ``velox_blas`` loads the system's OpenBLAS, when there is one, but only before
+``mlx.core`` is first imported; the test packages' own conftest files and modules import mlx,
+so the load has to happen here, first. Without OpenBLAS (or with only velox-cache-core
+installed) nothing changes and the tests pass with the reference BLAS.
+"""
+
+from __future__ import annotations
+
+try:
+    import velox_blas
+except ImportError:  # velox-mlx-lm not installed: the core's tests need no BLAS choice
+    pass
+else:
+    velox_blas.preload_openblas()
