@@ -286,15 +286,13 @@ EMBEDDED_TEXTS = (
     "It happens in the chloroplasts of leaf cells, which hold the green pigment chlorophyll. "
     "Without it there would be almost no oxygen in the air we breathe. " * 3,
     "The sea.",
-    "The first computers filled whole rooms and used vacuum tubes. Transistors replaced the "
-    "tubes, and integrated circuits put many transistors on one chip. ",
 )
 
 
 @pytest.mark.model
 @pytest.mark.slow
 def test_embedded_model_batch_equals_each_prompt_alone(embedded_model_path: Any) -> None:
-    """The embedded SmolLM2: four chat prompts of different lengths (about 40 to 190 tokens)
+    """The embedded SmolLM2: three chat prompts of different lengths (about 40 to 190 tokens)
     through batch_generate with TOVA(32), greedy, 32 new tokens each, equal the tokens of
     each prompt generated alone through generate_step with the same config. Every prompt is
     longer than the budget, so every row evicts during prefill and at every decode step, and
