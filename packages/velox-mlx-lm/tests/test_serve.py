@@ -3,7 +3,7 @@ with the official ``openai`` client and raw HTTP.
 
 CI runs a few short requests on two servers (TOVA with a budget below the prompts; the same
 with no prompt cache, the cold reference). The long-prompt concurrency test (6 clients,
-1-2.3k-token prompts) runs under ``nox -s serve`` (``VELOX_SERVE_LONG=1``).
+1-2.5k-token prompts) runs under ``nox -s serve`` (``VELOX_SERVE_LONG=1``).
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def test_concurrent_clients_equal_their_answers_alone(servers: tuple[Server, Ser
 
 @pytest.mark.skipif(not LONG, reason="long prompts: run by `nox -s serve` (VELOX_SERVE_LONG=1)")
 def test_six_clients_long_prompts(embedded_model_path: Any) -> None:
-    """6 clients at once, prompts of about 1-2.3k tokens, budget 256: all complete, each equals
+    """6 clients at once, prompts of 1-2.5k tokens, budget 256: all complete, each equals
     its one-at-a-time answer, and no live sequence ever kept more than the budget. A 2-core CPU
     needs minutes for this, so the requests get a one-hour client timeout."""
     budget = 256
@@ -297,12 +297,12 @@ def test_six_clients_long_prompts(embedded_model_path: Any) -> None:
     server = Server(*flags)
     try:
         server.wait_ready()
-        prompts = [f"{passage(750 + 200 * i)}\n\n{QUESTION}" for i in range(6)]
+        prompts = [f"{passage(800 + 220 * i)}\n\n{QUESTION}" for i in range(6)]
         together = concurrent_answers(server, prompts, 24, timeout=3600.0)
         alone = []
         for p in prompts:
             reply = chat(server, user(p), max_tokens=24, timeout=3600.0)
-            assert reply.usage.prompt_tokens > 4 * budget
+            assert 1000 <= reply.usage.prompt_tokens <= 3000
             alone.append(reply.choices[0].message.content)
         assert together == alone
         assert server.stats()["max_tokens_kept_since_start"] <= budget
