@@ -289,17 +289,21 @@ def _load_draft(args: argparse.Namespace, model: Any) -> Any:
     return _load(draft_args)[0]
 
 
-def _table(runs: list[Run]) -> str:
-    rows = list(dict.fromkeys(key for r in runs for key in r.stats))  # kvzip adds rows
-    width = max(len(r) for r in rows) + 2
-    cols = [max(14, len(r.label) + 2) for r in runs]
-    lines = ["".ljust(width) + "".join(r.label.rjust(c) for r, c in zip(runs, cols, strict=True))]
-    for key in rows:
-        cells = "".join(
-            str(r.stats.get(key, "-")).rjust(c) for r, c in zip(runs, cols, strict=True)
+def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> str:
+    """A plain-text table: one column per ``header`` entry, one line per ``rows`` key."""
+    width = max(len(k) for k in rows) + 2
+    cols = [max(min_width, len(h) + 2) for h in header]
+    lines = ["".ljust(width) + "".join(h.rjust(c) for h, c in zip(header, cols, strict=True))]
+    for key, cells in rows.items():
+        lines.append(
+            key.ljust(width) + "".join(str(v).rjust(c) for v, c in zip(cells, cols, strict=True))
         )
-        lines.append(key.ljust(width) + cells)
     return "\n".join(lines)
+
+
+def _table(runs: list[Run]) -> str:
+    keys = dict.fromkeys(key for r in runs for key in r.stats)  # kvzip adds rows
+    return grid([r.label for r in runs], {k: [r.stats.get(k, "-") for r in runs] for k in keys})
 
 
 def _side_by_side(runs: list[Run], width: int = 48) -> str:
@@ -436,7 +440,7 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
         return [_nonblank(_read_file(args.prompt_file, where), where)], chat
     if args.prompts_file is not None:
         where = f"--prompts-file {args.prompts_file}"
-        lines = [line for line in _read_file(args.prompts_file, where).splitlines()]
+        lines = _read_file(args.prompts_file, where).splitlines()
         texts = [line for line in lines if line.strip()]
         if not texts:
             raise ValueError(f"{where} holds no prompt (one prompt per non-blank line)")
@@ -511,8 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compare and config.method != "full":
             full_config = KVCacheConfig(method="full")
             batch_runs.append(generate_batch(model, tokenizer, prompts, full_config, args, "full"))
-        label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
-        batch_runs.append(generate_batch(model, tokenizer, prompts, config, args, label))
+        batch_runs.append(generate_batch(model, tokenizer, prompts, config, args, _label(config)))
         print_batch(
             batch_runs, model_name, _blas_name(), config, time.perf_counter() - started, args
         )
@@ -533,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         draft = drafting(full_config)
         runs.append(generate_once(model, tokenizer, prompt, full, args, "full", echo, draft))
     caches = KVCacheBuilder.for_model(model, config)
-    label = config.method if config.policy is None else f"{config.method}({_budget(config)})"
+    label = _label(config)
     if config.policy == "kvzip":
         try:
             runs.append(_kvzip_run(model, tokenizer, text, chat, caches, args, label, echo))
@@ -627,6 +630,11 @@ def _error(exc: BaseException) -> int:
 
 def _budget(config: Any) -> int:
     return int(config.settings()["budget"])
+
+
+def _label(config: Any) -> str:
+    """A run's name in the output: the method, with its budget when it evicts."""
+    return config.method if config.policy is None else f"{config.method}({_budget(config)})"
 
 
 if __name__ == "__main__":

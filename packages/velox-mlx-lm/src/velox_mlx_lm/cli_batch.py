@@ -114,17 +114,6 @@ def _detokenize(tokenizer: Any, tokens: list[int]) -> str:
     return str(detokenizer.text)
 
 
-def _table(header: list[str], rows: dict[str, list[Any]]) -> str:
-    width = max(len(k) for k in rows) + 2
-    cols = [max(12, len(h) + 2) for h in header]
-    lines = ["".ljust(width) + "".join(h.rjust(c) for h, c in zip(header, cols, strict=True))]
-    for key, cells in rows.items():
-        lines.append(
-            key.ljust(width) + "".join(str(v).rjust(c) for v, c in zip(cells, cols, strict=True))
-        )
-    return "\n".join(lines)
-
-
 def print_batch(
     runs: list[BatchRun],
     model_name: str,
@@ -134,6 +123,8 @@ def print_batch(
     args: argparse.Namespace,
 ) -> None:
     """Per-prompt answers and stats (one table per method), then the batches' stats."""
+    from velox_mlx_lm.cli import grid
+
     if args.json:
         out = {
             "model": model_name,
@@ -162,8 +153,9 @@ def print_batch(
         keys = list(r.stats[0])
         header = [f"#{i + 1}" for i in range(n)]
         print(f"\n{r.label}, per prompt:")
-        print(_table(header, {k: [s[k] for s in r.stats] for k in keys}))
+        print(grid(header, {k: [s[k] for s in r.stats] for k in keys}, min_width=12))
     print("\nbatch:")
     batch_keys = list(runs[0].batch)
-    print(_table([r.label for r in runs], {k: [r.batch[k] for r in runs] for k in batch_keys}))
+    rows = {k: [r.batch[k] for r in runs] for k in batch_keys}
+    print(grid([r.label for r in runs], rows, min_width=12))
     print(f"\ntotal time: {seconds:.1f} s")
