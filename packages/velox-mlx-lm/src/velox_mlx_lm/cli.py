@@ -384,10 +384,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return model, tokenizer, args.model
 
 
-def _load_for_launch(args: argparse.Namespace) -> tuple[Any, Any, str]:
+def _load_for_launch(args: argparse.Namespace, pipeline: bool = False) -> tuple[Any, Any, str]:
     """``_load``, sharded over the ranks when run by ``mlx.launch`` with several
     (docs/distributed.md): a model folder or repo through ``mlx_lm.utils.sharded_load``, a GGUF
-    (the embedded model too) by ``model.shard``. Ranks other than 0 print nothing."""
+    (the embedded model too) by ``model.shard``; ``pipeline`` asks for pipeline parallelism
+    instead of tensor parallelism (``velox-serve --pipeline``, as in ``mlx_lm.server``). Ranks
+    other than 0 print nothing."""
     from velox_mlx_lm.distributed import shard_model, world
 
     group = world()
@@ -399,12 +401,14 @@ def _load_for_launch(args: argparse.Namespace) -> tuple[Any, Any, str]:
     if ref is not None and not ref.lower().endswith(".gguf"):
         from mlx_lm.utils import sharded_load
 
-        model, tokenizer = sharded_load(ref)[:2]
+        groups = {"pipeline_group": group} if pipeline else {"tensor_group": group}
+        model, tokenizer = sharded_load(ref, **groups)[:2]
         name = args.model
     else:
         model, tokenizer, name = _load(args)
-        shard_model(model, group)
-    return model, tokenizer, f"{name}, sharded over {group.size()} ranks"
+        shard_model(model, group, pipeline=pipeline)
+    how = "pipeline" if pipeline else "tensor"
+    return model, tokenizer, f"{name}, sharded over {group.size()} ranks ({how} parallel)"
 
 
 def _nonblank(text: str, where: str) -> str:

@@ -65,11 +65,16 @@ def world() -> Any:
     return group if group.size() > 1 else None
 
 
-def shard_model(model: nn.Module, group: Any) -> nn.Module:
+def shard_model(model: nn.Module, group: Any, pipeline: bool = False) -> nn.Module:
     """Shard ``model`` over ``group``: tensor parallel (``model.shard``) when the architecture
-    has it, else pipeline parallel (``model.model.pipeline``). ``ValueError`` when it has
-    neither, or its heads do not split evenly over the ranks."""
-    if hasattr(model, "shard"):
+    has it and ``pipeline`` is false, else pipeline parallel (``model.model.pipeline``).
+    ``ValueError`` when the architecture has neither (or not the one ``pipeline`` asks for), or
+    its heads do not split evenly over the ranks."""
+    inner = getattr(model, "model", None)
+    can_pipeline = inner is not None and hasattr(inner, "pipeline")
+    if pipeline and not can_pipeline:
+        raise ValueError(f"{type(model).__module__} does not support pipeline parallelism")
+    if hasattr(model, "shard") and not pipeline:
         n = group.size()
         for layer in getattr(model, "layers", []):
             attn = getattr(layer, "self_attn", None)
@@ -82,8 +87,7 @@ def shard_model(model: nn.Module, group: Any) -> nn.Module:
                     )
         model.shard(group)
         return model
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "pipeline"):
-        inner.pipeline(group)
+    if can_pipeline:
+        inner.pipeline(group)  # type: ignore[union-attr]
         return model
     raise ValueError(f"{type(model).__module__} supports neither tensor nor pipeline parallelism")

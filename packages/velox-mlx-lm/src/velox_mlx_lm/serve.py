@@ -122,11 +122,13 @@ class VeloxModelProvider(mlx_server.ModelProvider):
 
     def _load_velox(self) -> None:
         from velox_mlx_lm.builder import KVCacheBuilder
-        from velox_mlx_lm.cli import _load, _load_draft
+        from velox_mlx_lm.cli import _load_draft, _load_for_launch
 
         self.reset()
         gc.collect()
-        model, tokenizer, name = _load(self.cli_args)
+        # Under mlx.launch with several ranks: sharded like mlx_lm.server (tensor parallel, or
+        # pipeline with --pipeline); the caches find the tensor group in the sharded layers.
+        model, tokenizer, name = _load_for_launch(self.cli_args, pipeline=self.cli_args.pipeline)
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
@@ -578,13 +580,21 @@ def serve(args: argparse.Namespace, config: Any) -> None:
     mlx_server.stream_generate = watched_stream_generate(monitor)
     generator = VeloxResponseGenerator(provider, prompt_cache, monitor)
     LOG.info("velox-serve: %s with %s caches, %s", provider.name, describe(config), _mode(provider))
-    mlx_server._run_http_server(args.host, args.port, generator, handler_class=VeloxHandler)
+    if mx.distributed.init().rank() == 0:
+        mlx_server._run_http_server(args.host, args.port, generator, handler_class=VeloxHandler)
+    else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
+        generator.join()
 
 
 def _mode(provider: VeloxModelProvider) -> str:
-    if provider.is_batchable:
-        return "batched (BatchGenerator)"
-    return "one request at a time (draft model)"
+    mode = "batched (BatchGenerator)" if provider.is_batchable else "one request at a time"
+    if not provider.is_batchable:
+        mode += " (draft model)"
+    group = mx.distributed.init()
+    if group.size() > 1:
+        how = "pipeline" if provider.pipeline_group is not None else "tensor"
+        mode += f", {how} parallel over {group.size()} ranks"
+    return mode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -608,12 +618,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if args.prompt_cache_size < 0:
             raise ValueError("--prompt-cache-size must be >= 0")
+        if args.draft_model is not None and mx.distributed.init().size() > 1:
+            raise ValueError(
+                "--draft-model is not supported under mlx.launch (nor by mlx_lm.server)"
+            )
         if args.draft_model is not None and config.policy is not None and not config.trim_window:
             raise ValueError("--draft-model needs a trimmable cache")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    # Under mlx.launch every rank runs this; only rank 0 logs below warnings (and serves HTTP).
+    quiet = mx.distributed.init().rank() != 0
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
+        level=logging.WARNING if quiet else getattr(logging, args.log_level.upper()),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
     try:
