@@ -23,5 +23,6 @@ def test_kvzip_quality(benchmark: Any) -> None:
     for path in kq.write(results):
         print(f"wrote {path}")
     kvzip = results["kvzip"]
-    assert kvzip["kept_rows"] <= settings.budget and kvzip["chunks"] >= 1
+    # budget rows per head on average (whole rows per layer: within one of it)
+    assert abs(kvzip["kept_rows"] - settings.budget) <= 1 and kvzip["chunks"] >= 1
     assert set(results["results"]["full"]) == {f"{d:.1f}" for d in settings.depths}

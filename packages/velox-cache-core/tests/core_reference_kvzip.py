@@ -13,9 +13,14 @@ from core_reference_siblings import SIGNALS, _Reference
 class ReferenceKVzip(_Reference):
     scope = "head"
 
-    def __init__(self, budget: int, n_sink: int, probe: str, signal: str, after: str) -> None:
+    def __init__(
+        self, budget: int, n_sink: int, probe: str, signal: str, after: str, allocation: str
+    ) -> None:
         super().__init__(budget, n_sink)
+        # The latest probe always cuts per head, whatever the allocation (which shares out the
+        # reconstruction scores).
         assert probe == "latest" and after == "append" and signal in SIGNALS
+        assert allocation in ("global", "layer", "head")
         self.signal = signal
         self.compressed = False
 

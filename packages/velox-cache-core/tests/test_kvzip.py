@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from velox_cache_core import POLICIES
+from velox_cache_core.attention import attend
 from velox_cache_core.policies.kvzip import (
     KVZIP,
+    PAD,
+    global_totals,
     kvzip_compress,
     kvzip_end_prompt,
     reconstruction_scores,
@@ -77,24 +80,49 @@ def reference_scores(
     return out
 
 
-def reference_keep(scores: np.ndarray, budget: int, n_sink: int) -> list[list[list[int]]]:
+def reference_keep(
+    scores: np.ndarray, budget: int, n_sink: int, allocation: str = "head", total: int = -1
+) -> list[list[list[int]]]:
+    """Kept positions per (b, KV head). ``head``: the sinks and the ``budget - n_sink`` best
+    rows of each head (ties: the newer wins). ``layer``: the sinks of every head, then the best
+    rows of all heads together up to ``total`` (default ``budget * H_KV``; ties: the newer
+    position wins, then the higher head)."""
     n = scores.shape[2]
+    sink = min(n_sink, n)
     out = []
     for b in range(B):
-        row = []
-        for h in range(H_KV):
-            rest = sorted(range(n_sink, n), key=lambda p: -scores[b, h, p])
-            row.append(sorted([*range(min(n_sink, n)), *rest[: budget - n_sink]]))
-        out.append(row)
+        if allocation == "head":
+            row = []
+            for h in range(H_KV):
+                rest = sorted(range(n_sink, n), key=lambda p: (-scores[b, h, p], -p))
+                row.append(sorted([*range(sink), *rest[: budget - n_sink]]))
+            out.append(row)
+            continue
+        want = budget * H_KV if total < 0 else total
+        cells = [(h, p) for h in range(H_KV) for p in range(sink, n)]
+        cells.sort(key=lambda c: (-scores[b, c[0], c[1]], -c[1], -c[0]))
+        chosen = cells[: max(0, want - sink * H_KV)]
+        out.append([sorted([*range(sink), *(p for g, p in chosen if g == h)]) for h in range(H_KV)])
     return out
 
 
+def real_rows(state) -> list[list[list[int]]]:
+    """Kept positions per (b, KV head), pad slots left out."""
+    return [
+        [sorted(p for p in h if p != PAD) for h in b] for b in np.array(state.positions).tolist()
+    ]
+
+
+@pytest.mark.parametrize("allocation", ["head", "layer"])
 @pytest.mark.parametrize("n_sink", [0, 2, 5])
 @pytest.mark.parametrize("sizes", [[17], [6, 6, 5], [4, 9, 4]])
-def test_reconstruction_scores_and_cut_match_numpy(n_sink: int, sizes: list[int]) -> None:
+def test_reconstruction_scores_and_cut_match_numpy(
+    n_sink: int, sizes: list[int], allocation: str
+) -> None:
     n, budget, scale = sum(sizes), 9, 0.4
     keys, values, queries = stream(n, seed=1)
-    state = feed(KVZIP.init(budget=budget, n_sink=n_sink), keys, values, queries, [7, 1, n - 8])
+    init = KVZIP.init(budget=budget, n_sink=n_sink, allocation=allocation)
+    state = feed(init, keys, values, queries, [7, 1, n - 8])
     rng = np.random.default_rng(2)
     chunks, got, start = [], [], 0
     for size in sizes:
@@ -110,15 +138,87 @@ def test_reconstruction_scores_and_cut_match_numpy(n_sink: int, sizes: list[int]
     want = reference_scores(keys, chunks, n_sink, scale)
     np.testing.assert_allclose(np.array(scores), want, rtol=1e-5, atol=1e-7)
     cut = kvzip_compress(state, scores)
-    assert cut.compressed and cut.n_kept == budget and cut.offset == n
-    kept = [[sorted(h) for h in b] for b in np.array(cut.positions).tolist()]
-    assert kept == reference_keep(want, budget, n_sink)
-    # The kept rows are the context's own keys and values at their true positions.
+    assert cut.compressed and cut.offset == n
+    kept = real_rows(cut)
+    assert kept == reference_keep(want, budget, n_sink, allocation)
+    if allocation == "head":
+        assert cut.n_kept == budget and not cut.padded
+    else:  # budget rows per head on average; the slot count is the largest head's
+        assert all(sum(map(len, row)) == budget * H_KV for row in kept)
+        assert cut.n_kept == max(len(h) for row in kept for h in row)
+        assert cut.padded == any(len(h) < cut.n_kept for row in kept for h in row)
+    # The kept rows are the context's own keys and values at their true positions; pad slots
+    # hold zeros.
     positions = np.array(cut.positions)
     for b in range(B):
         for h in range(H_KV):
-            np.testing.assert_array_equal(np.array(cut.keys)[b, h], keys[b, h, positions[b, h]])
-            np.testing.assert_array_equal(np.array(cut.values)[b, h], values[b, h, positions[b, h]])
+            real = positions[b, h] != PAD
+            got_k, got_v = np.array(cut.keys)[b, h], np.array(cut.values)[b, h]
+            np.testing.assert_array_equal(got_k[real], keys[b, h, positions[b, h][real]])
+            np.testing.assert_array_equal(got_v[real], values[b, h, positions[b, h][real]])
+            assert not got_k[~real].any() and not got_v[~real].any()
+
+
+def reference_attention(
+    kept: list[list[list[int]]], keys, values, queries, start: int, size: int, scale: float
+) -> np.ndarray:
+    """Loops: query ``start + i`` of each head attends over its KV head's kept context rows
+    and the new tokens up to itself. ``[B, H_q, size, D]``."""
+    out = np.zeros((B, H_KV * GROUP, size, D))
+    for b in range(B):
+        for qh in range(H_KV * GROUP):
+            h = qh // GROUP
+            for i in range(size):
+                seen = [*kept[b][h], *range(start, start + i + 1)]
+                logits = np.array([queries[b, qh, start + i] @ keys[b, h, p] for p in seen])
+                w = softmax(logits.astype(np.float64) * scale)
+                out[b, qh, i] = w @ values[b, h, seen]
+    return out
+
+
+@pytest.mark.parametrize("allocation", ["layer", "global"])
+def test_shared_out_rows_pad_slots_are_never_seen(allocation: str) -> None:
+    """Skewed scores give one head most of the rows: the others are padded, and the queries
+    after the cut (a chunk, then single tokens) attend exactly as over the real rows alone."""
+    n, budget, scale = 24, 6, D**-0.5
+    keys, values, queries = stream(n + 8, seed=7)
+    state = feed(
+        KVZIP.init(budget=budget, n_sink=2, allocation=allocation), keys, values, queries, [n]
+    )
+    scores = np.random.default_rng(3).random((B, H_KV, n)).astype(np.float32)
+    scores[:, 0] += 1.0  # head 0 outscores head 1 everywhere
+    cut = kvzip_compress(state, mx.array(scores))
+    kept = real_rows(cut)
+    assert kept == reference_keep(scores, budget, 2, "layer")
+    # head 0 takes every non-sink row of the layer's 2 * budget; head 1 keeps its sinks only
+    assert [len(h) for h in kept[0]] == [2 * budget - 2, 2]
+    assert cut.padded and cut.n_kept == 2 * budget - 2 and cut.tokens_kept == budget
+    assert cut.compression_ratio == n / budget
+    start = n
+    for size in (5, 1, 1, 1):
+        part = slice(start, start + size)
+        q = mx.array(queries[:, :, part])
+        step = KVZIP.update(cut, mx.array(keys[:, :, part]), mx.array(values[:, :, part]), q)
+        got = np.array(attend(q, step, scale))
+        want = reference_attention(kept, keys, values, queries, start, size, scale)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        cut, start = step.state, start + size
+        kept = [[[*h, *range(start - size, start)] for h in row] for row in kept]
+
+
+def test_global_totals_match_numpy() -> None:
+    """One threshold over the non-sink scores of every head of every layer."""
+    rng = np.random.default_rng(11)
+    layers = [rng.random((1, 3, 20)).astype(np.float32) * (i + 1) for i in range(4)]
+    budget, n_sink = 7, 2
+    totals = global_totals([mx.array(x) for x in layers], budget, n_sink)
+    pool = np.sort(np.concatenate([x[..., n_sink:].ravel() for x in layers]))[::-1]
+    threshold = pool[(budget - n_sink) * 3 * 4 - 1]
+    want = [int((x[..., n_sink:] >= threshold).sum()) + n_sink * 3 for x in layers]
+    assert totals == want and sum(totals) == budget * 3 * 4
+    assert totals[-1] > totals[0]  # the layer with the larger scores keeps more
+    with pytest.raises(ValueError, match="one sequence"):
+        global_totals([mx.zeros((2, 3, 20))], budget, n_sink)
 
 
 @pytest.mark.parametrize("signal", ["query", "key"])
@@ -150,25 +250,33 @@ def test_latest_probe_is_tova_oneshot_bit_for_bit(
     assert mx.array_equal(kvzip_end_prompt(chunked).positions, zipped.positions)
 
 
-def test_budget_is_never_exceeded_and_decode_after_the_cut() -> None:
+@pytest.mark.parametrize("allocation", ["head", "layer", "global"])
+def test_budget_is_never_exceeded_and_decode_after_the_cut(allocation: str) -> None:
     keys, values, queries = stream(40, seed=4)
     for budget in (3, 7, 12):
-        state = feed(KVZIP.init(budget=budget, n_sink=2), keys, values, queries, [25])
+        init = KVZIP.init(budget=budget, n_sink=2, allocation=allocation)
+        state = feed(init, keys, values, queries, [25])
         assert state.n_kept == 25 and not state.compressed
         assert kvzip_end_prompt(state) is state  # the reconstruction probe waits for scores
         scores = mx.array(np.random.default_rng(budget).random((B, H_KV, 25)).astype(np.float32))
         cut = kvzip_compress(state, scores)
-        assert cut.n_kept == budget
-        assert (np.array(cut.positions)[..., :2] == [0, 1]).all()  # sinks kept
+        kept = real_rows(cut)
+        if allocation == "head":
+            assert cut.n_kept == budget
+        # budget per head on average (exactly, per head, with "head"); every head its sinks
+        assert all(sum(map(len, row)) == budget * H_KV for row in kept)
+        assert all(h[:2] == [0, 1] for row in kept for h in row)
         assert kvzip_compress(cut, scores) is cut
         # after="append": questions and answers grow the cache.
         grown = feed(cut, keys[:, :, 25:], values[:, :, 25:], queries[:, :, 25:], [5, 1, 1])
-        assert grown.n_kept == budget + 7 and grown.offset == 32
+        assert grown.n_kept == cut.n_kept + 7 and grown.offset == 32
+        assert grown.tokens_kept == cut.tokens_kept + 7
 
 
 def test_after_tova_continues_with_tovas_rule() -> None:
     keys, values, queries = stream(40, seed=5)
-    state = feed(KVZIP.init(budget=8, n_sink=1, after="tova"), keys, values, queries, [20])
+    init = KVZIP.init(budget=8, n_sink=1, after="tova", allocation="head")
+    state = feed(init, keys, values, queries, [20])
     scores = mx.array(np.random.default_rng(0).random((B, H_KV, 20)).astype(np.float32))
     cut = kvzip_compress(state, scores)
     tova = replace(
@@ -196,6 +304,12 @@ def test_bad_arguments() -> None:
     state = feed(KVZIP.init(budget=4, n_sink=1), keys, values, queries, [12])
     with pytest.raises(ValueError, match="reconstruction scores"):
         kvzip_compress(state)
+    with pytest.raises(ValueError, match="allocation='head'"):
+        KVZIP.init(budget=8, after="tova")
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        KVZIP.init(budget=8, allocation="heads")
+    with pytest.raises(ValueError, match="total must be >= 0"):
+        kvzip_compress(state, mx.zeros((B, H_KV, 12)), total=-1)
     with pytest.raises(ValueError, match="scores must be"):
         kvzip_compress(state, mx.zeros((B, H_KV, 11)))
     with pytest.raises(TypeError, match="KVzipState"):

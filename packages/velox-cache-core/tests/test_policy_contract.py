@@ -293,8 +293,15 @@ CASES: dict[str, Case] = {
             ({"probe": "query"}, "probe"),
             ({"after": "h2o"}, "after"),
             ({"signal": "value"}, "signal"),
+            ({"allocation": "token"}, "allocation"),
+            ({"after": "tova"}, "allocation"),  # TOVA's rule needs one budget per head
         ],
-        ok=[{"budget": 1, "n_sink": 0}, {"probe": "reconstruct"}, {"after": "tova"}],
+        ok=[
+            {"budget": 1, "n_sink": 0},
+            {"probe": "reconstruct"},
+            {"after": "tova", "allocation": "head"},
+            {"allocation": "layer"},
+        ],
     ),
 }
 

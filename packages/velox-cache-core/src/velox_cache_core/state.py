@@ -93,4 +93,5 @@ class PolicyState:
     @property
     def compression_ratio(self) -> float:
         """Tokens seen per head over tokens kept (1.0 until something is evicted)."""
-        return self.offset / self.n_kept if self.n_kept else 1.0
+        kept = self.tokens_kept
+        return self.offset / kept if kept else 1.0

@@ -596,19 +596,26 @@ class KVzipKVCache(PolicyKVCache):
             queries, all_keys, all_values, scale=scale, mask=causal, sinks=sinks
         ).astype(queries.dtype)
 
-    def finish_scoring(self, budget: int | None = None) -> None:
+    def scores(self) -> mx.array:
+        """float32 ``[B, H_kv, n]``: every context row's score so far (the chunks, in order)."""
+        if not self._kvzip_scores:
+            raise ValueError("no reconstruction chunk was scored")
+        return mx.concatenate(self._kvzip_scores, axis=-1)
+
+    def finish_scoring(self, budget: int | None = None, total: int | None = None) -> None:
         """Leave scoring mode: cut the context to ``budget`` (default: the cache's) by the
-        scores of every chunk, in order (they must cover the context once)."""
+        scores of every chunk, in order (they must cover the context once). ``total``: the
+        layer's row total under ``allocation="global"`` (``velox_cache_core.policies.kvzip.
+        global_totals``; required there)."""
         from velox_cache_core.policies.kvzip import kvzip_compress
 
         if not self.scoring:
             raise RuntimeError("finish_scoring() outside scoring mode")
-        scores, self._kvzip_scores = self._kvzip_scores, None
+        scores = self.scores()
+        state = kvzip_compress(self._with_budget(budget), scores, total)  # raises: unchanged
+        self._kvzip_scores = None
         self._kvzip_chunk = self._kvzip_recon = None
-        assert scores is not None
-        if not scores:
-            raise ValueError("no reconstruction chunk was scored")
-        self._state = kvzip_compress(self._with_budget(budget), mx.concatenate(scores, axis=-1))
+        self._state = state
         if self._log is not None:  # the cut cannot be undone
             self._log = self._log.cleared()
 

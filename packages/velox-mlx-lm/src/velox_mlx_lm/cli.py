@@ -183,7 +183,8 @@ def _kv_bytes(cache: Any) -> int:
 
 
 def _kv_stats(caches: list[Any]) -> dict[str, Any]:
-    kept = [int(c.size()) for c in caches]
+    # Velox caches count their real rows (KVzip's pad slots left out); mlx-lm's their size.
+    kept = [int(getattr(c, "tokens_kept", c.size())) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
     return {
         "tokens_kept_per_layer": max(kept) if kept else 0,

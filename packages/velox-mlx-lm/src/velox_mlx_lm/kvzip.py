@@ -12,8 +12,10 @@ in scoring mode (:class:`velox_mlx_lm.cache.KVzipKVCache`): an instruction to re
 context (in the model's chat format where the tokenizer has one, continuing the user turn the
 context sits in), then the chunk's context tokens, teacher-forced. Each context row is scored by
 the largest attention weight the chunk that repeats it gives it (see
-``velox_cache_core.policies.kvzip.reconstruction_scores``), the rows are cut to the budget per
-KV head, and the reconstruction tokens leave nothing behind: the cache holds the context alone,
+``velox_cache_core.policies.kvzip.reconstruction_scores``), the rows are cut to ``budget`` per
+KV head on average (``allocation="global"``, the default: one threshold across every head of
+every layer, found here; ``"layer"``; ``"head"``: uniform), and the reconstruction tokens leave
+nothing behind: the cache holds the context alone,
 with its true positions and ``offset == len(context)``.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.policies.kvzip import global_totals
 from velox_mlx_lm.cache import KVzipKVCache
 from velox_mlx_lm.hook import install_attention_hook
 
@@ -120,8 +123,13 @@ def compress(
             for c in others:
                 c.trim(len(ids))
             scored += len(ids)
-        for c in zipped:
-            c.finish_scoring(budget)
+        totals: list[int | None] = [None] * len(zipped)
+        if zipped[0].settings["allocation"] == "global":  # one threshold over every layer
+            cut = zipped[0].settings["budget"] if budget is None else budget
+            sink = zipped[0].settings["n_sink"]
+            totals = list(global_totals([c.scores() for c in zipped], cut, sink))
+        for c, total in zip(zipped, totals, strict=True):
+            c.finish_scoring(budget, total)
     finally:
         for c in zipped:  # after an error, leave the caches usable (uncompressed)
             if c.scoring:

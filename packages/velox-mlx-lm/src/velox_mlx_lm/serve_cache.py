@@ -52,7 +52,7 @@ def cache_nbytes(cache: Any) -> int:
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
     """One sequence's counters: tokens kept (the fullest layer), tokens seen, compression
     ratio, bytes of kept keys and values, and all bytes held (Velox: with the undo log)."""
-    kept = [int(c.size()) for c in caches]
+    kept = [int(getattr(c, "tokens_kept", c.size())) for c in caches]  # pad slots left out
     seen = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
     seen_max = max(seen) if seen else 0
     kept_max = max(kept) if kept else 0

@@ -6,7 +6,9 @@ all the questions (30 by default). KVzip prefills it, compresses it once by the 
 pass, saves it with mlx-lm's ``save_prompt_cache``, and every question is answered from a fresh
 ``load_prompt_cache`` of that file (``retrieval.ask``: teacher-forced, exact match and
 log-probability). The full cache, ``kvzip (latest)`` (the last context query's cut, compressed
-once the same way) and the retrieval table's policies answer the same questions at the same
+once the same way), ``kvzip (layer)`` and ``kvzip (head)`` (the other ways to share the rows
+out: per layer, or exactly ``budget`` per head; ``kvzip`` itself is the paper's global
+threshold) and the retrieval table's policies answer the same questions at the same
 budget; those run as in the retrieval table (``retrieval.run_trials``: the document prefilled
 once, each question from a copy of its cache; SnapKV compresses with each question's window).
 
@@ -54,7 +56,9 @@ from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402
 __all__ = [
     "GOAL",
     "KVZIP",
+    "KVZIP_HEAD",
     "KVZIP_LATEST",
+    "KVZIP_LAYER",
     "KVzipQualitySettings",
     "build_document",
     "evaluate",
@@ -66,6 +70,9 @@ __all__ = [
 
 KVZIP = Variant("kvzip", "kvzip")
 KVZIP_LATEST = Variant("kvzip (latest)", "kvzip", {"probe": "latest"})
+# The other ways to share the rows out (KVZIP: "global", the paper's default).
+KVZIP_LAYER = Variant("kvzip (layer)", "kvzip", {"allocation": "layer"})
+KVZIP_HEAD = Variant("kvzip (head)", "kvzip", {"allocation": "head"})
 GOAL = 0.8  # KVzip's accuracy / the full cache's, at every depth
 RESULTS_NAME = "kvzip_quality"
 
@@ -159,7 +166,10 @@ def _compressed(
     filled = time.perf_counter()
     info = compress(model, tokenizer, caches, doc, chunk_size=s.kvzip_chunk)
     done = time.perf_counter()
-    info["kept_rows"] = max(c.size() for c in caches)
+    kept = [c.tokens_kept for c in caches]  # real rows per head (pad slots left out)
+    info["kept_rows"] = round(sum(kept) / len(kept), 1)  # per head, averaged over the layers
+    info["kept_rows_max_layer"] = max(kept)
+    info["kv_bytes"] = sum(c.nbytes for c in caches)  # pad slots included: they are held
     return caches, info, filled - start, done - filled
 
 
@@ -209,7 +219,8 @@ def evaluate(
         raise KeyError(f"unknown row in compare={settings.compare}; known: {names}")
     asked = sum(map(len, prompt.questions)) + sum(map(len, prompt.answers))
     # Work in prefill-token equivalents: a scoring pass feeds about one document.
-    total = settings.timing_rounds * 3 * n + n + (1 + len(compare)) * n + (3 + len(compare)) * asked
+    total = settings.timing_rounds * 3 * n + 5 * n + (1 + len(compare)) * n
+    total += (5 + len(compare)) * asked
     progress = Progress(total)
     progress.bar.set_description("kvzip quality")
 
@@ -238,14 +249,23 @@ def evaluate(
         zipped, info, _, _ = _compressed(model, tokenizer, KVZIP, doc, settings)
     latest, latest_info, _, _ = _compressed(model, tokenizer, KVZIP_LATEST, doc, settings)
     progress.advance(n)
+    others = [(KVZIP, zipped, info), (KVZIP_LATEST, latest, latest_info)]
+    for variant in (KVZIP_LAYER, KVZIP_HEAD):
+        caches, variant_info, _, _ = _compressed(model, tokenizer, variant, doc, settings)
+        others.append((variant, caches, variant_info))
+        progress.advance(2 * n)
 
     answers: dict[str, list[retrieval.Answer]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant, caches in ((KVZIP, zipped), (KVZIP_LATEST, latest)):
+        for variant, caches, _ in others:
             path = str(Path(tmp) / f"{variant.method}-{len(answers)}.safetensors")
             save_prompt_cache(path, caches)  # compressed once; every question loads it afresh
             answers[variant.name] = _ask_all(model, partial(_load, path), prompt, progress.advance)
-    del zipped, latest
+    kept = {
+        v.name: {k: i[k] for k in ("kept_rows", "kept_rows_max_layer", "kv_bytes")}
+        for v, _, i in others
+    }
+    del zipped, latest, others
     for variant in (FULL, *compare):
         config = variant.config(settings.budget)
         answers[variant.name] = retrieval.run_trials(
@@ -286,6 +306,7 @@ def evaluate(
         },
         "kvzip": {**info, "budget": settings.budget, "chunk_size": settings.kvzip_chunk},
         "kvzip_latest": {**latest_info, "budget": settings.budget},
+        "kept": kept,  # per compressed variant: real rows per head (mean, fullest layer), bytes
         "cost": {
             "rounds": rounds,
             "median_s": medians,
@@ -334,6 +355,18 @@ def summary(results: dict[str, Any]) -> str:
         ]
         mean_lp = float(np.mean([rows[d]["logprob_vs_full"] for d in depths]))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean_lp:+.2f} |")
+    kept = results.get("kept", {})
+    if kept:
+        lines += [
+            "",
+            "| compressed once | rows per head (mean) | fullest layer | KV bytes held |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, k in kept.items():
+            lines.append(
+                f"| {name} | {k['kept_rows']} | {k['kept_rows_max_layer']} | "
+                f"{k['kv_bytes'] / 1e6:.2f} MB |"
+            )
     goal = results["goal"]
     per = ", ".join(
         f"{float(d):.0%}: {_pct(g['ratio'])} of full ({'met' if g['met'] else 'NOT met'})"

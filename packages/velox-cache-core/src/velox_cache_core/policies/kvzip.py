@@ -2,9 +2,20 @@
 2025, https://arxiv.org/abs/2505.23416).
 
 While the context streams in nothing is evicted (like SnapKV); the last probe row is
-remembered. Compression then keeps the sinks and the ``budget - n_sink`` best-scoring rows per
-KV head (a uniform per-head budget; the paper's global ratio across heads and layers would give
-heads different row counts, which the slot store does not hold). The scores come from:
+remembered. Compression then keeps, by score, ``budget`` rows per KV head on average: how they
+are shared out is ``allocation``:
+
+- ``"global"`` (the paper's and kvpress's default): one score threshold across every head of
+  every layer; the mlx-lm orchestration (``velox_mlx_lm.kvzip.compress``) finds it and gives each
+  layer its row total (:func:`global_totals`); heads and layers keep different counts;
+- ``"layer"``: ``budget * H_kv`` rows per layer, shared out across its heads by score (kvpress's
+  ``layerwise=True``);
+- ``"head"``: exactly ``budget`` rows per head (uniform).
+
+Every head keeps its ``n_sink`` sinks. With ``global``/``layer`` the slot store, which holds one
+row count per layer, pads the heads that keep fewer rows than the layer's largest with *pad
+slots* (position :data:`PAD`, zero keys and values) that every mask hides; ``nbytes`` counts
+them (they are held), ``tokens_kept`` does not. The scores come from:
 
 - ``probe="reconstruct"`` (KVzip): the caller feeds a reconstruction prompt (an instruction to
   repeat the context, then the context itself) in chunks and passes each chunk's queries to
@@ -40,6 +51,8 @@ from velox_cache_core.validation import check_budget_and_sinks, check_choice, ch
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
+ALLOCATIONS = ("global", "layer", "head")
+PAD = 2**30  # position of a pad slot: after every real position, so no query ever sees it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,14 +64,27 @@ class KVzipState(PolicyState):
     probe: str
     signal: str
     after: str
+    allocation: str = "global"
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
+    padded: bool = running(False)  # pad slots present (heads keep different row counts)
 
     @property
     def scope(self) -> str:
-        """What the engine reads for the mask layout: per KV head once TOVA decides."""
-        return "head" if self.compressed and self.after == "tova" else "layer"
+        """What the engine reads for the mask layout: per KV head once TOVA decides or pad
+        slots are held."""
+        per_head = self.compressed and (self.after == "tova" or self.padded)
+        return "head" if per_head else "layer"
+
+    @property
+    def tokens_kept(self) -> int:
+        """Retained real rows per (batch row, KV head), averaged (pad slots left out)."""
+        if not self.padded or self.slots is None:
+            return self.n_kept
+        B, H, _ = self.slots.positions.shape
+        real = int((self.slots.positions < PAD).sum().item())  # type: ignore[arg-type]
+        return real // (B * H)
 
     @property
     def rule(self) -> Rule:
@@ -72,16 +98,28 @@ def init_kvzip_state(
     probe: str = "reconstruct",
     signal: str = "query",
     after: str = "append",
+    allocation: str = "global",
 ) -> KVzipState:
     """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
-    ``after`` ``append`` or ``tova``."""
+    ``after`` ``append`` or ``tova``; ``allocation`` ``global``, ``layer`` or ``head`` (how the
+    reconstruction scores share the rows out; ``probe="latest"`` always cuts per head, like
+    TOVA's oneshot cut). ``after="tova"`` continues with TOVA's per-head budget, so it needs
+    ``allocation="head"``."""
     check_budget_and_sinks(budget, n_sink)
+    allocation = check_choice("allocation", allocation, ALLOCATIONS)
+    after = check_choice("after", after, AFTERS)
+    if after == "tova" and allocation != "head":
+        raise ValueError(
+            f"after='tova' keeps exactly budget rows per KV head: it needs allocation='head' "
+            f"(got allocation={allocation!r})"
+        )
     return KVzipState(
         budget=budget,
         n_sink=n_sink,
         probe=check_choice("probe", probe, PROBES),
         signal=check_choice("signal", signal, SIGNALS),
-        after=check_choice("after", after, AFTERS),
+        after=after,
+        allocation=allocation,
     )
 
 
@@ -91,6 +129,9 @@ def kvzip_rule(state: KVzipState, call: Call, slots: KVSlots, candidates: KVSlot
     if state.compressed:
         if state.after == "tova":
             return decide_by_weights(state.rule, call, candidates)[0]
+        if state.padded:  # hide the pad slots: each query sees the positions up to its own
+            seen = candidates.positions[:, :, None, :] <= call.positions()[:, None]
+            return Decision(candidates, mask=seen)
         return Decision(candidates)
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
@@ -150,10 +191,73 @@ def reconstruction_scores(
     return probs[..., sink : sink + end - start].max(axis=(2, 3))
 
 
-def kvzip_compress(state: KVzipState, scores: mx.array | None = None) -> KVzipState:
-    """Cut the context to ``budget`` per KV head: the sinks, then the highest ``scores``
-    (``[B, H_kv, n]``, one per context row in slot order; ties lose the oldest). Without
-    ``scores`` (``probe="latest"`` only) the last probe row's weights decide. A no-op on a
+def global_totals(scores: list[mx.array], budget: int, n_sink: int) -> list[int]:
+    """Rows each layer keeps under ``allocation="global"``: one threshold over the non-sink
+    scores of every head of every layer (``scores``: one float ``[1, H_kv, n]`` per layer, the
+    same ``n``), so that ``budget - n_sink`` rows per head are kept on average; each layer's
+    total counts its sinks. Ties at the threshold are all kept. Batch size 1 only."""
+    if not scores:
+        raise ValueError("global_totals() needs the scores of at least one layer")
+    if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
+        raise ValueError("global_totals() takes [1, H_kv, n] scores (one sequence)")
+    n = scores[0].shape[2]
+    sink = min(n_sink, n)
+    rest = [s[..., sink:].astype(mx.float32) for s in scores]
+    pool = mx.concatenate([r.reshape(-1) for r in rest])
+    heads = sum(int(s.shape[1]) for s in scores)
+    k = max(0, min(budget - n_sink, n - sink)) * heads
+    if k == 0:
+        return [sink * int(s.shape[1]) for s in scores]
+    threshold = mx.sort(pool)[pool.shape[0] - k]
+    counts: list[int] = mx.stack([(r >= threshold).sum() for r in rest]).tolist()  # type: ignore[assignment]
+    return [c + sink * int(s.shape[1]) for c, s in zip(counts, scores, strict=True)]
+
+
+def _shared_out(live: KVSlots, scores: mx.array, n_sink: int, total: int) -> tuple[KVSlots, bool]:
+    """Keep ``total`` rows per batch row across all its KV heads (sinks first, then the
+    highest ``scores``, ties lost by the oldest, then by the lower head); heads that keep fewer
+    than the most get pad slots. Returns (slots, any pad slot)."""
+    B, H, n = live.positions.shape
+    total = min(total, H * n)
+    positions = live.positions
+    # One row of H * n candidates; the tie-break key orders by position, then head.
+    age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
+    flat = highest_weights(
+        scores.reshape(B, 1, H * n),
+        age.reshape(B, 1, H * n),
+        sinks(positions, n_sink).reshape(B, 1, H * n),
+        total,
+    )[:, 0]
+    keep = mx.zeros((B, H * n), dtype=mx.bool_)
+    keep = mx.put_along_axis(keep, flat, mx.array(True), axis=-1).reshape(B, H, n)
+    counts = keep.sum(axis=-1)
+    cap = int(counts.max().item())  # type: ignore[arg-type]
+    # Per head: the kept rows first (in slot order), then the others, which become pads.
+    order = mx.argsort(mx.where(keep, 0, n) + mx.arange(n, dtype=mx.int32), axis=-1)[..., :cap]
+    chosen = live.take(order)
+    real = mx.arange(cap)[None, None, :] < counts[..., None]
+    padded = bool((counts < cap).any().item())
+    if not padded:
+        return chosen, False
+    return (
+        KVSlots(
+            keys=mx.where(real[..., None], chosen.keys, 0),
+            values=mx.where(real[..., None], chosen.values, 0),
+            positions=mx.where(real, chosen.positions, PAD).astype(mx.int32),
+        ),
+        True,
+    )
+
+
+def kvzip_compress(
+    state: KVzipState, scores: mx.array | None = None, total: int | None = None
+) -> KVzipState:
+    """Cut the context by ``scores`` (``[B, H_kv, n]``, one per context row in slot order):
+    ``budget`` rows per KV head with ``allocation="head"`` (the sinks, then the highest scores,
+    ties lost by the oldest); ``total`` rows across the layer's heads with ``global``/``layer``
+    (default ``budget * H_kv``; for ``global``, the ``total`` :func:`global_totals` gives the
+    layer, or the default for a layer compressed alone), padded per head. Without ``scores``
+    (``probe="latest"`` only) the last probe row's weights decide, per head. A no-op on a
     compressed state."""
     if not isinstance(state, KVzipState):
         raise TypeError(f"state must be a KVzipState, got {type(state).__name__}")
@@ -168,6 +272,13 @@ def kvzip_compress(state: KVzipState, scores: mx.array | None = None) -> KVzipSt
     B, H, n = live.positions.shape
     if scores is not None and tuple(scores.shape) != (B, H, n):
         raise ValueError(f"scores must be [B, H_kv, n] = {(B, H, n)}, got {tuple(scores.shape)}")
+    if scores is not None and state.allocation != "head":
+        if total is None:  # a layer alone: "global" over this one layer is "layer"
+            total = state.budget * H
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        slots, padded = _shared_out(live, scores.astype(mx.float32), state.n_sink, total)
+        return replace(done, slots=slots, padded=padded)
     if n <= state.budget:
         return done
     if scores is None:
