@@ -177,3 +177,21 @@ def test_velox_generate_kvzip(capsys: pytest.CaptureFixture[str], embedded_model
     # per head, but fewer than the document, and the whole cache is compressed.
     assert run["tokens_kept_per_layer"] < run["document_tokens"] + run["prompt_tokens"] + 3
     assert run["compression_ratio"] > 1.0
+
+
+def test_pad_slots_need_the_hook(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    """A cut across heads holds pad slots only the hook's masks hide: a call whose attention
+    never came back through the hook (a model computing attention by hand) is refused at the
+    next use of the cache instead of going on silently."""
+    model = tiny_model("mistral")
+    caches = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="layer")
+    cache = caches[0]
+    assert cache.policy_state.padded
+    B, H, _, D = cache.policy_state.keys.shape
+    new = mx.zeros((B, H, 1, D))
+    cache.update_and_fetch(new, new)  # what a hand-written attention does: no attend() call
+    with pytest.raises(RuntimeError, match="pad slots"):
+        cache.update_and_fetch(new, new)
+    # Through the hook the same cut answers as usual.
+    fresh = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="layer")
+    assert len(answer(model, fresh, [3, 4, 5])) == 6

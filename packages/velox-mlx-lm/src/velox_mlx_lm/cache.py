@@ -377,6 +377,16 @@ class PolicyKVCache(VeloxKVCache):
 
     def _settle(self) -> None:
         """Decide a chunk the hook never saw: signal ``key`` stands in for the queries."""
+        unseen = self._step is not None or self._pending is not None
+        if unseen and getattr(self._state, "padded", False):
+            self._step = self._pending = None
+            # The model attended by itself, over KVzip's pad slots too: refuse to go on.
+            raise RuntimeError(
+                "this KVzip cache holds pad slots (allocation 'global' or 'layer') that only "
+                "the attention hook hides, and the last call ran without it: install it "
+                "(velox_mlx_lm.install_attention_hook(model); compress() and "
+                "KVCacheBuilder.for_model do) or use allocation='head'"
+            )
         if self._step is not None:  # decided in update_and_fetch, attention never came back
             self._state = self._after_call(self._state, self._step_length)
         self._step = None
