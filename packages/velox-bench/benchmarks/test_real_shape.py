@@ -22,7 +22,8 @@ and ``benchmarks/figures/real_shape.png``.
 Environment: ``VELOX_BENCH_REAL_CONTEXTS`` (default ``2048,4096,8192,16384``, float32),
 ``VELOX_BENCH_REAL_BF16_CONTEXTS`` (default ``2048,4096``: bfloat16 matmuls are 8-35x slower
 than float32 on the CPU backend), ``VELOX_BENCH_REAL_PREFILL_ROUNDS`` (default 3),
-``VELOX_BENCH_REAL_DECODE_ROUNDS`` (default 7). ``VELOX_BENCH_SMOKE=1``: tiny model and sizes.
+``VELOX_BENCH_REAL_DECODE_ROUNDS`` (default 7), ``VELOX_BENCH_REAL_METHODS`` (a comma-separated
+subset of the methods; default all). ``VELOX_BENCH_SMOKE=1``: tiny model and sizes.
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ def _decode_rounds(
 def test_real_shape(suite_results: Callable[[str], SuiteResults]) -> None:
     results = suite_results("real_shape")
     methods = model_methods()
+    chosen = [m for m in os.environ.get("VELOX_BENCH_REAL_METHODS", "").split(",") if m]
+    if chosen:
+        unknown = sorted(set(chosen) - set(methods))
+        if unknown:
+            raise ValueError(f"VELOX_BENCH_REAL_METHODS: unknown {unknown}; known: {methods}")
+        methods = [m for m in methods if m in chosen]
     results.settings.update(
         model="random llama (mlx-lm llama, Llama-3.2-1B attention)",
         shape={**SHAPE, "head_dim": SHAPE["hidden"] // SHAPE["heads"]},
