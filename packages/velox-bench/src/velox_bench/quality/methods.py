@@ -78,10 +78,14 @@ def excluded_from_perplexity() -> dict[str, str]:
     }
 
 
+KVZIP = Variant("kvzip", "kvzip")
+
+
 def retrieval_variants() -> list[Variant]:
-    """Every registered method in registry order; TOVA's presets as their grid cells."""
+    """Every registered method in registry order; TOVA's presets as their grid cells; KVzip
+    last (its reconstruction pass runs once per document, ``retrieval.run_batch``)."""
     chosen = {v.method: v for v in TOVA_GRID if _preset_cell(v)} | {v.method: v for v in _others()}
-    return [chosen[v.method] for v in variants.policy_variants()]
+    return [chosen[v.method] for v in variants.policy_variants()] + [KVZIP]
 
 
 def _preset_cell(v: Variant) -> bool:

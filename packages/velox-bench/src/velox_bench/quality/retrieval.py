@@ -176,16 +176,32 @@ def ask(
     return [Answer(bool(c), float(t)) for c, t in zip(correct, total, strict=True)]
 
 
+def _reconstructs(config: KVCacheConfig) -> bool:
+    """Whether ``config`` is KVzip with its reconstruction pass (a model pass per document)."""
+    return config.policy == "kvzip" and config.settings().get("probe", "reconstruct") != "latest"
+
+
 def run_batch(
     model: nn.Module,
     config: KVCacheConfig,
     prompts: Sequence[Prompt],
     chunk: int = 256,
     on_tokens: Callable[[int], Any] | None = None,
+    tokenizer: Any = None,
 ) -> list[list[Answer]]:
-    """Prompts of one shape as one batch; the documents run once and the caches are copied."""
+    """Prompts of one shape as one batch; the documents run once and the caches are copied.
+
+    KVzip (reconstruction probe) compresses each document once after its prefill
+    (``velox_mlx_lm.kvzip.compress``, which needs ``tokenizer``), one prompt at a time (its
+    global threshold is per sequence); every question then starts from a copy of that cut.
+    """
     if len({p.shape() for p in prompts}) != 1:
         raise ValueError("run_batch needs prompts of one shape: group them with run_trials")
+    if _reconstructs(config):
+        if tokenizer is None:
+            raise ValueError("KVzip's reconstruction pass needs the tokenizer (tokenizer=...)")
+        if len(prompts) > 1:
+            return [run_batch(model, config, [p], chunk, on_tokens, tokenizer)[0] for p in prompts]
     caches = KVCacheBuilder.for_model(model, config)
     ids = mx.array([p.document for p in prompts], dtype=mx.int32)
     for start in range(0, ids.shape[1], chunk):
@@ -193,6 +209,10 @@ def run_batch(
         mx.eval([c.state for c in caches])
         if on_tokens is not None:
             on_tokens(len(prompts) * min(chunk, ids.shape[1] - start))
+    if _reconstructs(config):
+        from velox_mlx_lm.kvzip import compress
+
+        compress(model, tokenizer, caches, prompts[0].document)
     out: list[list[Answer]] = [[] for _ in prompts]
     for q in range(len(prompts[0].questions)):
         questions = mx.array([p.questions[q] for p in prompts], dtype=mx.int32)
@@ -211,10 +231,12 @@ def run_trials(
     chunk: int = 256,
     batch: int = 10,
     on_tokens: Callable[[int], Any] | None = None,
+    tokenizer: Any = None,
 ) -> list[list[Answer]]:
     """One answer per planted fact of each prompt, in order; batches of up to ``batch`` prompts.
 
     Batching only groups prompts of the same shape, so every row is computed exactly as alone.
+    ``tokenizer``: needed by KVzip's reconstruction pass (see :func:`run_batch`).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -225,6 +247,7 @@ def run_trials(
     for indices in groups.values():
         for start in range(0, len(indices), batch):
             part = indices[start : start + batch]
-            answers = run_batch(model, config, [prompts[i] for i in part], chunk, on_tokens)
+            chosen = [prompts[i] for i in part]
+            answers = run_batch(model, config, chosen, chunk, on_tokens, tokenizer)
             out.update(zip(part, answers, strict=True))
     return [out[i] for i in range(len(prompts))]

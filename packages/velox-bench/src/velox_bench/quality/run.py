@@ -124,7 +124,13 @@ def evaluate(
         key = "full" if variant is FULL else str(budget)
 
         answers.setdefault(variant.name, {})[key] = retrieval.run_trials(
-            model, variant.config(budget), prompts, settings.chunk, settings.retrieval_batch, step
+            model,
+            variant.config(budget),
+            prompts,
+            settings.chunk,
+            settings.retrieval_batch,
+            step,
+            tokenizer=tokenizer,
         )
     progress.close()
     full_answers = answers[FULL.name]["full"]
@@ -181,6 +187,35 @@ def evaluate(
     }
 
 
+def add_retrieval_rows(saved: dict[str, Any], rows: Sequence[Variant]) -> dict[str, Any]:
+    """``saved`` (a quality.json) with ``rows`` measured now and added to its retrieval table.
+
+    The run repeats the saved retrieval settings (documents, questions, budgets) with the full
+    cache first; its answers must equal the saved full-cache answers exactly (else
+    ``ValueError``: the two runs would not be comparable). Perplexity is not measured again
+    (``perplexity.excluded`` says why a row has none)."""
+    kept: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items()
+    }
+    settings = Settings(**{**kept, "n_tokens": 8, "n_documents": 1, "budgets": ()})
+    fresh = evaluate(settings, perplexity_variants=[], retrieval_variants=rows)
+    full_then = saved["retrieval"]["results"][FULL.name]["full"]
+    full_now = fresh["retrieval"]["results"][FULL.name]["full"]
+    if any(full_now[d]["correct"] != full_then[d]["correct"] for d in full_then):
+        raise ValueError("the full cache answers differently from the saved run: not comparable")
+    out = json.loads(json.dumps(saved))
+    for row in rows:
+        out["retrieval"]["results"][row.name] = fresh["retrieval"]["results"][row.name]
+    out.setdefault("added_rows", []).append(
+        {
+            "rows": [row.name for row in rows],
+            "runtime_s": fresh["runtime_s"],
+            "environment": fresh["environment"],
+        }
+    )
+    return out
+
+
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
@@ -217,7 +252,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         help="skip the measurements: rebuild the report from a saved quality.json",
     )
+    parser.add_argument(
+        "--add-retrieval-rows",
+        nargs="+",
+        metavar="ROW",
+        help="measure only the full cache and these retrieval rows (e.g. kvzip) with the saved "
+        "run's settings, check that the full cache answers exactly as in --from-json, add the "
+        "rows to it and rebuild the report from it",
+    )
     args = parser.parse_args(argv)
+    if args.add_retrieval_rows and args.from_json is None:
+        parser.error("--add-retrieval-rows needs --from-json (the saved run to add them to)")
+    if args.add_retrieval_rows:
+        saved = json.loads(args.from_json.read_text())
+        saved.pop("findings", None)
+        added = add_retrieval_rows(saved, [methods.variant(n) for n in args.add_retrieval_rows])
+        print(report.summary(added))
+        target = args.out if args.out is not None else repo_root()
+        for path in report.write(added, target):
+            print(f"wrote {path}")
+        return 0
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         saved.pop("findings", None)
