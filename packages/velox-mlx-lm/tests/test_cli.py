@@ -225,6 +225,8 @@ def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--method", "streaming_llm", "--scope", "head"], "--scope does not apply"),
         (["--method", "snapkv", "--n-sink", "2"], "--n-sink does not apply"),
         (["--method", "full", "--budget", "8"], "--budget does not apply"),
+        (["--method", "tova", "--allocation", "head"], "--allocation does not apply"),
+        (["--method", "kvzip", "--allocation", "all"], "argument --allocation: invalid choice"),
         (["--budget", "0"], "tova_budget"),
         (["--method", "h2o", "--budget", "0"], "h2o_budget"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
@@ -450,3 +452,10 @@ def test_speculative_run_gives_the_plain_answer(run_cli: Any) -> None:
     spec = json.loads(out)["runs"][0]
     assert spec["answer"] == plain["answer"] and spec["compression_ratio"] > 1
     assert 0 <= spec["draft_tokens_accepted"] <= spec["generated_tokens"]
+
+
+def test_kvzip_allocation_flag() -> None:
+    args = cli.build_parser().parse_args(["--method", "kvzip", "--allocation", "head"])
+    assert cli.config_from_args(args).settings()["allocation"] == "head"
+    args = cli.build_parser().parse_args(["--method", "kvzip"])
+    assert cli.config_from_args(args).settings()["allocation"] == "global"

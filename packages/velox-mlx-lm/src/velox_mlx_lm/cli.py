@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="latest tokens whose attention decides (snapkv, default 32; morphkv, default 8)",
     )
     p.add_argument(
+        "--allocation",
+        choices=("global", "layer", "head"),
+        help="how kvzip shares the rows out: one threshold over every head of every layer "
+        "(default, the paper's), per layer across its heads, or exactly --budget per head",
+    )
+    p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -154,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "scope": args.scope,
         "prefill": args.prefill,
         "window": args.window,
+        "allocation": getattr(args, "allocation", None),
     }
     fields = {}
     for name, value in given.items():
