@@ -94,17 +94,12 @@ def _free_port(span: int) -> int:
     raise RuntimeError("no free port range for the ring backend")
 
 
-def launch(
-    out: Path,
-    ranks: int,
-    mode: str,
-    cases: Sequence[str] = (),
-    steps: int = STEPS,
-    timeout: float = TIMEOUT,
-) -> list[dict[str, Any]]:
+def launch_cmd(ranks: int, *argv: str) -> list[str]:
+    """``mlx.launch --backend ring -n RANKS ... --python <this interpreter> ARGV`` (skips where
+    MLX has no distributed backend)."""
     if not mx.distributed.is_available():
         pytest.skip("mx.distributed has no backend in this MLX build")
-    cmd = [
+    return [
         *_launcher(),
         "--backend",
         "ring",
@@ -117,12 +112,19 @@ def launch(
         "OPENBLAS_NUM_THREADS=1",
         "--python",
         sys.executable,
-        str(WORKER),
-        str(out),
-        mode,
-        str(steps),
-        *cases,
+        *argv,
     ]
+
+
+def launch(
+    out: Path,
+    ranks: int,
+    mode: str,
+    cases: Sequence[str] = (),
+    steps: int = STEPS,
+    timeout: float = TIMEOUT,
+) -> list[dict[str, Any]]:
+    cmd = launch_cmd(ranks, str(WORKER), str(out), mode, str(steps), *cases)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
     files = sorted(out.glob("rank*.json"))
     if proc.returncode or len(files) != ranks:

@@ -18,15 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
-from test_distributed import _free_port, _launcher
+from test_distributed import launch_cmd
+from test_serve import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -92,25 +91,6 @@ def script(name: str) -> str:
     return str(path)
 
 
-def launch_cmd(ranks: int, *argv: str) -> list[str]:
-    if not mx.distributed.is_available():
-        pytest.skip("mx.distributed has no backend in this MLX build")
-    return [
-        *_launcher(),
-        "--backend",
-        "ring",
-        "-n",
-        str(ranks),
-        "--starting-port",
-        str(_free_port(2 * ranks)),
-        "--env",
-        "OPENBLAS_NUM_THREADS=1",
-        "--python",
-        sys.executable,
-        *argv,
-    ]
-
-
 def generate_answer(model: Path, method: str, ranks: int = 1) -> tuple[str, str]:
     """(answer, stdout) of ``velox-generate --chat --json`` alone or under ``mlx.launch``."""
     argv = ["--model", str(model), "--prompt", PROMPT, "--chat", "--method", method]
@@ -124,9 +104,9 @@ def generate_answer(model: Path, method: str, ranks: int = 1) -> tuple[str, str]
     return json.loads(out.stdout)["runs"][-1]["answer"], out.stdout
 
 
-class LaunchedServer:
-    """``velox-serve`` on ``ranks`` ranks; its own process group, so stopping it stops every
-    rank."""
+class LaunchedServer(Server):
+    """``velox-serve`` on ``ranks`` ranks (``test_serve.Server``'s readiness wait and requests);
+    its own process group, so stopping it stops every rank."""
 
     def __init__(self, ranks: int, *flags: str) -> None:
         with socket.socket() as s:
@@ -137,32 +117,7 @@ class LaunchedServer:
         self.process = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-
-    def get(self, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=data,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-            return json.loads(response.read())
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"velox-serve exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                if self.get("/v1/velox/stats")["ready"]:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"velox-serve not ready after {TIMEOUT} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return Path(self.log.name).read_text()[-4000:]
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         try:
@@ -212,7 +167,8 @@ def test_velox_serve_on_two_ranks_equals_velox_generate(
     the server's usage shows the cache evicted down to the budget."""
     model = models[arch]
     server = launched(2, "--model", str(model), "--method", method, "--budget", str(BUDGET), *flags)
-    reply = server.get(
+    status, reply = server.request(
+        "POST",
         "/v1/chat/completions",
         {
             "model": str(model),
@@ -221,6 +177,7 @@ def test_velox_serve_on_two_ranks_equals_velox_generate(
             "max_tokens": TOKENS,
         },
     )
+    assert status == 200, reply
     answer = reply["choices"][0]["message"]["content"]
     velox = reply["usage"]["velox"]
     assert velox["tokens_seen"] > BUDGET and velox["tokens_kept"] == BUDGET
