@@ -616,7 +616,7 @@ class KVzipKVCache(PolicyKVCache):
         """Leave scoring mode: cut the context to ``budget`` (default: the cache's) by the
         scores of every chunk, in order (they must cover the context once). ``total``: the
         layer's row total under ``allocation="global"`` (``velox_cache_core.policies.kvzip.
-        global_totals``; required there)."""
+        global_totals``); without it a ``global`` or ``layer`` cut keeps ``budget * H_kv``."""
         from velox_cache_core.policies.kvzip import kvzip_compress
 
         if not self.scoring:

@@ -587,9 +587,10 @@ def serve(args: argparse.Namespace, config: Any) -> None:
 
 
 def _mode(provider: VeloxModelProvider) -> str:
-    mode = "batched (BatchGenerator)" if provider.is_batchable else "one request at a time"
-    if not provider.is_batchable:
-        mode += " (draft model)"
+    if provider.is_batchable:
+        mode = "batched (BatchGenerator)"
+    else:
+        mode = "one request at a time (draft model)"
     group = mx.distributed.init()
     if group.size() > 1:
         how = "pipeline" if provider.pipeline_group is not None else "tensor"

@@ -46,7 +46,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache  # noqa: E4
 
 import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, methods, retrieval  # noqa: E402
-from velox_bench.quality.methods import FULL, Variant  # noqa: E402
+from velox_bench.quality.methods import FULL, KVZIP, Variant  # noqa: E402
 from velox_bench.quality.run import Progress, _cpus  # noqa: E402
 from velox_bench.results import figures_dirs, results_dir, smoke  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
@@ -68,7 +68,6 @@ __all__ = [
     "write",
 ]
 
-KVZIP = Variant("kvzip", "kvzip")
 KVZIP_LATEST = Variant("kvzip (latest)", "kvzip", {"probe": "latest"})
 # The other ways to share the rows out (KVZIP: "global", the paper's default).
 KVZIP_LAYER = Variant("kvzip (layer)", "kvzip", {"allocation": "layer"})
@@ -210,7 +209,7 @@ def evaluate(
     prompt, nominal = build_document(tokenizer, source.text(), settings)
     doc = prompt.document
     n = len(doc)
-    known = [v for v in methods.retrieval_variants() if v.method != "kvzip"]  # KVzip: above
+    known = [v for v in methods.retrieval_variants() if v is not KVZIP]  # KVzip runs above
     compare = (
         known if settings.compare is None else [v for v in known if v.name in settings.compare]
     )

@@ -45,6 +45,7 @@ from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.registry import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
+from velox_cache_core.sequential import row_visibility
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
@@ -130,8 +131,7 @@ def kvzip_rule(state: KVzipState, call: Call, slots: KVSlots, candidates: KVSlot
         if state.after == "tova":
             return decide_by_weights(state.rule, call, candidates)[0]
         if state.padded:  # hide the pad slots: each query sees the positions up to its own
-            seen = candidates.positions[:, :, None, :] <= call.positions()[:, None]
-            return Decision(candidates, mask=seen)
+            return Decision(candidates, mask=row_visibility(candidates.positions, call.positions()))
         return Decision(candidates)
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
