@@ -107,6 +107,9 @@ def test_rows_equal_single_sequences(name: str, data: st.DataObject) -> None:
                 alone[r] = policy.end_prompt(alone[r])
                 refs[r].compress()
                 ended[r] = True
+                # a cut on a near tie (e.g. two prefix positions pooled over the same kernel
+                # window) may round either way; the next call may feed this row nothing
+                assume(refs[r].min_margin > harness.MIN_MARGIN)
         row_spans = [all_spans[r] for r in rows]
         k, v, q, chunks = padded_call(streams, cursors, rows, length, row_spans, n_kv, n_q, dim)
         step = batch.update(
