@@ -42,11 +42,16 @@ def make(method: str) -> Any:
 
 
 def step(cache: Any, k: mx.array, v: mx.array, q: mx.array) -> None:
+    """One decode step as a model layer runs it: the fetched keys/values go out of scope before
+    the step is evaluated (mlx-lm's attention returns first), so nothing but the graph holds the
+    slots the step writes and MLX can write them in place."""
     keys, values = cache.update_and_fetch(k, v)
     if isinstance(cache, RotatingKVCache):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE)
+        del keys, values
         mx.eval(out, cache.keys, cache.values)
     else:
+        del keys, values  # the attention hook ignores them and calls cache.attend
         out = cache.attend(q, SCALE, None, None)
         mx.eval(out, cache.policy_state.slots.arrays())
 
