@@ -308,7 +308,8 @@ class PolicyKVCache(VeloxKVCache):
         return length > 1 or getattr(self._state, "signal", None) == "query"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new``."""
+        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new`` (for one
+        token written over an evicted slot: the same rows in slot order)."""
         self._settle()
         if self._defers(keys.shape[2]):
             slots = self._state.slots
@@ -317,6 +318,12 @@ class PolicyKVCache(VeloxKVCache):
             self._pending = (keys, values)
             if slots is None:
                 return keys, values
+            if keys.shape[2] == 1 and slots.free is not None:
+                # One token into the dead slot: the same rows as ``retained + new`` in slot order
+                # (one token's attention does not depend on it), and fewer ops to build than a
+                # compaction plus a concatenation, which the hook then ignores.
+                laid_out = slots.write_free(keys, values, self._state.offset)
+                return laid_out.keys, laid_out.values
             live = slots.compact()
             return (
                 mx.concatenate([live.keys, keys], axis=2),
