@@ -50,6 +50,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from velox_bench.models import make_caches
+from velox_bench.results import save_figure
 
 __all__ = [
     "BATCH",
@@ -405,10 +406,4 @@ def plot_batch(data: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
         fontsize=10,
     )
     fig.tight_layout()
-    written = []
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        written.append(path)
-    plt.close(fig)
-    return written
+    return save_figure(fig, paths)

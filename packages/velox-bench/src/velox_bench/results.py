@@ -23,7 +23,9 @@ __all__ = [
     "machine_info",
     "median_seconds",
     "results_dir",
+    "save_figure",
     "smoke",
+    "write_json",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -36,6 +38,25 @@ def smoke() -> bool:
 
 def results_dir() -> Path:
     return Path(os.environ.get("VELOX_BENCH_RESULTS_DIR") or REPO_ROOT / "benchmarks" / "results")
+
+
+def write_json(name: str, results: dict[str, Any]) -> Path:
+    """``<results dir>/<name>.json`` (indented), directories created."""
+    path = results_dir() / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def save_figure(fig: Any, paths: Sequence[Path], dpi: int = 110) -> list[Path]:
+    """Save matplotlib ``fig`` to every path (directories created), then close it."""
+    import matplotlib.pyplot as plt
+
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return list(paths)
 
 
 def figures_dirs() -> list[Path]:

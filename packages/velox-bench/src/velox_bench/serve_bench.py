@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from velox_bench.results import save_figure
+
 TOKENS_PER_WORD = 1.3  # the passage's words per token with SmolLM2's tokenizer, roughly
 QUESTION = "Summarise the last paragraph in one sentence."
 
@@ -330,13 +332,7 @@ def plot_serve(data: dict[str, Any], paths: list[Path]) -> list[Path]:
         f"prompts {spec['start_tokens']} -> {spec['end_tokens']} tokens"
     )
     fig.tight_layout()
-    written = []
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        written.append(path)
-    plt.close(fig)
-    return written
+    return save_figure(fig, paths)
 
 
 def table(summaries: dict[str, dict[str, Any]]) -> str:

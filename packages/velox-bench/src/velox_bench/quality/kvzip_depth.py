@@ -25,7 +25,6 @@ from velox_bench.blas import preload
 preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import asdict, dataclass, replace  # noqa: E402
@@ -40,7 +39,7 @@ import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, retrieval  # noqa: E402
 from velox_bench.quality.methods import KVZIP  # noqa: E402
 from velox_bench.quality.run import Progress  # noqa: E402
-from velox_bench.results import figures_dirs, results_dir  # noqa: E402
+from velox_bench.results import figures_dirs, save_figure, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
 from velox_mlx_lm.kvzip import CHUNK_SIZE, compress, prefill  # noqa: E402
@@ -192,20 +191,12 @@ def plot(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = []
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        out.append(path)
-    plt.close(fig)
-    return out
+    return save_figure(fig, paths)
 
 
 def write(results: dict[str, Any]) -> list[Path]:
     """``<results dir>/kvzip_depth.json`` and the figure."""
-    path = results_dir() / f"{RESULTS_NAME}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path = write_json(RESULTS_NAME, results)
     return [path, *plot(results, [d / f"{RESULTS_NAME}.png" for d in figures_dirs()])]
 
 

@@ -29,7 +29,6 @@ from velox_bench.blas import preload
 preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -48,7 +47,7 @@ import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, methods, retrieval  # noqa: E402
 from velox_bench.quality.methods import FULL, KVZIP, Variant  # noqa: E402
 from velox_bench.quality.run import Progress, _cpus  # noqa: E402
-from velox_bench.results import figures_dirs, results_dir, smoke  # noqa: E402
+from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
 from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402
@@ -426,21 +425,13 @@ def plot(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
         bx.set_ylabel("seconds (bars: medians, dots: rounds)")
         bx.set_title(f"scoring / prefill = {cost['scoring_over_prefill']:.2f}x")
     fig.tight_layout()
-    out = []
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        out.append(path)
-    plt.close(fig)
-    return out
+    return save_figure(fig, paths)
 
 
 def write(results: dict[str, Any]) -> list[Path]:
     """``<results dir>/kvzip_quality.json`` and the figure (``VELOX_BENCH_RESULTS_DIR`` moves
     both, as for the other suites)."""
-    path = results_dir() / f"{RESULTS_NAME}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path = write_json(RESULTS_NAME, results)
     return [path, *plot(results, [d / f"{RESULTS_NAME}.png" for d in figures_dirs()])]
 
 
