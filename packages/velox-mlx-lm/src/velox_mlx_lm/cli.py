@@ -190,8 +190,9 @@ def _kv_bytes(cache: Any) -> int:
 
 
 def _kv_stats(caches: list[Any]) -> dict[str, Any]:
-    # Velox caches count their real rows (KVzip's pad slots left out); mlx-lm's their size.
-    kept = [int(getattr(c, "tokens_kept", c.size())) for c in caches]
+    from velox_mlx_lm.serve_cache import kept_rows
+
+    kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
     return {
         "tokens_kept_per_layer": max(kept) if kept else 0,

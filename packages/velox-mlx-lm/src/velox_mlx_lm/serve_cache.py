@@ -49,10 +49,16 @@ def cache_nbytes(cache: Any) -> int:
     return int(cache.nbytes)
 
 
+def kept_rows(cache: Any) -> int:
+    """Rows one layer cache keeps per KV head: a Velox cache's real rows (KVzip's pad slots
+    left out), an mlx-lm cache's size."""
+    return int(cache.tokens_kept if hasattr(cache, "tokens_kept") else cache.size())
+
+
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
     """One sequence's counters: tokens kept (the fullest layer), tokens seen, compression
     ratio, bytes of kept keys and values, and all bytes held (Velox: with the undo log)."""
-    kept = [int(getattr(c, "tokens_kept", c.size())) for c in caches]  # pad slots left out
+    kept = [kept_rows(c) for c in caches]
     seen = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
     seen_max = max(seen) if seen else 0
     kept_max = max(kept) if kept else 0
