@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, retrieval  # noqa: E402
 from velox_bench.quality.methods import KVZIP  # noqa: E402
-from velox_bench.quality.run import Progress  # noqa: E402
+from velox_bench.quality.run import Progress, run_settings  # noqa: E402
 from velox_bench.results import figures_dirs, save_figure, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -213,20 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allocations", nargs="+", help="default: global layer")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    settings = DepthSettings.smoke_run() if args.smoke else DepthSettings()
     changes = {
         "n_trials": args.trials,
         "kvzip_chunk": args.kvzip_chunk,
         "allocations": tuple(args.allocations) if args.allocations else None,
     }
-    settings = replace(settings, **{k: v for k, v in changes.items() if v is not None})
-    print(f"BLAS: {velox_blas.blas_in_use()}")
-    results = evaluate(settings)
-    print(summary(results))
-    if not args.no_write:
-        for path in write(results):
-            print(f"wrote {path}")
-    return 0
+    settings = DepthSettings.smoke_run() if args.smoke else DepthSettings()
+    return run_settings(settings, changes, evaluate, summary, None if args.no_write else write)
 
 
 if __name__ == "__main__":

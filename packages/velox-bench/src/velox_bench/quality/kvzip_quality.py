@@ -34,7 +34,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, replace  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -46,7 +46,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache  # noqa: E4
 import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, methods, retrieval  # noqa: E402
 from velox_bench.quality.methods import FULL, KVZIP, Variant  # noqa: E402
-from velox_bench.quality.run import Progress, _cpus  # noqa: E402
+from velox_bench.quality.run import Progress, _cpus, run_settings  # noqa: E402
 from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -454,21 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    settings = KVzipQualitySettings.smoke_run() if args.smoke else KVzipQualitySettings()
     changes = {
         "facts_per_depth": args.facts_per_depth,
         "budget": args.budget,
         "timing_rounds": args.rounds,
         "compare": tuple(args.compare) if args.compare is not None else None,
     }
-    settings = replace(settings, **{k: v for k, v in changes.items() if v is not None})
-    print(f"BLAS: {velox_blas.blas_in_use()}")
-    results = evaluate(settings)
-    print(summary(results))
-    if not args.no_write:
-        for path in write(results):
-            print(f"wrote {path}")
-    return 0
+    settings = KVzipQualitySettings.smoke_run() if args.smoke else KVzipQualitySettings()
+    return run_settings(settings, changes, evaluate, summary, None if args.no_write else write)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,25 @@ def add_retrieval_rows(saved: dict[str, Any], rows: Sequence[Variant]) -> dict[s
         }
     )
     return out
+
+
+def run_settings(
+    settings: Any,
+    changes: dict[str, Any],
+    evaluate: Callable[[Any], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], str],
+    write: Callable[[dict[str, Any]], list[Path]] | None,
+) -> int:
+    """The end of a quality run's command line: ``settings`` with the ``changes`` that were
+    given (``None``: not given), the BLAS in use, the run, its summary, and the files ``write``
+    makes (``None``: print only). Returns the exit status."""
+    settings = replace(settings, **{k: v for k, v in changes.items() if v is not None})
+    print(f"BLAS: {velox_blas.blas_in_use()}")
+    results = evaluate(settings)
+    print(summary(results))
+    for path in write(results) if write is not None else []:
+        print(f"wrote {path}")
+    return 0
 
 
 def _cpus() -> int:
