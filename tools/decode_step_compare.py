@@ -41,19 +41,44 @@ def make(method: str) -> Any:
     return KVCacheFactory.create(config)
 
 
-def step(cache: Any, k: mx.array, v: mx.array, q: mx.array) -> None:
+def step(cache: Any, k: mx.array, v: mx.array, q: mx.array) -> float:
     """One decode step as a model layer runs it: the fetched keys/values go out of scope before
     the step is evaluated (mlx-lm's attention returns first), so nothing but the graph holds the
-    slots the step writes and MLX can write them in place."""
+    slots the step writes and MLX can write them in place. Returns the seconds spent building
+    the graph (before ``mx.eval``)."""
+    start = time.perf_counter()
     keys, values = cache.update_and_fetch(k, v)
     if isinstance(cache, RotatingKVCache):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE)
         del keys, values
-        mx.eval(out, cache.keys, cache.values)
+        arrays = [out, cache.keys, cache.values]
     else:
         del keys, values  # the attention hook ignores them and calls cache.attend
         out = cache.attend(q, SCALE, None, None)
-        mx.eval(out, cache.policy_state.slots.arrays())
+        arrays = [out, *cache.policy_state.slots.arrays()]
+    built = time.perf_counter() - start
+    mx.eval(arrays)
+    return built
+
+
+def in_place_write_ms(hold: bool, writes: int = 300) -> float:
+    """Median ms of writing one token row into a ``[B, H_kv, BUDGET + 1, D]`` buffer with
+    ``put_along_axis`` (what a decode step does to its slots), evaluated; ``hold``: another
+    reference keeps the old buffer alive during the write."""
+    buffer = mx.random.normal((B, H_KV, BUDGET + 1, D))
+    mx.eval(buffer)
+    times = []
+    for i in range(writes):
+        row = mx.random.normal((B, H_KV, 1, D))
+        slot = mx.full((B, H_KV, 1, D), i % (BUDGET + 1), dtype=mx.int32)
+        mx.eval(row, slot)
+        old = buffer if hold else None
+        start = time.perf_counter()
+        buffer = mx.put_along_axis(buffer, slot, row, axis=2)
+        mx.eval(buffer)
+        times.append(time.perf_counter() - start)
+        del old
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -73,6 +98,7 @@ def main() -> None:
             cache.finish_prefill()
         caches[method] = cache
     times: dict[str, list[float]] = {m: [] for m in caches}
+    builds: dict[str, list[float]] = {m: [] for m in caches}
     for _ in range(args.rounds):
         for method, cache in caches.items():
             inputs = [
@@ -86,13 +112,19 @@ def main() -> None:
             mx.eval(inputs)
             start = time.perf_counter()
             for k, v, q in inputs:
-                step(cache, k, v, q)
+                builds[method].append(step(cache, k, v, q))
             times[method].append((time.perf_counter() - start) / args.steps)
     base = statistics.median(times["rotating"])
-    print(f"{'method':16}{'median ms':>12}{'vs rotating':>14}")
+    print(f"{'method':16}{'median ms':>12}{'vs rotating':>14}{'build ms':>12}")
     for method, ts in times.items():
         median = statistics.median(ts)
-        print(f"{method:16}{median * 1e3:12.3f}{median / base:14.2f}")
+        build = statistics.median(builds[method]) * 1e3
+        print(f"{method:16}{median * 1e3:12.3f}{median / base:14.2f}{build:12.3f}")
+    dropped, held = in_place_write_ms(hold=False), in_place_write_ms(hold=True)
+    print(
+        f"one token written into a [{B}, {H_KV}, {BUDGET + 1}, {D}] buffer: {dropped:.3f} ms "
+        f"when only the graph holds the old buffer, {held:.3f} ms when it is held elsewhere"
+    )
 
 
 if __name__ == "__main__":
