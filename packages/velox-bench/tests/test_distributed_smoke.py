@@ -35,10 +35,17 @@ def test_distributed_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
         expected = row["context"] if variant == "full" else budget
         assert row["kept_rows_layer0"] == expected, variant
     assert results["tova_layer"]["ranks_agree"] is True
+    assert results["tova_layer_per_layer"]["ranks_agree"] is True
     summary = out["summary"]
-    for key in ("layer_over_head", "layer_over_local", "tova_layer_over_full"):
+    for key in (
+        "layer_over_head",
+        "layer_over_local",
+        "tova_layer_over_full",
+        "per_layer_over_head",
+    ):
         assert summary[key] > 0 and math.isfinite(summary[key])
     assert summary["layer_overhead_fraction"] < 1 and summary["allreduce_share"] < 1
     assert isinstance(summary["goal_met"], bool)
     assert "layer/head" in proc.stdout and "tova_layer_local" in proc.stdout
+    assert "one all_sum per layer" in proc.stdout
     assert "layer/head" in table(out)

@@ -37,12 +37,15 @@ STEPS = 64  # greedy decode steps (the first argument after the mode overrides i
 PREFILL_STEP = 16  # several chunks: sequential scans and oneshot cuts at every chunk
 BUDGET = 16
 
-# name -> (KVCacheConfig fields, for_model group: "auto" or None = all-reduce disabled)
+# name -> (KVCacheConfig fields, for_model group: "auto" or None = all-reduce disabled;
+# PER_LAYER = "auto" with one all_sum per layer and step instead of for_model's StepSums)
+PER_LAYER = "per_layer"
 CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "tova": ({"method": "tova"}, "auto"),
     "tova_adapted": ({"method": "tova_adapted"}, "auto"),
     "tova_oneshot": ({"method": "tova", "tova_prefill": "oneshot"}, "auto"),
     "tova_key_layer": ({"method": "tova", "tova_signal": "key"}, "auto"),
+    "tova_per_layer": ({"method": "tova"}, PER_LAYER),
     "h2o_layer": ({"method": "h2o", "h2o_scope": "layer"}, "auto"),
     "h2o_head": ({"method": "h2o", "h2o_scope": "head"}, "auto"),
     "h2o_layer_oneshot": (
@@ -116,7 +119,10 @@ def run(
     model: Any, prompt: mx.array, fields: dict[str, Any], group: Any, steps: int = STEPS
 ) -> dict[str, Any]:
     config = KVCacheConfig(**fields, **_budget(fields["method"]))
-    caches = KVCacheBuilder.for_model(model, config, group=group)
+    caches = KVCacheBuilder.for_model(model, config, group="auto" if group == PER_LAYER else group)
+    if group == PER_LAYER:
+        for cache in caches:
+            cache.share_step_sums(None)
     tokens = [
         int(t)
         for t, _ in generate_step(
@@ -127,7 +133,12 @@ def run(
     for cache in caches:
         positions = cache.positions
         kept.append(None if positions is None else mx.sort(positions[0], axis=-1).tolist())
-    return {"tokens": tokens, "kept": kept, "grouped": [c.group is not None for c in caches]}
+    return {
+        "tokens": tokens,
+        "kept": kept,
+        "grouped": [c.group is not None for c in caches],
+        "step_sums": [c.step_sums is not None for c in caches],
+    }
 
 
 def _budget(method: str) -> dict[str, int]:

@@ -40,6 +40,7 @@ LAYER_SCOPE = {
     "tova",
     "tova_oneshot",
     "tova_key_layer",
+    "tova_per_layer",
     "h2o_layer",
     "h2o_layer_oneshot",
     "morphkv",
@@ -50,6 +51,7 @@ TENSOR_CASES = [
     "tova_adapted",
     "tova_oneshot",
     "tova_key_layer",
+    "tova_per_layer",
     "h2o_layer",
     "h2o_head",
     "h2o_layer_oneshot",
@@ -214,10 +216,14 @@ def test_tensor_parallel_matches_single_process(
     tensor_run: list[dict[str, Any]], case: str
 ) -> None:
     """2 ranks, each with 4 query / 2 KV heads of 8 / 4: kept positions on every layer and
-    head, and the greedy tokens, equal the unsharded model's."""
+    head, and the greedy tokens, equal the unsharded model's. Decode steps send every layer's
+    sums in one all_sum per forward pass (``StepSums``), except ``tova_per_layer``: one per
+    layer."""
     assert all(r["detected_group"] for r in tensor_run)  # for_model found the shard group
     for result in tensor_run:
-        assert all(result["cases"][case]["sharded"]["grouped"])
+        sharded = result["cases"][case]["sharded"]
+        assert all(sharded["grouped"])
+        assert all(sharded["step_sums"]) == (case != "tova_per_layer")
         assert not _mismatch(result, case), "\n".join(_mismatch(result, case))
     if case in LAYER_SCOPE:  # one decision per layer: every head of every rank agrees
         for layer in range(len(tensor_run[0]["cases"][case]["sharded"]["kept"])):

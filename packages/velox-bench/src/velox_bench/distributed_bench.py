@@ -1,14 +1,19 @@
 """Decode step time of a tensor-parallel model with Velox caches (``mx.distributed``).
 
 What a layer-scope eviction decision costs when the model is split over ranks: its per-key
-weights are ``all_sum``-ed over the tensor group (one ``all_sum`` of ``budget + 1`` float32 per
-layer per decode step; see ``docs/distributed.md``). Every rank builds the same random llama
-(same seed), splits it with ``model.shard``, fills one cache list per variant with the same
-prompt, then times decode steps of the variants in interleaved rounds (each round runs every
-variant once, in a rotating order, so drifts of a noisy machine hit them alike):
+weights are ``all_sum``-ed over the tensor group (``budget + 1`` float32 per layer and decode
+step, all layers in one ``all_sum`` per forward pass, or one per layer; see
+``docs/distributed.md``). Every rank builds the same random llama (same seed), splits it
+with ``model.shard``, fills one cache list per variant with the same prompt, then times
+decode steps of the variants in interleaved rounds (each round runs every variant once, in a
+rotating order, so drifts of a noisy machine hit them alike):
 
 - ``full``: mlx-lm's ``KVCache`` (holds the whole context);
-- ``tova_layer``: TOVA's paper preset (``scope="layer"``), the all-reduce on;
+- ``tova_layer``: TOVA's paper preset (``scope="layer"``), the all-reduce on: every layer's
+  sums of a decode step go out in one ``all_sum`` per forward pass (``StepSums``, what
+  ``KVCacheBuilder.for_model`` sets up);
+- ``tova_layer_per_layer``: the same with one ``all_sum`` per layer and step (the caches'
+  ``share_step_sums(None)``), as before ``StepSums``;
 - ``tova_head``: TOVA with ``scope="head"`` (rank-local decisions, nothing communicated);
 - ``tova_layer_local``: layer scope with the all-reduce off (``for_model(..., group=None)``):
   the same arithmetic as ``tova_layer`` without the collective (the ranks' decisions then
@@ -82,9 +87,9 @@ SMOKE_SETTINGS: dict[str, Any] = {
     "rounds": 2,
     "warmup_steps": 1,
 }
-VARIANTS = ("full", "tova_layer", "tova_head", "tova_layer_local")
+VARIANTS = ("full", "tova_layer", "tova_layer_per_layer", "tova_head", "tova_layer_local")
 # Variants whose decision spans the layer: every head of every rank should keep the same rows.
-LAYER_VARIANTS = ("tova_layer", "tova_layer_local")
+LAYER_VARIANTS = ("tova_layer", "tova_layer_per_layer", "tova_layer_local")
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -117,7 +122,11 @@ def _caches(model: Any, variant: str, budget: int) -> list[Any]:
     config = KVCacheConfig(method="tova", tova_budget=budget, tova_scope=scope)
     if variant == "tova_layer_local":  # the all-reduce off: each rank decides on its heads
         return list(KVCacheBuilder.for_model(model, config, group=None))
-    return list(KVCacheBuilder.for_model(model, config))  # the group found in the model
+    caches = list(KVCacheBuilder.for_model(model, config))  # the group found in the model
+    if variant == "tova_layer_per_layer":
+        for cache in caches:
+            cache.share_step_sums(None)
+    return caches
 
 
 def _barrier(world: Any) -> None:
@@ -268,16 +277,21 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
       does not spend (the goal: at most 0.10 at budget 512);
     - ``allreduce_share``: ``1 - tova_layer_local / tova_layer``, the share of a layer-scope
       step spent in the all-reduce alone (same arithmetic, collective off);
+    - ``per_layer_over_head`` and ``per_layer_overhead_fraction``: the same for
+      ``tova_layer_per_layer`` (one ``all_sum`` per layer and step);
     - ``*_over_full``: against mlx-lm's ``KVCache`` holding the whole context.
     """
     layer_over_head = _paired(results, "tova_layer", "tova_head")
     layer_over_local = _paired(results, "tova_layer", "tova_layer_local")
+    per_layer_over_head = _paired(results, "tova_layer_per_layer", "tova_head")
     overhead = 1 - 1 / layer_over_head
     return {
         "layer_over_head": layer_over_head,
         "layer_overhead_fraction": overhead,
         "layer_over_local": layer_over_local,
         "allreduce_share": 1 - 1 / layer_over_local,
+        "per_layer_over_head": per_layer_over_head,
+        "per_layer_overhead_fraction": 1 - 1 / per_layer_over_head,
         "tova_layer_over_full": _paired(results, "tova_layer", "full"),
         "tova_head_over_full": _paired(results, "tova_head", "full"),
         "goal_overhead_at_most": 0.10,
@@ -294,14 +308,14 @@ def table(payload: dict[str, Any]) -> str:
         f"{m['num_attention_heads']}q/{m['num_key_value_heads']}kv heads x {m['head_dim']}, "
         f"hidden {m['hidden_size']}, {m['num_hidden_layers']} layers; prompt {s['prompt']}, "
         f"budget {s['budget']}; {s['rounds']} rounds x {s['steps_per_round']} steps",
-        f"{'variant':<18}{'median ms/step':>16}{'min':>10}{'max':>10}{'kept rows':>11}"
+        f"{'variant':<22}{'median ms/step':>16}{'min':>10}{'max':>10}{'kept rows':>11}"
         f"{'ranks agree':>13}",
     ]
     for variant, row in results.items():
         rounds = row["step_ms_rounds"]
         agree = row.get("ranks_agree")
         lines.append(
-            f"{variant:<18}{row['step_ms_median']:>16.2f}{min(rounds):>10.2f}"
+            f"{variant:<22}{row['step_ms_median']:>16.2f}{min(rounds):>10.2f}"
             f"{max(rounds):>10.2f}{row['kept_rows_layer0']:>11}"
             f"{'' if agree is None else str(agree):>13}"
         )
@@ -311,7 +325,9 @@ def table(payload: dict[str, Any]) -> str:
         f"{summary['goal_overhead_at_most']:.0%}: {'met' if summary['goal_met'] else 'NOT met'}); "
         f"all-reduce alone {summary['allreduce_share']:.1%} (layer/local "
         f"{summary['layer_over_local']:.3f}); layer/full {summary['tova_layer_over_full']:.3f}, "
-        f"head/full {summary['tova_head_over_full']:.3f}"
+        f"head/full {summary['tova_head_over_full']:.3f}; one all_sum per layer: "
+        f"{summary['per_layer_over_head']:.3f} x head (overhead "
+        f"{summary['per_layer_overhead_fraction']:.1%})"
     )
     return "\n".join(lines)
 

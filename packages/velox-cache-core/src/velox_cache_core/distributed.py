@@ -13,10 +13,19 @@ weights give equal choices).
 The group reaches the rules on :class:`velox_cache_core.engine.Call` (``update(..., group=)``);
 without one, or with a group of one rank, nothing is communicated and the arithmetic is the
 single-process one, bit for bit.
+
+One ``all_sum`` per layer per decode step is a round trip through the group in the middle of
+every layer. A decode step's decision is first needed when the *next* step writes over the
+freed slot, so the layers of one forward pass can instead send their sums together
+(:class:`StepSums`): each layer lays out its step once, builds it with a :class:`Recorder` in
+place of the group (the attention does not depend on the decision), and once the pass's last
+layer has arrived one ``all_sum`` carries every layer's sums and each layer decides again over
+the same candidates with a :class:`Replay` of its share: the same decisions, one collective.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -40,4 +49,107 @@ def head_mean(x: mx.array, axis: int, group: Any = None) -> mx.array:
     if group is None:
         return x.mean(axis=axis)
     total = x.shape[axis] * group.size()
-    return mx.distributed.all_sum(x.sum(axis=axis), group=group) / total
+    if isinstance(group, Replay):
+        return group.take() / total
+    local = x.sum(axis=axis)
+    if isinstance(group, Recorder):
+        group.sums.append(local)
+        return local / total  # a placeholder: the caller decides again with a Replay
+    return mx.distributed.all_sum(local, group=group) / total
+
+
+class Recorder:
+    """Stands in for ``group`` while a step is built before its sums exist: every
+    :func:`head_mean` records its local head sum and returns it over the group's head count
+    in place of the group's mean (a placeholder: what depends on it is decided again with a
+    :class:`Replay`)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.sums: list[mx.array] = []
+
+    def size(self) -> int:
+        return int(self.group.size())
+
+
+class Replay:
+    """Stands in for ``group`` once the sums are known: the :func:`head_mean` calls of a step
+    built again get the group's sums in the order a :class:`Recorder` took them."""
+
+    def __init__(self, group: Any, sums: list[mx.array]) -> None:
+        self.group = group
+        self._sums = list(sums)
+
+    def size(self) -> int:
+        return int(self.group.size())
+
+    def take(self) -> mx.array:
+        if not self._sums:
+            raise RuntimeError("the step asked for more head sums than were recorded")
+        return self._sums.pop(0)
+
+
+def all_sum_together(parts: list[mx.array], group: Any) -> list[mx.array]:
+    """``[all_sum(p) for p in parts]`` in one collective: the parts are flattened, joined,
+    summed over ``group`` once and split back into their shapes."""
+    if not parts:
+        return []
+    dtype = mx.float32
+    joined = mx.concatenate([p.astype(dtype).reshape(-1) for p in parts])
+    total = mx.distributed.all_sum(joined, group=group)
+    out, start = [], 0
+    for p in parts:
+        out.append(total[start : start + p.size].reshape(p.shape).astype(p.dtype))
+        start += p.size
+    return out
+
+
+# finish(replay) decides a deferred step with its sums and returns arrays to evaluate with the
+# forward pass that deferred it (its new state's, so they are not left lazy).
+Finish = Callable[[Replay], list[mx.array]]
+
+
+class StepSums:
+    """One ``all_sum`` per forward pass for the layer-wide decisions of all ``layers`` layers
+    of a tensor-parallel model (see the module docstring).
+
+    A layer's cache calls :meth:`defer` with the sums its step recorded and a ``finish``
+    callback, then :meth:`arrive` with its index (``0 .. layers - 1``, in the order the model
+    runs them) once its attention is built. The last layer's arrival sends every deferred sum
+    in one ``all_sum``, calls each ``finish`` with its share and returns what the callbacks
+    returned, for the caller to tie to the pass's output (``mx.depends``). :meth:`flush` does
+    the same at once; every rank must call it at the same point, like any collective.
+    """
+
+    def __init__(self, group: Any, layers: int) -> None:
+        if group is None or not callable(getattr(group, "size", None)):
+            raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"layers must be an int >= 1, got {layers!r}")
+        self.group = group
+        self.layers = layers
+        self._pending: list[tuple[list[mx.array], Finish]] = []
+
+    @property
+    def pending(self) -> int:
+        """How many layers wait for the next :meth:`flush`."""
+        return len(self._pending)
+
+    def defer(self, sums: list[mx.array], finish: Finish) -> None:
+        self._pending.append((list(sums), finish))
+
+    def arrive(self, layer: int) -> list[mx.array]:
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
+        return self.flush() if layer == self.layers - 1 else []
+
+    def flush(self) -> list[mx.array]:
+        pending, self._pending = self._pending, []
+        parts = [s for sums, _ in pending for s in sums]
+        summed = all_sum_together(parts, self.group)
+        out: list[mx.array] = []
+        start = 0
+        for sums, finish in pending:
+            out += finish(Replay(self.group, summed[start : start + len(sums)]))
+            start += len(sums)
+        return out

@@ -170,6 +170,82 @@ def _full_mask(mask: mx.array | None, call: Call, n: int, scope: str) -> mx.arra
     return expand_heads(mask, B, heads)
 
 
+@dataclass(frozen=True)
+class Laid:
+    """A call laid out over its candidates and not decided yet (:func:`prepare`).
+
+    before: the slots the call found; slots: after the policy's ``evict_before``;
+    candidates: ``retained + new`` (what the call's queries attend over).
+    """
+
+    state: Any
+    call: Call
+    before: KVSlots
+    slots: KVSlots
+    candidates: KVSlots
+
+    def regroup(self, group: Any) -> Laid:
+        """The same call deciding over ``group`` (see :mod:`velox_cache_core.distributed`)."""
+        return replace(self, call=replace(self.call, group=group))
+
+
+def prepare(
+    policy: Policy,
+    state: Any,
+    keys: Any,
+    values: Any,
+    queries: Any = None,
+    scale: Any = None,
+    *,
+    check_finite: bool = True,
+    group: Any = None,
+) -> Laid:
+    """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
+    first half; :func:`decide` is the second). Nothing is computed or changed on error."""
+    slots, call = open_call(
+        state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
+    )
+    if call.length == 0:
+        raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
+    return _lay_out(policy, state, slots, replace(call, group=group))
+
+
+def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
+    before = slots
+    if call.length == 1 and policy.evict_before is not None:
+        slots = policy.evict_before(state, slots, call)
+    return Laid(state, call, before, slots, layout(slots, call))
+
+
+def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
+    """The policy's decision on a laid-out call: what its queries attend over and the state
+    after (recorded in ``log`` when given; see :func:`update`). Deciding the same ``laid``
+    twice builds two decisions over the same candidates: the layout is not repeated."""
+    state, call, candidates = laid.state, laid.call, laid.candidates
+    decision = policy.rule(state, call, laid.slots, candidates)
+    scope = getattr(state, "scope", "layer")  # policies without the setting decide per layer
+    mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
+    after = advance(state, decision.kept, call, **decision.changes)
+    if log is not None:
+        entry = record(
+            state,
+            laid.before,
+            laid.slots,
+            candidates,
+            decision.kept,
+            call.keys,
+            call.values,
+            call.queries,
+            call.scale,
+        )
+        log = log.push(entry)
+        # Evaluate the entry's rows with this call's attention (which reads the values), so they
+        # hold no lazy reference to slots the next call overwrites in place.
+        values = mx.depends([candidates.values], entry.arrays())[0]
+        return Step(candidates.keys, values, mask, after, log, decision.probs)
+    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
+
+
 def update(
     policy: Policy,
     state: Any,
@@ -200,29 +276,4 @@ def update(
     if call.length == 0:
         live = slots.compact()
         return Step(live.keys, live.values, None, advance(state, slots, call), log)
-    before = slots
-    if call.length == 1 and policy.evict_before is not None:
-        slots = policy.evict_before(state, slots, call)
-    candidates = layout(slots, call)
-    decision = policy.rule(state, call, slots, candidates)
-    scope = getattr(state, "scope", "layer")  # policies without the setting decide per layer
-    mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
-    after = advance(state, decision.kept, call, **decision.changes)
-    if log is not None:
-        entry = record(
-            state,
-            before,
-            slots,
-            candidates,
-            decision.kept,
-            call.keys,
-            call.values,
-            call.queries,
-            call.scale,
-        )
-        log = log.push(entry)
-        # Evaluate the entry's rows with this call's attention (which reads the values), so they
-        # hold no lazy reference to slots the next call overwrites in place.
-        values = mx.depends([candidates.values], entry.arrays())[0]
-        return Step(candidates.keys, values, mask, after, log, decision.probs)
-    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
+    return decide(policy, _lay_out(policy, state, slots, call), log)

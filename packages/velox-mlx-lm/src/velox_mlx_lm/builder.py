@@ -8,7 +8,8 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from velox_mlx_lm.cache import cache_class
+from velox_cache_core.distributed import StepSums
+from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.distributed import tensor_group
 from velox_mlx_lm.hook import install_attention_hook
@@ -68,7 +69,9 @@ class KVCacheBuilder:
         ``group``: the tensor-parallel group layer-wide decisions are summed over; by default
         the one the model's attention is sharded over (``model.shard``, ``sharded_load``),
         ``None`` for an unsharded model. Passing ``None`` for a sharded model turns the
-        communication off: the ranks then decide on their own heads and can diverge.
+        communication off: the ranks then decide on their own heads and can diverge. With a
+        group, the caches share one ``StepSums``: a decode step's layer-wide sums of every layer
+        go out in one ``all_sum`` after the last layer's attention (``docs/distributed.md``).
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -99,4 +102,9 @@ class KVCacheBuilder:
                 caches.append(KVCacheFactory.create(config, group))
             else:  # sliding windows, recurrent state: already bounded, keep
                 caches.append(base)
+        ours = [c for c in caches if isinstance(c, PolicyKVCache) and c.group is not None]
+        if ours:  # every layer's decode-step sums go out in one all_sum per forward pass
+            sums = StepSums(ours[0].group, len(ours))
+            for layer, cache in enumerate(ours):
+                cache.share_step_sums(sums, layer)
         return caches

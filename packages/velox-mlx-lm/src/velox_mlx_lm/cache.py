@@ -24,7 +24,8 @@ from mlx_lm.models.cache import _BaseCache
 
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.attention_rule import History
-from velox_cache_core.engine import Step
+from velox_cache_core.distributed import Recorder, Replay, StepSums
+from velox_cache_core.engine import Laid, Step, decide, prepare
 from velox_cache_core.registry import POLICIES, Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import running_fields
@@ -187,8 +188,11 @@ class PolicyKVCache(VeloxKVCache):
     """
 
     policy_name: ClassVar[str]
-    # Class default: a cache rebuilt by ``from_state`` (a loaded prompt cache) skips __init__.
+    # Class defaults: a cache rebuilt by ``from_state`` (a loaded prompt cache) skips __init__.
     _group_ref: _Shared | None = None
+    _sums_ref: _Shared | None = None  # the model's StepSums, shared by its layers' caches
+    _layer = 0  # this cache's index among them
+    _deferred: Laid | None = None  # a decode step waiting for the pass's one all_sum
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -215,7 +219,30 @@ class PolicyKVCache(VeloxKVCache):
     def group(self, group: Any) -> None:
         if group is not None and not callable(getattr(group, "size", None)):
             raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
+        self._settle()
         self._group_ref = None if group is None or group.size() == 1 else _Shared(group)
+        self._sums_ref = None
+
+    @property
+    def step_sums(self) -> StepSums | None:
+        """The :class:`velox_cache_core.distributed.StepSums` this cache's decode steps send
+        their layer-wide sums through (one ``all_sum`` per forward pass for all layers), or
+        ``None``: one ``all_sum`` per layer. ``KVCacheBuilder.for_model`` sets it."""
+        return None if self._sums_ref is None else self._sums_ref.value
+
+    def share_step_sums(self, sums: StepSums | None, layer: int = 0) -> None:
+        """Send this cache's decode-step sums through ``sums`` as layer ``layer`` of the model
+        (``None``: one ``all_sum`` per layer again). ``sums.group`` must be this cache's."""
+        if sums is not None:
+            if not isinstance(sums, StepSums):
+                raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
+            if sums.group is not self.group:
+                raise ValueError("sums must communicate over this cache's group")
+            if not isinstance(layer, int) or not 0 <= layer < sums.layers:
+                raise ValueError(f"layer must be an int in [0, {sums.layers}), got {layer!r}")
+        self._settle()
+        self._sums_ref = None if sums is None else _Shared(sums)
+        self._layer = layer
 
     def _feed(
         self,
@@ -251,7 +278,7 @@ class PolicyKVCache(VeloxKVCache):
     def offset(self) -> int:
         """True absolute position of the next token (tokens seen, not tokens kept)."""
         pending = 0 if self._pending is None else self._pending[0].shape[2]
-        return int(self._state.offset) + pending
+        return int(self._state.offset) + pending + (self._deferred is not None)
 
     @property
     def tokens_seen(self) -> int:
@@ -299,7 +326,7 @@ class PolicyKVCache(VeloxKVCache):
         return int(self.policy_state.n_kept)
 
     def empty(self) -> bool:
-        return self._state.slots is None and self._pending is None
+        return self._state.slots is None and self._pending is None and self._deferred is None
 
     # -- the model's calls -------------------------------------------------------------------
     def _defers(self, length: int) -> bool:
@@ -354,6 +381,8 @@ class PolicyKVCache(VeloxKVCache):
                     outs.append(attend_step(q, step, scale, sinks))
                 self._state = self._after_call(self._state, L)
                 return mx.concatenate(outs, axis=2)
+            if L == 1 and self._sums_ref is not None:
+                return self._attend_deferring(keys, values, queries, scale, sinks)
             step = self._feed(self._state, keys, values, queries, scale)
         elif self._step is not None:
             step = self._step
@@ -362,6 +391,47 @@ class PolicyKVCache(VeloxKVCache):
         self._step = None
         self._state = self._after_call(step.state, queries.shape[2])
         return attend_step(queries, step, scale, sinks)
+
+    def _attend_deferring(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        queries: mx.array,
+        scale: float,
+        sinks: mx.array | None,
+    ) -> mx.array:
+        """A decode step whose layer-wide sums go out with the other layers' (``step_sums``):
+        attend now, decide when the pass's last layer has arrived (``_finish_deferred``)."""
+        sums = self._sums_ref.value  # type: ignore[union-attr]
+        recorder = Recorder(self.group)
+        laid = prepare(
+            self._policy, self._state, keys, values, queries, scale,
+            check_finite=False, group=recorder,
+        )  # fmt: skip
+        step = decide(self._policy, laid, self._log)
+        if recorder.sums:  # the decision waits for the sums; the attention does not
+            self._deferred = laid
+            sums.defer(recorder.sums, self._finish_deferred)
+            step = replace(step, values=laid.candidates.values)
+        else:  # nothing was summed over the group: this is the decision
+            self._log = step.log
+            self._state = self._after_call(step.state, 1)
+        out = attend_step(queries, step, scale, sinks)
+        tied = sums.arrive(self._layer)
+        return mx.depends([out], tied)[0] if tied else out
+
+    def _finish_deferred(self, replay: Replay) -> list[mx.array]:
+        """Decide the deferred step with the group's sums; its new arrays, to evaluate with
+        the forward pass (the log's rows then hold no lazy read of slots written in place)."""
+        laid, self._deferred = self._deferred, None
+        assert laid is not None
+        step = decide(self._policy, laid.regroup(replay), self._log)
+        self._log = step.log
+        self._state = self._after_call(step.state, 1)
+        tied = self._state.slots.arrays()
+        if step.log is not None and step.log.entries:
+            tied += step.log.entries[-1].arrays()
+        return tied
 
     def _after_call(self, state: Any, length: int) -> Any:
         """Once a call's attention is built: the first single-token call ends the prompt
@@ -383,7 +453,10 @@ class PolicyKVCache(VeloxKVCache):
         self._state = self._end_prompt(self._state)
 
     def _settle(self) -> None:
-        """Decide a chunk the hook never saw: signal ``key`` stands in for the queries."""
+        """Decide a chunk the hook never saw: signal ``key`` stands in for the queries; send a
+        deferred decode step's sums now (a collective: every rank reaches this point alike)."""
+        if self._deferred is not None:
+            self._sums_ref.value.flush()  # type: ignore[union-attr]
         unseen = self._step is not None or self._pending is not None
         if unseen and getattr(self._state, "padded", False):
             self._step = self._pending = None
@@ -476,6 +549,7 @@ class PolicyKVCache(VeloxKVCache):
     def state(self, v: dict[str, Any]) -> None:
         self._state, self._log = _decode(self._policy, v)
         self._pending = None
+        self._deferred = None
         self._step = None
         self._step_length = 0
 
