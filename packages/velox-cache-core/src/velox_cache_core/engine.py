@@ -199,30 +199,15 @@ def prepare(
     *,
     check_finite: bool = True,
     group: Any = None,
-    laid_out: KVSlots | None = None,
 ) -> Laid:
     """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
-    first half; :func:`decide` is the second). Nothing is computed or changed on error.
-
-    ``laid_out``: for one token and a state with a dead slot, the candidates the caller already
-    built with ``state.slots.write_free(keys, values, state.offset)`` (an mlx-lm cache returns
-    them from ``update_and_fetch``), used instead of writing the token a second time; only
-    for policies without ``evict_before``.
-    """
+    first half; :func:`decide` is the second). Nothing is computed or changed on error."""
     slots, call = open_call(
         state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
     )
     if call.length == 0:
         raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
-    call = replace(call, group=group)
-    if laid_out is None:
-        return _lay_out(policy, state, slots, call)
-    if call.length != 1 or slots.free is None or policy.evict_before is not None:
-        raise ValueError(
-            "laid_out is only for one token written into the dead slot of a policy without "
-            "evict_before"
-        )
-    return Laid(state, call, slots, slots, laid_out)
+    return _lay_out(policy, state, slots, replace(call, group=group))
 
 
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
@@ -272,7 +257,6 @@ def update(
     check_finite: bool = True,
     log: UndoLog | None = None,
     group: Any = None,
-    laid_out: KVSlots | None = None,
 ) -> Step:
     """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
 
@@ -283,14 +267,7 @@ def update(
     With an undo ``log`` (:mod:`velox_cache_core.undo`), the call is recorded in the returned
     ``Step.log`` so that it can be trimmed exactly. ``group``: the tensor-parallel group of a
     sharded model (:mod:`velox_cache_core.distributed`); ``None`` for a single process.
-    ``laid_out``: a decode token's candidates the caller already wrote (see :func:`prepare`).
     """
-    if laid_out is not None:
-        laid = prepare(
-            policy, state, keys, values, queries, scale,
-            check_finite=check_finite, group=group, laid_out=laid_out,
-        )  # fmt: skip
-        return decide(policy, laid, log)
     slots, call = open_call(
         state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
     )

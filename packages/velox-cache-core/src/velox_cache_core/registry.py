@@ -60,11 +60,9 @@ class Policy:
         check_finite: bool = True,
         log: UndoLog | None = None,
         group: Any = None,
-        laid_out: KVSlots | None = None,
     ) -> Step:
         """Feed ``[B, H_kv, L, D]`` keys/values (and ``[B, H_q, L, D]`` queries); see
-        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group;
-        ``laid_out``: a decode token's candidates already written by the caller)."""
+        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group)."""
         return update(
             self,
             state,
@@ -75,7 +73,6 @@ class Policy:
             check_finite=check_finite,
             log=log,
             group=group,
-            laid_out=laid_out,
         )
 
     def trim(self, state: Any, log: UndoLog, n: int, group: Any = None) -> tuple[Any, UndoLog]:

@@ -193,8 +193,6 @@ class PolicyKVCache(VeloxKVCache):
     _sums_ref: _Shared | None = None  # the model's StepSums, shared by its layers' caches
     _layer = 0  # this cache's index among them
     _deferred: Laid | None = None  # a decode step waiting for the pass's one all_sum
-    # update_and_fetch's decode candidates (the token written into the dead slot), for attend
-    _laid_out: KVSlots | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -254,13 +252,9 @@ class PolicyKVCache(VeloxKVCache):
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
-        """One core update, recorded in the undo log. A decode token already written into
-        the dead slot by ``update_and_fetch`` is not written again (``_laid_out``)."""
-        laid_out, self._laid_out = self._laid_out, None
-        if keys.shape[2] != 1 or state is not self._state:
-            laid_out = None
+        """One core update, recorded in the undo log."""
         step = self._policy.update(
-            state, keys, values, queries, scale, False, self._log, self.group, laid_out=laid_out
+            state, keys, values, queries, scale, False, self._log, self.group
         )
         self._log = step.log
         return step
@@ -356,8 +350,6 @@ class PolicyKVCache(VeloxKVCache):
                 # (one token's attention does not depend on it), and fewer ops to build than a
                 # compaction plus a concatenation, which the hook then ignores.
                 laid_out = slots.write_free(keys, values, self._state.offset)
-                if self._policy.evict_before is None:  # attend decides over these very rows
-                    self._laid_out = laid_out
                 return laid_out.keys, laid_out.values
             live = slots.compact()
             return (
@@ -412,10 +404,9 @@ class PolicyKVCache(VeloxKVCache):
         attend now, decide when the pass's last layer has arrived (``_finish_deferred``)."""
         sums = self._sums_ref.value  # type: ignore[union-attr]
         recorder = Recorder(self.group)
-        laid_out, self._laid_out = self._laid_out, None
         laid = prepare(
             self._policy, self._state, keys, values, queries, scale,
-            check_finite=False, group=recorder, laid_out=laid_out,
+            check_finite=False, group=recorder,
         )  # fmt: skip
         step = decide(self._policy, laid, self._log)
         if recorder.sums:  # the decision waits for the sums; the attention does not
@@ -466,7 +457,6 @@ class PolicyKVCache(VeloxKVCache):
         deferred decode step's sums now (a collective: every rank reaches this point alike)."""
         if self._deferred is not None:
             self._sums_ref.value.flush()  # type: ignore[union-attr]
-        self._laid_out = None  # only attend, right after update_and_fetch, may use it
         unseen = self._step is not None or self._pending is not None
         if unseen and getattr(self._state, "padded", False):
             self._step = self._pending = None
@@ -560,7 +550,6 @@ class PolicyKVCache(VeloxKVCache):
         self._state, self._log = _decode(self._policy, v)
         self._pending = None
         self._deferred = None
-        self._laid_out = None
         self._step = None
         self._step_length = 0
 
