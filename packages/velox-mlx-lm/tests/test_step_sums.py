@@ -15,7 +15,6 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 
 from velox_cache_core.distributed import (
     Recorder,
@@ -53,24 +52,11 @@ def sums_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _model() -> Any:
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=LAYERS,
-        intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        vocab_size=128,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    for layer in model.layers:  # peaked attention: decisions far from ties
-        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 3.0
-        layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * 3.0
-    mx.eval(model.parameters())
+    """The tiny llama of the real distributed runs (8 query / 4 KV heads, 3 layers)."""
+    from distributed_worker import tiny_llama  # this folder's rank program
+
+    model = tiny_llama()
+    assert len(model.layers) == LAYERS
     return model
 
 
