@@ -35,10 +35,9 @@ from typing import Any  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, retrieval  # noqa: E402
 from velox_bench.quality.methods import KVZIP  # noqa: E402
-from velox_bench.quality.run import Progress, run_settings  # noqa: E402
+from velox_bench.quality.run import Progress, environment, run_settings  # noqa: E402
 from velox_bench.results import figures_dirs, save_figure, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -123,10 +122,7 @@ def evaluate(settings: DepthSettings, loaded: tuple[Any, Any] | None = None) -> 
         "suite": RESULTS_NAME,
         "smoke": settings.smoke,
         "settings": asdict(settings),
-        "environment": {
-            "blas": velox_blas.blas_in_use(),
-            "mlx": getattr(mx, "__version__", "unknown"),
-        },
+        "environment": environment(),
         "runtime_s": round(time.perf_counter() - started, 1),
         "document": {"source": source.name, "tokens": n, "trials": len(prompts)},
         "even": settings.budget / n,

@@ -43,10 +43,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache  # noqa: E402
 
-import velox_blas  # noqa: E402
 from velox_bench.quality import corpus, methods, retrieval  # noqa: E402
 from velox_bench.quality.methods import FULL, KVZIP, Variant  # noqa: E402
-from velox_bench.quality.run import Progress, _cpus, run_settings  # noqa: E402
+from velox_bench.quality.run import Progress, environment, run_settings  # noqa: E402
 from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -288,12 +287,7 @@ def evaluate(
         "suite": RESULTS_NAME,
         "smoke": settings.smoke,
         "settings": asdict(settings),
-        "environment": {
-            "blas": velox_blas.blas_in_use(),
-            "mlx": getattr(mx, "__version__", "unknown"),
-            "machine": f"{_platform()}, {_cpus()} CPUs",
-            "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized float32)",
-        },
+        "environment": environment(),
         "runtime_s": round(time.perf_counter() - started, 1),
         "document": {
             "source": source.name,
@@ -317,12 +311,6 @@ def evaluate(
         "results": results,
         "goal": {"threshold": GOAL, "per_depth": goal, "met": all(g["met"] for g in goal.values())},
     }
-
-
-def _platform() -> str:
-    import platform
-
-    return f"{platform.system()} {platform.machine()}"
 
 
 def _pct(x: float | None) -> str:

@@ -155,13 +155,7 @@ def evaluate(
 
     return {
         "settings": asdict(settings),
-        "environment": {
-            "blas": velox_blas.blas_in_use(),
-            "mlx": getattr(mx, "__version__", "unknown"),
-            "python": platform.python_version(),
-            "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
-            "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized float32)",
-        },
+        "environment": environment(),
         "runtime_s": round(time.perf_counter() - started, 1),
         "perplexity": {
             "documents": [
@@ -233,6 +227,17 @@ def run_settings(
     for path in write(results) if write is not None else []:
         print(f"wrote {path}")
     return 0
+
+
+def environment() -> dict[str, Any]:
+    """What a quality run ran on: BLAS, MLX and Python versions, machine, model."""
+    return {
+        "blas": velox_blas.blas_in_use(),
+        "mlx": getattr(mx, "__version__", "unknown"),
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
+        "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized float32)",
+    }
 
 
 def _cpus() -> int:
