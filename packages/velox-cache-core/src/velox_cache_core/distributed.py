@@ -90,16 +90,14 @@ class Replay:
 
 
 def all_sum_together(parts: list[mx.array], group: Any) -> list[mx.array]:
-    """``[all_sum(p) for p in parts]`` in one collective: the parts are flattened, joined,
-    summed over ``group`` once and split back into their shapes."""
+    """``[all_sum(p) for p in parts]`` in one collective: the parts (float32 head sums) are
+    flattened, joined, summed over ``group`` once and split back into their shapes."""
     if not parts:
         return []
-    dtype = mx.float32
-    joined = mx.concatenate([p.astype(dtype).reshape(-1) for p in parts])
-    total = mx.distributed.all_sum(joined, group=group)
+    total = mx.distributed.all_sum(mx.concatenate([p.reshape(-1) for p in parts]), group=group)
     out, start = [], 0
     for p in parts:
-        out.append(total[start : start + p.size].reshape(p.shape).astype(p.dtype))
+        out.append(total[start : start + p.size].reshape(p.shape))
         start += p.size
     return out
 

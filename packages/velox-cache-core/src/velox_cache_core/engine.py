@@ -202,12 +202,27 @@ def prepare(
 ) -> Laid:
     """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
     first half; :func:`decide` is the second). Nothing is computed or changed on error."""
+    slots, call = _open(policy, state, keys, values, queries, scale, check_finite, group)
+    if call.length == 0:
+        raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
+    return _lay_out(policy, state, slots, call)
+
+
+def _open(
+    policy: Policy,
+    state: Any,
+    keys: Any,
+    values: Any,
+    queries: Any,
+    scale: Any,
+    check_finite: bool,
+    group: Any,
+) -> tuple[KVSlots, Call]:
+    """:func:`open_call` for ``policy``'s state type, deciding over ``group``."""
     slots, call = open_call(
         state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
     )
-    if call.length == 0:
-        raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
-    return _lay_out(policy, state, slots, replace(call, group=group))
+    return slots, call if group is None else replace(call, group=group)
 
 
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
@@ -268,11 +283,7 @@ def update(
     ``Step.log`` so that it can be trimmed exactly. ``group``: the tensor-parallel group of a
     sharded model (:mod:`velox_cache_core.distributed`); ``None`` for a single process.
     """
-    slots, call = open_call(
-        state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
-    )
-    if group is not None:
-        call = replace(call, group=group)
+    slots, call = _open(policy, state, keys, values, queries, scale, check_finite, group)
     if call.length == 0:
         live = slots.compact()
         return Step(live.keys, live.values, None, advance(state, slots, call), log)
