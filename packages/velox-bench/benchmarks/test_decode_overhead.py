@@ -21,7 +21,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from velox_bench.blas import blas_report
-from velox_bench.results import machine_info, results_dir, smoke
+from velox_bench.results import machine_info, smoke, write_json
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 
 SMOKE = smoke()
@@ -162,7 +162,5 @@ def test_decode_overhead() -> None:
         "smoke": SMOKE,
         "results": rows,
     }
-    path = results_dir() / "decode_overhead.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json("decode_overhead", out)
     print(json.dumps(rows, indent=2))

@@ -15,7 +15,6 @@ Writes ``benchmarks/results/speculative.json``. ``VELOX_BENCH_SMOKE=1`` uses tin
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
@@ -26,7 +25,7 @@ from mlx_lm.models import llama
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from velox_bench.blas import blas_report
-from velox_bench.results import machine_info, results_dir, smoke
+from velox_bench.results import machine_info, smoke, write_json
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.embedded import draft_of, load_default
 
@@ -187,9 +186,7 @@ def test_speculative_suite() -> None:
         "smoke": SMOKE,
         "results": {"undo_log_cost": undo, "speculative": spec},
     }
-    path = results_dir() / "speculative.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json("speculative", out)
     print()
     print(_table("undo-log cost per decode step", undo, ["step_ms_without_log", "ratio"]))
     print(

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from velox_bench.results import figures_dirs, results_dir
+from velox_bench.results import figures_dirs, results_dir, save_figure
 
 __all__ = ["plot_all"]
 
@@ -57,8 +57,7 @@ def _line_plot(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, [path])
     return path
 
 
@@ -101,8 +100,7 @@ def _real_shape_plot(data: dict[str, Any], path: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, [path])
     return path
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from velox_bench.quality.docs_text import benchmarks_markdown, tova_numbers_markdown
 from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_KEY_HEAD
+from velox_bench.results import save_figure
 
 RESULTS = Path("benchmarks/results/quality.json")
 FIGURES = Path("benchmarks/figures")
@@ -147,8 +148,7 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, [path], dpi=120)
 
 
 def plot_retrieval(results: dict[str, Any], path: Path) -> None:
@@ -187,8 +187,7 @@ def plot_retrieval(results: dict[str, Any], path: Path) -> None:
         f"{r['questions_per_depth']} questions per depth (measure: {r['measure']})",
         fontsize=9,
     )
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, [path], dpi=120)
 
 
 def _replace_between(text: str, start: str, end: str, body: str) -> str:
