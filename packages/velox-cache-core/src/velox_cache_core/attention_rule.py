@@ -47,18 +47,10 @@ class Rule:
 
 @dataclass(frozen=True)
 class History:
-    """The last probe rows, for windowed rules. probes ``[B, H_p, h, D]``, positions ``[h]``.
-
-    logits: float32 ``[B, G, H_d, h, n]``, the rows' logits over the ``n`` slots the last call
-    left, when that call was a decode step that scored them (else ``None``). A decode step
-    writes its token into the dead slot and moves no other row, so the next step reuses them
-    and computes only its own row's (the overwritten slot's column is a token newer than every
-    history row, which the rows' visibility mask hides).
-    """
+    """The last probe rows, for windowed rules. probes ``[B, H_p, h, D]``, positions ``[h]``."""
 
     probes: mx.array
     positions: mx.array
-    logits: mx.array | None = None
 
     def extend(self, probes: mx.array, positions: mx.array, keep: int) -> History | None:
         if keep == 0:
@@ -67,19 +59,6 @@ class History:
             mx.concatenate([self.probes, probes], axis=2)[:, :, -keep:],
             mx.concatenate([self.positions, positions])[-keep:],
         )
-
-
-def _window_logits(
-    rows: mx.array, history: History | None, probe: mx.array, candidates: KVSlots, call: Call,
-    scope: Scope,
-) -> mx.array:  # fmt: skip
-    """``[B, G, H_d, R, n]`` logits of a decode step's probe rows (history, then the new one):
-    the history's own when it has them for these slots, else computed with the new row's."""
-    cached = None if history is None else history.logits
-    if cached is not None and cached.shape[-1] == candidates.n_slots:
-        new = grouped_logits(probe, candidates.keys, call.scale, scope)
-        return mx.concatenate([cached, new], axis=3)
-    return grouped_logits(rows, candidates.keys, call.scale, scope)
 
 
 def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.array, mx.array]:
@@ -145,7 +124,7 @@ def decide_by_weights(
         probs = None
         if evict or accumulate:
             rows, row_positions = _rows(history, probe, call)
-            logits = _window_logits(rows, history, probe, candidates, call, rule.scope)
+            logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
             if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
                 row_weights = softmax(logits.astype(mx.float32))
                 weights = head_mean(row_weights, 2, group)[:, :, 0]
@@ -164,8 +143,7 @@ def decide_by_weights(
                 kept = candidates.with_free(lowest_weight(weights, positions, excluded))
         if probs is not None:  # [B, G, H_d, 1, n] -> per query head [B, H_q, 1, n]
             probs = probs.reshape(probs.shape[0], -1, 1, n)
-        row_logits = None if history is None or not (evict or accumulate) else logits
-        return Decision(kept, probs=probs, row_logits=row_logits), scores
+        return Decision(kept, probs=probs), scores
 
     if n <= rule.budget and not accumulate:
         pass

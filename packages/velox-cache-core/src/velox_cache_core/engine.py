@@ -98,9 +98,6 @@ class Decision:
     mask: mx.array | None = None
     changes: dict[str, Any] = field(default_factory=dict)
     probs: mx.array | None = None
-    # a windowed rule's decode step: its probe rows' logits over the candidates,
-    # float32 [B, G, H_d, R, n] (kept with the history for the next step)
-    row_logits: mx.array | None = None
 
 
 def open_call(

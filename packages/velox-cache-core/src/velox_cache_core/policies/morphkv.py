@@ -85,11 +85,8 @@ def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KV
     decision = decide_by_weights(state.rule, call, candidates, history=state.history)[0]
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
-    keep = state.window - 1
-    history = past.extend(probe, call.positions(), keep)
-    if history is not None and decision.row_logits is not None:
-        history = replace(history, logits=decision.row_logits[:, :, :, -keep:])
-    return replace(decision, changes={"history": history}, row_logits=None)
+    history = past.extend(probe, call.positions(), state.window - 1)
+    return replace(decision, changes={"history": history})
 
 
 MORPHKV = Policy("morphkv", MorphKVState, init_morphkv_state, morphkv_rule)
