@@ -59,6 +59,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES, Policy, snapkv_compress
+from velox_cache_core.engine import GROW
 from velox_cache_core.policies.kvzip import kvzip_end_prompt
 
 # ------------------------------------------------------------------------------ the table
@@ -434,6 +435,9 @@ def test_guarantees_after_every_call(name: str, chunks: list[int]) -> None:
         else:
             assert state.n_kept == min(offset, budget)
         check_state(state, offset, keys, values, n_sink)
+        held = state.slots.n_held
+        if CASES[name].prompt_end is None:  # reserved rows never pass the decode bound
+            assert held <= max(budget + 1, state.slots.n_slots)
     state = finish(name, steps[-1].state)
     assert state.n_kept == min(offset, budget)
     check_state(state, offset, keys, values, n_sink)
@@ -446,7 +450,10 @@ def check_state(state, offset: int, keys, values, n_sink: int | None) -> None:
     assert state.tokens_kept == n
     assert state.keys.shape == state.values.shape == (B, H, n, D)
     assert state.positions.shape == (B, H, n)
-    assert state.nbytes == B * H * n * D * 2 * 4
+    # The bytes held: kept rows, a decode step's dead slot, and rows a growing store reserved.
+    held = state.slots.n_held
+    assert state.slots.n_slots in (n, n + 1) and n <= held <= state.slots.n_slots + GROW
+    assert state.nbytes == B * H * held * D * 2 * 4
     if n == offset:
         assert state.compression_ratio == 1.0
     else:
@@ -485,7 +492,7 @@ def test_nbytes(name: str, dtype) -> None:
     state = finish(name, steps[-1].state)
     itemsize = np.dtype(dtype).itemsize
     assert state.keys.dtype == (mx.float16 if dtype == np.float16 else mx.float32)
-    assert state.nbytes == B * H * state.n_kept * D * 2 * itemsize
+    assert state.nbytes == B * H * state.slots.n_held * D * 2 * itemsize
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -136,12 +136,34 @@ def open_call(
     return slots, Call(keys, values, queries, scale, state.offset)
 
 
-def layout(slots: KVSlots, call: Call) -> KVSlots:
+GROW = 64  # rows a growing store sets aside at a time for the single tokens that follow
+
+
+def layout(slots: KVSlots, call: Call, limit: int | None = None) -> KVSlots:
     """``retained + new``: one token into the dead slot if there is one, else appended (a
-    chunk always after the live rows, so the causal mask aligns bottom-right)."""
+    chunk always after the live rows, so the causal mask aligns bottom-right).
+
+    A single appended token goes into the store's reserved rows, and a store that has to be
+    copied for it sets aside up to :data:`GROW` more (never past ``limit`` slots: a policy
+    whose decode steps hold at most ``budget + 1`` candidates reserves no row it cannot use).
+    """
     if call.length == 1 and slots.free is not None:
         return slots.write_free(call.keys, call.values, call.start)
-    return slots.append(call.keys, call.values, call.positions())
+    reserve = 0
+    if call.length == 1:
+        after = slots.n_slots + 1
+        reserve = GROW if limit is None else max(0, min(GROW, limit - after))
+    return slots.append(call.keys, call.values, call.positions(), reserve=reserve)
+
+
+def slot_limit(policy: Policy, state: Any) -> int | None:
+    """The most slots ``policy``'s decode steps lay out: ``budget + 1`` for a policy that
+    evicts every decode step down to its budget, ``None`` for one that keeps every decoded
+    token (SnapKV and KVzip after the prompt) or has no budget."""
+    budget = getattr(state, "budget", None)
+    if policy.grows_after_prompt_end or not isinstance(budget, int):
+        return None
+    return budget + 1
 
 
 def advance(state: S, slots: KVSlots, call: Call, **changes: Any) -> S:
@@ -229,7 +251,7 @@ def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
     before = slots
     if call.length == 1 and policy.evict_before is not None:
         slots = policy.evict_before(state, slots, call)
-    return Laid(state, call, before, slots, layout(slots, call))
+    return Laid(state, call, before, slots, layout(slots, call, slot_limit(policy, state)))
 
 
 def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:

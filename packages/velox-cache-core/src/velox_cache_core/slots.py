@@ -4,13 +4,46 @@ A layer's retained tokens live in ``S`` slots per (batch row, KV head). Slot ord
 meaning (softmax is permutation invariant and masks are built from positions), so a decode step
 can write the newest token over the slot freed by the previous eviction instead of compacting.
 When that happens the store holds ``budget + 1`` slots of which one, ``free``, is dead.
+
+While a cache grows one token at a time (decode before the budget is reached, or a policy that
+keeps every decoded token), copying every slot into a new array per step would cost more than
+the step's attention. A store can instead sit in the first ``S`` rows of larger buffers (a
+:class:`Reserve`): the next token is written into row ``S`` in place and the slots become the
+first ``S + 1`` rows, as mlx-lm's ``KVCache`` grows in steps. The reserved rows are counted in
+:attr:`KVSlots.n_held` (what the store's bytes report).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
+
+_TRANSIENT = "velox_transient"
+
+
+def stored_fields(value: Any) -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of a dataclass (or dataclass type) that make up its content: every field
+    but working storage such as :attr:`KVSlots.reserve`, which saving and equality ignore."""
+    return tuple(f for f in dataclasses.fields(value) if not f.metadata.get(_TRANSIENT))
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Buffers whose first rows are a store's slots: keys/values ``[B, H_kv, R, D]``, positions
+    int32 ``[B, H_kv, R]`` with ``R >= S``. ``view`` is the keys array the store was made with:
+    a store whose keys are not that array (rebuilt, tied, compacted) does not own the buffers."""
+
+    keys: mx.array
+    values: mx.array
+    positions: mx.array
+    view: mx.array
+
+    @property
+    def rows(self) -> int:
+        return int(self.keys.shape[2])
 
 
 @dataclass(frozen=True)
@@ -26,6 +59,10 @@ class KVSlots:
     values: mx.array
     positions: mx.array
     free: mx.array | None = None
+    # buffers the slots are the first rows of, with room for more tokens (see the module doc)
+    reserve: Reserve | None = field(
+        default=None, compare=False, repr=False, metadata={_TRANSIENT: True}
+    )
 
     @classmethod
     def empty_like(cls, keys: mx.array, values: mx.array) -> KVSlots:
@@ -40,6 +77,20 @@ class KVSlots:
     @property
     def n_slots(self) -> int:
         return int(self.keys.shape[2])
+
+    @property
+    def n_held(self) -> int:
+        """Rows held per (batch row, KV head): the slots (a dead one included) plus any
+        reserved rows after them."""
+        room = self._room()
+        return self.n_slots if room is None else room.rows
+
+    def _room(self) -> Reserve | None:
+        """The store's reserve, if it owns one (no dead slot, keys made from the buffers)."""
+        room = self.reserve
+        if room is None or self.free is not None or room.view is not self.keys:
+            return None
+        return room
 
     @property
     def n_kept(self) -> int:
@@ -73,16 +124,56 @@ class KVSlots:
             positions=mx.take_along_axis(self.positions, idx, axis=2),
         )
 
-    def append(self, keys: mx.array, values: mx.array, positions: mx.array) -> KVSlots:
-        """Concatenate new tokens after the live ones (``retained + new`` order)."""
+    def head(self, n: int) -> KVSlots:
+        """The first ``n`` slots (a store without dead slot), keeping the reserve: the rows
+        after them become reserved rows again."""
+        room = self._room()
+        keys = self.keys[:, :, :n]
+        out = KVSlots(keys, self.values[:, :, :n], self.positions[:, :, :n])
+        if room is None:
+            return out
+        return KVSlots(out.keys, out.values, out.positions, None, replace_view(room, keys))
+
+    def append(
+        self, keys: mx.array, values: mx.array, positions: mx.array, *, reserve: int = 0
+    ) -> KVSlots:
+        """Concatenate new tokens after the live ones (``retained + new`` order).
+
+        Into the reserved rows, in place, when the store owns enough of them; otherwise by
+        copying, then with ``reserve`` more rows set aside for the appends that follow.
+        """
+        B, H = self.positions.shape[:2]
+        L = int(keys.shape[2])
+        positions = mx.broadcast_to(positions.astype(mx.int32), (B, H, L))
+        room = self._room()
+        n = self.n_slots + L
+        if room is not None and n <= room.rows:
+            at = mx.array([self.n_slots])
+            room = Reserve(
+                mx.slice_update(room.keys, keys, at, (2,)),
+                mx.slice_update(room.values, values, at, (2,)),
+                mx.slice_update(room.positions, positions, at, (2,)),
+                room.view,
+            )
+            return _view(room, n)
         live = self.compact()
-        B, H = live.positions.shape[:2]
-        positions = mx.broadcast_to(positions.astype(mx.int32), (B, H, positions.shape[-1]))
-        return KVSlots(
-            keys=mx.concatenate([live.keys, keys], axis=2),
-            values=mx.concatenate([live.values, values], axis=2),
-            positions=mx.concatenate([live.positions, positions], axis=2),
+        if reserve <= 0:
+            return KVSlots(
+                keys=mx.concatenate([live.keys, keys], axis=2),
+                values=mx.concatenate([live.values, values], axis=2),
+                positions=mx.concatenate([live.positions, positions], axis=2),
+            )
+        D = int(live.keys.shape[3])
+        spare = mx.zeros((B, H, reserve, D), dtype=live.keys.dtype)
+        room = Reserve(
+            mx.concatenate([live.keys, keys, spare], axis=2),
+            mx.concatenate([live.values, values, spare], axis=2),
+            mx.concatenate(
+                [live.positions, positions, mx.zeros((B, H, reserve), dtype=mx.int32)], axis=2
+            ),
+            live.keys,
         )
+        return _view(room, n)
 
     def write_free(self, keys: mx.array, values: mx.array, position: int) -> KVSlots:
         """Write one new token (keys/values ``[B, H_kv, 1, D]``) into the dead slot, in place."""
@@ -102,3 +193,16 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         free = mx.broadcast_to(free.astype(mx.int32), (B, H))
         return KVSlots(self.keys, self.values, self.positions, free)
+
+
+def replace_view(room: Reserve, view: mx.array) -> Reserve:
+    """``room`` owned by the store whose keys are ``view``."""
+    return Reserve(room.keys, room.values, room.positions, view)
+
+
+def _view(room: Reserve, n: int) -> KVSlots:
+    """The store of the first ``n`` rows of ``room``'s buffers, owning them."""
+    keys = room.keys[:, :, :n]
+    return KVSlots(
+        keys, room.values[:, :, :n], room.positions[:, :, :n], None, replace_view(room, keys)
+    )

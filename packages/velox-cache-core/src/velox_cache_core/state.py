@@ -84,11 +84,13 @@ class PolicyState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the retained keys and values: ``B * H_kv * n_kept * D * 2 * itemsize``."""
+        """Bytes of the keys and values the state holds: ``B * H_kv * n_held * D * 2 *
+        itemsize``, where ``n_held`` (:attr:`KVSlots.n_held`) is the kept rows plus the dead
+        slot a decode step leaves and the rows a growing store reserves."""
         if self.slots is None:
             return 0
         B, H, _, D = self.slots.keys.shape
-        return B * H * self.n_kept * D * 2 * self.slots.keys.dtype.size
+        return B * H * self.slots.n_held * D * 2 * self.slots.keys.dtype.size
 
     @property
     def compression_ratio(self) -> float:

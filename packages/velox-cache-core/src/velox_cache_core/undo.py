@@ -202,7 +202,7 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         assert entry.order is not None
         candidates = _permute(_concat(kept.compact(), entry.evicted), entry.order)
     else:
-        candidates = KVSlots(kept.keys, kept.values, kept.positions)
+        candidates = KVSlots(kept.keys, kept.values, kept.positions, None, kept.reserve)
     if entry.written is not None:
         row = entry.row or (previous.victim if previous is not None else None)
         slots = KVSlots(candidates.keys, candidates.values, candidates.positions, entry.free)
@@ -217,11 +217,7 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
                 entry.free,
             )
     else:
-        live = KVSlots(
-            candidates.keys[:, :, : entry.n_live],
-            candidates.values[:, :, : entry.n_live],
-            candidates.positions[:, :, : entry.n_live],
-        )
+        live = candidates.head(entry.n_live)
         if entry.free is not None:  # put the compacted-away dead slot back where it was
             assert entry.row is not None
             n = entry.n_live + 1

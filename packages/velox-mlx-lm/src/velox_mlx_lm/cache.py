@@ -27,7 +27,7 @@ from velox_cache_core.attention_rule import History
 from velox_cache_core.distributed import Recorder, Replay, StepSums
 from velox_cache_core.engine import Laid, Step, decide, prepare
 from velox_cache_core.registry import POLICIES, Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.slots import KVSlots, stored_fields
 from velox_cache_core.state import running_fields
 from velox_cache_core.undo import Entry, UndoLog, new_log
 from velox_cache_core.validation import check_kv
@@ -52,7 +52,7 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
             "type": type(value).__name__,
             "fields": {
                 f.name: _pack(getattr(value, f.name), f"{key}_{f.name}", arrays)
-                for f in dataclasses.fields(value)
+                for f in stored_fields(value)
             },
         }
     if isinstance(value, tuple):
@@ -92,7 +92,7 @@ def _encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
         if dataclasses.is_dataclass(value):
-            for member in dataclasses.fields(value):
+            for member in stored_fields(value):
                 out[f"{f.name}_{member.name}"] = getattr(value, member.name)
         elif isinstance(value, mx.array) or (value is None and f.name in arrays):
             out[f.name] = value
@@ -132,10 +132,8 @@ def _decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
         if member_type is None:
             value = data.get(name)
         else:
-            members = {
-                m.name: data.get(f"{name}_{m.name}") for m in dataclasses.fields(member_type)
-            }
-            first = dataclasses.fields(member_type)[0].name
+            members = {m.name: data.get(f"{name}_{m.name}") for m in stored_fields(member_type)}
+            first = stored_fields(member_type)[0].name
             value = None if members[first] is None else member_type(**members)
         if value is not None:
             changes[name] = value
