@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from velox_cache_core import POLICIES
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, methods
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.cache import PolicyKVCache
@@ -131,7 +132,17 @@ def test_batch_rows_equal_sequences_alone(tiny_model, method):
     model = tiny_model("mistral", fresh=True)
     cfg = config(method)
     items = [(p, 6) for p in prompts()]
-    assert_same_as_alone(model, cfg, items, batched(model, cfg, items))
+    packed = []
+
+    def check(gen) -> None:
+        for c in gen._generation_batch.prompt_cache:
+            if isinstance(c, BatchVeloxKVCache):
+                packed.append(c._packed is not None)
+
+    assert_same_as_alone(model, cfg, items, batched(model, cfg, items, check=check))
+    # Policies that pack rows decode packed once every row has evicted (and so the equality
+    # above covered the packed steps); the others never pack.
+    assert any(packed) == POLICIES[cfg.policy].packs_rows
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -166,14 +177,18 @@ def test_early_finish_late_insert_and_budget_after_every_step(tiny_model):
     late = [(p, 6) for p in prompts((14, 25), seed=3)]
     seen = []
 
+    packed = []
+
     def check(gen) -> None:
         for c in gen._generation_batch.prompt_cache:
             if isinstance(c, BatchVeloxKVCache):
                 assert all(n <= BUDGET for n in c.tokens_kept)
                 seen.append(len(c))
+                packed.append(c._packed is not None)
 
     results = batched(model, cfg, items, late=late, after=2, check=check)
     assert max(seen) >= 3 and min(seen) == 1  # rows joined and left
+    assert any(packed)  # and in between, rows decoded packed, unpacking for every change
     assert_same_as_alone(model, cfg, items + late, results)
 
 

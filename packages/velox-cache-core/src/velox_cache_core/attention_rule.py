@@ -37,7 +37,7 @@ class Rule:
     def groups(self, n_kv_heads: int) -> int:
         return 1 if self.scope == "layer" else n_kv_heads
 
-    def protected(self, positions: mx.array, newest: int) -> mx.array:
+    def protected(self, positions: mx.array, newest: int | mx.array) -> mx.array:
         """bool: sinks, and the ``recent`` newest positions when the newest is ``newest``."""
         out = sinks(positions, self.n_sink)
         if self.recent:
@@ -113,7 +113,7 @@ def decide_by_weights(
     G = rule.groups(H_kv)
     accumulate = scores is not None
     probe = call.probe(rule.signal)
-    newest = call.start + L - 1
+    newest = call.newest()
     n = candidates.n_slots
     positions = candidates.positions[:, :G]
     kept = candidates

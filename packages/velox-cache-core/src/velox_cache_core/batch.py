@@ -10,20 +10,27 @@ on its span (row equivalence), and its attention output is zero at padded querie
 Operations: :func:`stack` single-sequence states into a batch, :meth:`BatchState.row` takes
 one out, :meth:`BatchState.keep` keeps a subset of rows, :meth:`BatchState.concat` appends
 another batch's rows, :func:`update` feeds a padded call and :func:`attend` attends it.
+
+Packed rows: calling the engine once per row costs a decode step ``B`` times the graph
+building and ``B`` small kernels per op. Rows whose slots are laid out alike (a full budget
+each, as every row of a bounded policy has once it evicts) can instead be held as one ``B``-row
+state (:func:`pack`) and decode as one call with per-row positions (:func:`packed_update`);
+:func:`unpack` gives each row back exactly the state and undo log it would have alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.engine import Step
-from velox_cache_core.state import PolicyState
-from velox_cache_core.undo import UndoLog
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running_fields
+from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_kv
 
 if TYPE_CHECKING:
@@ -254,3 +261,159 @@ def end_prompt(
             logs[b] = log.cleared()
         rows[b] = ended
     return BatchState(tuple(rows), tuple(logs))
+
+
+# -- packed rows: a batch's decode steps as one engine call -------------------------------------
+_COUNTERS = ("slots", "offset", "tokens_seen")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Rows of a batch held as one ``B``-row state, so that a decode step is one engine call
+    (``update(..., row_start=...)``) instead of ``B``: rows keep their own positions, slots
+    and running arrays, stacked on the batch axis.
+
+    state: the ``B``-row state (its ``offset``/``tokens_seen`` only count packed calls);
+    log: the packed calls' undo log (``None`` without logs); offsets, seen: each row's
+    ``offset`` and ``tokens_seen`` now; logs: each row's undo log from before packing;
+    calls: packed calls so far.
+    """
+
+    state: Any
+    log: UndoLog | None
+    offsets: tuple[int, ...]
+    seen: tuple[int, ...]
+    logs: tuple[UndoLog | None, ...]
+    calls: int = 0
+
+
+def _slice_rows(value: Any, b: int) -> Any:
+    """Row ``b`` of a packed field (arrays, slot stores; ``None`` stays ``None``)."""
+    if isinstance(value, mx.array):
+        return value[b : b + 1]
+    if isinstance(value, KVSlots):
+        free = None if value.free is None else value.free[b : b + 1]
+        return KVSlots(
+            value.keys[b : b + 1], value.values[b : b + 1], value.positions[b : b + 1], free
+        )
+    return value
+
+
+def can_pack(policy: Policy, states: Sequence[Any]) -> bool:
+    """Whether single-sequence ``states`` of ``policy`` can decode packed: the policy
+    ``packs_rows``, every state holds slots laid out alike (same slot count, dead slot in all
+    or none), and every other running field is an array in all of them or ``None`` in all."""
+    if not policy.packs_rows or len(states) < 2:
+        return False
+    first = states[0]
+    if first.slots is None:
+        return False
+    n, dead = first.slots.n_slots, first.slots.free is None
+    for state in states:
+        slots = state.slots
+        if slots is None or slots.n_slots != n or (slots.free is None) != dead:
+            return False
+        if slots.keys.shape[0] != 1:
+            return False
+    for name in running_fields(first):
+        if name in _COUNTERS:
+            continue
+        values = [getattr(s, name) for s in states]
+        if not (all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)):
+            return False
+    return True
+
+
+def pack(states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
+    """Pack single-sequence states (see :func:`can_pack`) and their undo logs."""
+    first = states[0]
+    slots = [s.slots for s in states]
+    free = None if slots[0].free is None else mx.concatenate([s.free for s in slots], axis=0)
+    stacked = KVSlots(
+        mx.concatenate([s.keys for s in slots], axis=0),
+        mx.concatenate([s.values for s in slots], axis=0),
+        mx.concatenate([s.positions for s in slots], axis=0),
+        free,
+    )
+    changes: dict[str, Any] = {"slots": stacked, "offset": 0, "tokens_seen": 0}
+    for name in running_fields(first):
+        if name not in _COUNTERS and getattr(first, name) is not None:
+            changes[name] = mx.concatenate([getattr(s, name) for s in states], axis=0)
+    window = next((lg.window for lg in logs if lg is not None), 0)
+    return Packed(
+        state=replace(first, **changes),
+        log=UndoLog(window) if window else None,
+        offsets=tuple(int(s.offset) for s in states),
+        seen=tuple(int(s.tokens_seen) for s in states),
+        logs=tuple(logs),
+    )
+
+
+def packed_update(
+    policy: Policy,
+    packed: Packed,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None,
+    scale: float | None,
+    *,
+    group: Any = None,
+) -> tuple[Step, Packed]:
+    """One decode step (keys/values ``[B, H_kv, 1, D]``, queries ``[B, H_q, 1, D]``) of every
+    packed row at its own position: the step to attend over and the packed rows after it."""
+    step = policy.update(
+        packed.state, keys, values, queries, scale, False, packed.log, group, packed.offsets
+    )
+    H = int(keys.shape[1])
+    return step, Packed(
+        state=step.state,
+        log=step.log,
+        offsets=tuple(o + 1 for o in packed.offsets),
+        seen=tuple(s + H for s in packed.seen),
+        logs=packed.logs,
+        calls=packed.calls + 1,
+    )
+
+
+def _row_entry(entry: Entry, b: int, offset: int, seen: int) -> Entry:
+    """Row ``b``'s part of a packed call's undo entry; the row was at ``offset`` having seen
+    ``seen`` before the call."""
+    running = {k: _slice_rows(v, b) for k, v in entry.running.items()}
+    running.update(offset=offset, tokens_seen=seen)
+    return replace(
+        entry,
+        start=offset,
+        running=running,
+        free=_slice_rows(entry.free, b),
+        written=_slice_rows(entry.written, b),
+        row=_slice_rows(entry.row, b),
+        victim=_slice_rows(entry.victim, b),
+        order=_slice_rows(entry.order, b),
+        evicted=_slice_rows(entry.evicted, b),
+    )
+
+
+def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
+    """Each row's single-sequence state and undo log, as if it had decoded alone (its slots
+    are views of the packed arrays; its log holds its part of the packed calls' entries)."""
+    state = packed.state
+    H = int(state.slots.keys.shape[1])
+    states, logs = [], []
+    held = () if packed.log is None else packed.log.entries
+    dropped = packed.calls - len(held)  # packed calls the packed log no longer holds
+    for b, (offset, seen) in enumerate(zip(packed.offsets, packed.seen, strict=True)):
+        changes = {
+            name: _slice_rows(getattr(state, name), b)
+            for name in running_fields(state)
+            if name not in ("offset", "tokens_seen")
+        }
+        states.append(replace(state, offset=offset, tokens_seen=seen, **changes))
+        log = packed.logs[b]
+        if log is not None:
+            # Calls the packed log dropped leave a gap the row's older entries cannot bridge.
+            log = log.cleared() if dropped else log
+            for i, entry in enumerate(held):
+                back = len(held) - i  # calls from this entry's to now
+                log = log.push(_row_entry(entry, b, offset - back, seen - back * H))
+        logs.append(log)
+    return states, logs

@@ -8,6 +8,7 @@ each query may see; everything else happens here once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,6 +62,9 @@ class Call:
     # tensor-parallel group (``mx.distributed.Group``) whose ranks hold the layer's other heads:
     # layer-wide decisions sum their weights over it (velox_cache_core.distributed); None: local
     group: Any = None
+    # int32 [B]: each row's own position of the new token, for a decode step of rows at
+    # different positions (packed rows, velox_cache_core.batch); ``start`` is then moot
+    row_start: mx.array | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -79,7 +83,17 @@ class Call:
         return self.keys
 
     def positions(self) -> mx.array:
-        return mx.arange(self.start, self.start + self.length, dtype=mx.int32)
+        """int32 ``[L]`` positions of the new tokens (``[B, 1, L]`` with per-row starts)."""
+        steps = mx.arange(self.length, dtype=mx.int32)
+        if self.row_start is not None:
+            return self.row_start[:, None, None] + steps
+        return steps + self.start
+
+    def newest(self) -> int | mx.array:
+        """The position of the last new token (int32 ``[B, 1, 1]`` with per-row starts)."""
+        if self.row_start is not None:
+            return self.row_start[:, None, None] + (self.length - 1)
+        return self.start + self.length - 1
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,8 @@ def layout(slots: KVSlots, call: Call, limit: int | None = None) -> KVSlots:
     whose decode steps hold at most ``budget + 1`` candidates reserves no row it cannot use).
     """
     if call.length == 1 and slots.free is not None:
-        return slots.write_free(call.keys, call.values, call.start)
+        position = call.start if call.row_start is None else call.row_start
+        return slots.write_free(call.keys, call.values, position)
     reserve = 0
     if call.length == 1:
         after = slots.n_slots + 1
@@ -247,6 +262,21 @@ def _open(
     return slots, call if group is None else replace(call, group=group)
 
 
+def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array:
+    """Validated per-row positions of a packed decode step, as int32 ``[B]``."""
+    if not policy.packs_rows:
+        raise ValueError(f"row_start: policy {policy.name!r} does not decide packed rows")
+    if call.length != 1:
+        raise ValueError(f"row_start needs one new token per row (L = 1), got L = {call.length}")
+    starts = list(row_start)
+    B = call.shape[0]
+    if len(starts) != B or any(isinstance(p, bool) or not isinstance(p, int) for p in starts):
+        raise ValueError(f"row_start must be {B} ints (one per row), got {starts!r}")
+    if min(starts) < 0:
+        raise ValueError(f"row_start must be >= 0, got {starts!r}")
+    return mx.array(starts, dtype=mx.int32)
+
+
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
     before = slots
     if call.length == 1 and policy.evict_before is not None:
@@ -294,6 +324,7 @@ def update(
     check_finite: bool = True,
     log: UndoLog | None = None,
     group: Any = None,
+    row_start: Sequence[int] | None = None,
 ) -> Step:
     """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
 
@@ -304,8 +335,13 @@ def update(
     With an undo ``log`` (:mod:`velox_cache_core.undo`), the call is recorded in the returned
     ``Step.log`` so that it can be trimmed exactly. ``group``: the tensor-parallel group of a
     sharded model (:mod:`velox_cache_core.distributed`); ``None`` for a single process.
+    ``row_start``: for one token per row (``L = 1``) of a policy that ``packs_rows``, each
+    row's own position of it (rows of a batch packed into one state, see
+    :mod:`velox_cache_core.batch`); the state's ``offset`` then only counts calls.
     """
     slots, call = _open(policy, state, keys, values, queries, scale, check_finite, group)
+    if row_start is not None:
+        call = replace(call, row_start=_row_start(policy, call, row_start))
     if call.length == 0:
         live = slots.compact()
         return Step(live.keys, live.values, None, advance(state, slots, call), log)

@@ -8,7 +8,7 @@ prompt-cache encoding) asks the record instead of naming policies.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,10 @@ class Policy:
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
     (TOVA: ``tova``, ``tova_adapted``); the chosen name is passed to ``init`` as ``preset``.
+    packs_rows: whether rows of a batch at different positions can decode as one call
+    (``update(..., row_start=...)``): the decode rule and ``evict_before`` read positions only
+    from the slots and ``Call.newest``/``Call.positions``, and every running field but the
+    counters is an array with the batch first (see :mod:`velox_cache_core.batch`).
     """
 
     name: str
@@ -49,6 +53,7 @@ class Policy:
     prompt_end_needs_model: bool = False
     evict_before: Callable[[Any, KVSlots, Call], KVSlots] | None = None
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    packs_rows: bool = False
 
     def update(
         self,
@@ -60,9 +65,11 @@ class Policy:
         check_finite: bool = True,
         log: UndoLog | None = None,
         group: Any = None,
+        row_start: Sequence[int] | None = None,
     ) -> Step:
         """Feed ``[B, H_kv, L, D]`` keys/values (and ``[B, H_q, L, D]`` queries); see
-        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group)."""
+        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group;
+        ``row_start``: per-row positions of a packed decode step)."""
         return update(
             self,
             state,
@@ -73,6 +80,7 @@ class Policy:
             check_finite=check_finite,
             log=log,
             group=group,
+            row_start=row_start,
         )
 
     def trim(self, state: Any, log: UndoLog, n: int, group: Any = None) -> tuple[Any, UndoLog]:

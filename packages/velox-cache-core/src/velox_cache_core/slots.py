@@ -175,13 +175,17 @@ class KVSlots:
         )
         return _view(room, n)
 
-    def write_free(self, keys: mx.array, values: mx.array, position: int) -> KVSlots:
-        """Write one new token (keys/values ``[B, H_kv, 1, D]``) into the dead slot, in place."""
+    def write_free(self, keys: mx.array, values: mx.array, position: int | mx.array) -> KVSlots:
+        """Write one new token (keys/values ``[B, H_kv, 1, D]``) into the dead slot, in place;
+        ``position``: its position, or int ``[B]`` one per row."""
         assert self.free is not None
         B, H, _, D = self.keys.shape
         row = self.free[:, :, None]
         feat = mx.broadcast_to(row[..., None], (B, H, 1, D))
-        pos = mx.full((B, H, 1), position, dtype=mx.int32)
+        if isinstance(position, mx.array):
+            pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1, 1), (B, H, 1))
+        else:
+            pos = mx.full((B, H, 1), position, dtype=mx.int32)
         return KVSlots(
             keys=mx.put_along_axis(self.keys, feat, keys, axis=2),
             values=mx.put_along_axis(self.values, feat, values, axis=2),

@@ -18,8 +18,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from velox_cache_core.batch import check_compatible, scatter
+from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.batch import (
+    Packed,
+    can_pack,
+    check_compatible,
+    pack,
+    packed_update,
+    scatter,
+    unpack,
+)
 from velox_cache_core.validation import check_kv
 from velox_mlx_lm.cache import PolicyKVCache, VeloxKVCache
 
@@ -115,38 +125,117 @@ class BatchVeloxKVCache(VeloxKVCache):
     single-sequence cache. Needs the attention hook (``KVCacheBuilder.for_model``)."""
 
     def __init__(self, rows: list[PolicyKVCache]) -> None:
-        self.rows = rows
+        self._rows = rows
+        self._packed: Packed | None = None  # the rows while they decode packed (see below)
+        self._packed_call: tuple[mx.array, mx.array] | None = None  # packed step awaiting attend
         self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
         self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
         self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
 
+    # -- packed rows -------------------------------------------------------------------------
+    # While every row decodes one token per step and their slots are laid out alike (a bounded
+    # policy's rows once each has evicted), the rows are held as one B-row core state
+    # (velox_cache_core.batch.pack) and each step is one engine call, not B. Anything else
+    # (a prefill, a row joining or leaving, a trim, reading a row) unpacks them first: each row
+    # gets back exactly the state and undo log it would have had alone.
+    @property
+    def rows(self) -> list[PolicyKVCache]:
+        """The rows' single-sequence caches (unpacked first when packed)."""
+        self._unpack()
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[PolicyKVCache]) -> None:
+        self._unpack()
+        self._rows = rows
+
+    def _unpack(self) -> None:
+        if self._packed_call is not None:
+            raise RuntimeError("a packed decode step is waiting for attend()")
+        if self._packed is None:
+            return
+        states, logs = unpack(self._packed)
+        self._packed = None
+        for row, state, log in zip(self._rows, states, logs, strict=True):
+            row._restore(state, log)
+
+    def _try_pack(self) -> bool:
+        """Pack the rows for a decode step when they can be (see above)."""
+        if self._packed is not None:
+            return True
+        rows = self._rows
+        group = rows[0].group
+        if any(not row._quiet() or row.group is not group for row in rows):
+            return False
+        states = [row.policy_state for row in rows]
+        if not can_pack(rows[0]._policy, states):
+            return False
+        self._packed = pack(states, [row._log for row in rows])
+        return True
+
+    def row_stats(self) -> list[dict[str, int]]:
+        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` (kept keys and values, as
+        ``nbytes``) and ``cache_bytes`` (every array the row holds, undo log included),
+        read without unpacking packed rows."""
+        packed = self._packed
+        if packed is None:
+            return [
+                {
+                    "tokens_seen": row.offset,
+                    "tokens_kept": row.tokens_kept,
+                    "kv_bytes": row.nbytes,
+                    "cache_bytes": _arrays_nbytes(row.state),
+                }
+                for row in self._rows
+            ]
+        B = len(self._rows)
+        state = packed.state
+        shared = _arrays_nbytes(state.slots.arrays()) + _arrays_nbytes(
+            [] if packed.log is None else packed.log.arrays()
+        )
+        return [
+            {
+                "tokens_seen": offset,
+                "tokens_kept": int(state.tokens_kept),
+                "kv_bytes": int(state.nbytes) // B,
+                "cache_bytes": shared // B + _arrays_nbytes([] if log is None else log.arrays()),
+            }
+            for offset, log in zip(packed.offsets, packed.logs, strict=True)
+        ]
+
     # -- what BatchGenerator reads ---------------------------------------------------------
     @property
     def policy_name(self) -> str:
-        return self.rows[0].policy_name
+        return self._rows[0].policy_name
 
     @property
     def offset(self) -> mx.array:
         """int32 ``[B]``: each row's position of its next real token (less pending left
         padding, so that the padding's real successor is rotated to the right position)."""
+        seen = self.tokens_seen
         return mx.array(
-            [row.offset - pad for row, pad in zip(self.rows, self._pad_left, strict=True)],
-            dtype=mx.int32,
+            [o - pad for o, pad in zip(seen, self._pad_left, strict=True)], dtype=mx.int32
         )
 
     @property
     def tokens_kept(self) -> list[int]:
         """Retained tokens per row (per KV head)."""
-        return [row.tokens_kept for row in self.rows]
+        if self._packed is not None:
+            return [int(self._packed.state.tokens_kept)] * len(self._rows)
+        return [row.tokens_kept for row in self._rows]
 
     @property
     def tokens_seen(self) -> list[int]:
-        return [row.offset for row in self.rows]
+        if self._packed is not None:
+            return list(self._packed.offsets)
+        return [row.offset for row in self._rows]
 
     @property
     def nbytes(self) -> int:
         """Bytes of every row's retained keys and values; padding is never stored."""
-        return sum(row.nbytes for row in self.rows)
+        if self._packed is not None:
+            return int(self._packed.state.nbytes)
+        return sum(row.nbytes for row in self._rows)
 
     @property
     def undo_nbytes(self) -> int:
@@ -154,13 +243,15 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     def size(self) -> int:
         """The longest row's retained tokens."""
-        return max(row.size() for row in self.rows)
+        if self._packed is not None:
+            return int(self._packed.state.n_kept)
+        return max(row.size() for row in self._rows)
 
     def empty(self) -> bool:
-        return all(row.empty() for row in self.rows)
+        return self._packed is None and all(row.empty() for row in self._rows)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._rows)
 
     @property
     def keys(self) -> mx.array | None:
@@ -182,7 +273,8 @@ class BatchVeloxKVCache(VeloxKVCache):
         """Say which tokens of the coming calls are padding: ``left_padding[b]`` tokens before
         row ``b``'s next real ones, and (mlx-lm's right padding) ``lengths[b]`` real tokens
         after which row ``b``'s tokens are padding until :meth:`finalize`."""
-        B = len(self.rows)
+        self._unpack()
+        B = len(self._rows)
         pads = None if left_padding is None else _counts("left_padding", left_padding, B)
         real = None if lengths is None else _counts("lengths", lengths, B)
         if right_padding is not None:
@@ -196,11 +288,11 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     def finalize(self) -> None:
         """End of a padded prompt: later calls are all real tokens again."""
-        self._real_left = [None] * len(self.rows)
+        self._real_left = [None] * len(self._rows)
 
     def _take_spans(self, length: int) -> list[tuple[int, int]]:
         spans = []
-        for b in range(len(self.rows)):
+        for b in range(len(self._rows)):
             skip = min(self._pad_left[b], length)
             self._pad_left[b] -= skip
             count = length - skip
@@ -220,17 +312,26 @@ class BatchVeloxKVCache(VeloxKVCache):
                 "a batched Velox cache needs the attention hook (KVCacheBuilder.for_model "
                 "installs it): update_and_fetch() was called twice without attention"
             )
-        fed = next((r.policy_state for r in self.rows if r.policy_state.slots is not None), None)
+        if self._decode_call(keys) and self._try_pack():
+            assert self._packed is not None
+            slots = self._packed.state.slots
+            _, H, _, D = slots.keys.shape
+            check_kv(keys, values, expect=(len(self._rows), H, D), dtype=slots.keys.dtype)
+            self._packed_call = (keys, values)
+            self._spans = [(0, 1)] * len(self._rows)
+            return keys, values
+        self._unpack()
+        fed = next((r.policy_state for r in self._rows if r.policy_state.slots is not None), None)
         expect = None
         dtype = None
         if fed is not None:
             _, H, _, D = fed.slots.keys.shape
-            expect, dtype = (len(self.rows), H, D), fed.slots.keys.dtype
+            expect, dtype = (len(self._rows), H, D), fed.slots.keys.dtype
         check_kv(keys, values, expect=expect, dtype=dtype)
-        if keys.shape[0] != len(self.rows):
-            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self.rows)} rows")
+        if keys.shape[0] != len(self._rows):
+            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self._rows)} rows")
         spans = self._take_spans(keys.shape[2])
-        for row, b, (first, count) in zip(self.rows, range(len(self.rows)), spans, strict=True):
+        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
             if count:
                 part = slice(first, first + count)
                 row.update_and_fetch(keys[b : b + 1, :, part], values[b : b + 1, :, part])
@@ -245,14 +346,32 @@ class BatchVeloxKVCache(VeloxKVCache):
         if self._spans is None:
             raise RuntimeError("attend() called before update_and_fetch()")
         spans, self._spans = self._spans, None
+        if self._packed_call is not None:
+            assert self._packed is not None
+            (keys, values), self._packed_call = self._packed_call, None
+            row = self._rows[0]
+            step, self._packed = packed_update(
+                row._policy, self._packed, keys, values, queries, scale, group=row.group
+            )
+            return attend_step(queries, step, scale, sinks)
         parts: list[mx.array | None] = []
-        for row, b, (first, count) in zip(self.rows, range(len(self.rows)), spans, strict=True):
+        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
             if count == 0:
                 parts.append(None)
                 continue
             q = queries[b : b + 1, :, first : first + count]
             parts.append(row.attend(q, scale, None, sinks))
         return scatter(parts, spans, queries)
+
+    def _decode_call(self, keys: mx.array) -> bool:
+        """Whether a call is one real token for every row (no padding pending)."""
+        return (
+            keys.ndim == 4
+            and keys.shape[2] == 1
+            and keys.shape[0] == len(self._rows)
+            and not any(self._pad_left)
+            and all(r is None for r in self._real_left)
+        )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """What the model shares between layers; the hook ignores it (every layer's rows
@@ -271,13 +390,14 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     # -- batch membership ----------------------------------------------------------------------
     def _copy_rows(self) -> list[PolicyKVCache]:
+        self._unpack()
         if (
             self._spans is not None
             or any(self._pad_left)
             or any(r is not None for r in self._real_left)
         ):
             raise ValueError("cannot take rows out of a batched cache in the middle of a call")
-        return [copy.copy(row) for row in self.rows]
+        return [copy.copy(row) for row in self._rows]
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchVeloxKVCache:
@@ -285,15 +405,16 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     def filter(self, batch_indices: Any) -> None:
         """Keep rows ``batch_indices`` (list or ``mx.array`` of ints), in that order."""
-        keep = _indices(batch_indices, len(self.rows))
+        self._unpack()
+        keep = _indices(batch_indices, len(self._rows))
         if not keep:
             raise ValueError("filter() must keep at least one row (drop the cache instead)")
         seen: set[int] = set()
         rows = []
         for i in keep:
-            rows.append(copy.copy(self.rows[i]) if i in seen else self.rows[i])
+            rows.append(copy.copy(self._rows[i]) if i in seen else self._rows[i])
             seen.add(i)
-        self.rows = rows
+        self._rows = rows
         self._pad_left = [self._pad_left[i] for i in keep]
         self._real_left = [self._real_left[i] for i in keep]
 
@@ -302,25 +423,27 @@ class BatchVeloxKVCache(VeloxKVCache):
         and settings); ``ValueError`` naming what differs, and nothing changes, otherwise."""
         if self._spans is not None:
             raise ValueError("cannot extend a batched cache in the middle of a call")
+        self._unpack()
         if isinstance(other, BatchVeloxKVCache):
             pads, real = list(other._pad_left), list(other._real_left)
         else:
             pads, real = [0], [None]
         new = _row_copies([other], "other")
-        check_compatible(_signature(self.rows[0]), _signature(new[0]), "this batch and other")
-        for row in self.rows[1:]:
+        check_compatible(_signature(self._rows[0]), _signature(new[0]), "this batch and other")
+        for row in self._rows[1:]:
             check_compatible(_signature(row), _signature(new[0]), "this batch and other")
-        self.rows = [*self.rows, *new]
+        self._rows = [*self._rows, *new]
         self._pad_left += pads
         self._real_left += real
 
     def extract(self, idx: int) -> PolicyKVCache:
         """Row ``idx`` as an independent single-sequence Velox cache (merge it again, save it
         with ``save_prompt_cache``, reuse it)."""
-        (i,) = _indices([idx], len(self.rows))
+        (i,) = _indices([idx], len(self._rows))
         if self._spans is not None:
             raise ValueError("cannot extract a row in the middle of a call")
-        row = copy.copy(self.rows[i])
+        self._unpack()
+        row = copy.copy(self._rows[i])
         row.policy_state  # noqa: B018 (settle any pending decision in the copy)
         return row
 
@@ -333,14 +456,19 @@ class BatchVeloxKVCache(VeloxKVCache):
         trimmed = [copy.copy(row) for row in self.rows]
         for row in trimmed:
             row.trim(n)
-        self.rows = trimmed
+        self._rows = trimmed
         return n
 
     # -- what mx.eval and copy.deepcopy see ------------------------------------------------------
     @property
     def state(self) -> list[dict[str, Any]]:
-        """Every row's arrays (``mx.eval``-ed by mlx-lm after every prefill chunk)."""
-        return [row.state for row in self.rows]
+        """Every row's arrays (``mx.eval``-ed by mlx-lm after every prefill chunk); packed
+        rows give the packed arrays."""
+        packed = self._packed
+        if packed is not None:
+            logs = [] if packed.log is None else packed.log.arrays()
+            return [{"slots": packed.state.slots.arrays(), "log": logs}]
+        return [row.state for row in self._rows]
 
     @state.setter
     def state(self, v: Any) -> None:
@@ -348,3 +476,9 @@ class BatchVeloxKVCache(VeloxKVCache):
             "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
             "save those (each is a single-sequence cache)"
         )
+
+
+def _arrays_nbytes(tree: Any) -> int:
+    """Bytes of every array in a nest of lists, tuples and dicts."""
+    leaves: Any = tree_flatten(tree)
+    return sum(int(a.nbytes) for _, a in leaves if isinstance(a, mx.array))

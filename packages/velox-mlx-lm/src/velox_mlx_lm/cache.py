@@ -261,6 +261,20 @@ class PolicyKVCache(VeloxKVCache):
     def _policy(self) -> Policy:
         return POLICIES[self.policy_name]
 
+    def _quiet(self) -> bool:
+        """No call in flight, no deferred decision and no shared step sums: the state can be
+        handed to a batched cache that decodes its rows packed (``batch_cache``)."""
+        return (
+            self._pending is None
+            and self._step is None
+            and self._deferred is None
+            and self._sums_ref is None
+        )
+
+    def _restore(self, state: Any, log: UndoLog | None) -> None:
+        """Take back the state and undo log a packed batch decoded for this row."""
+        self._state, self._log = state, log
+
     # -- what users read -------------------------------------------------------------------
     @property
     def policy_state(self) -> Any:

@@ -294,7 +294,22 @@ def _batch_rows(caches: list[Any]) -> list[dict[str, Any]]:
     if not caches:
         return []
     if isinstance(caches[0], BatchVeloxKVCache):
-        return [kv_stats([c.rows[i] for c in caches]) for i in range(len(caches[0].rows))]
+        # Read without unpacking rows that decode packed (a step would then copy them again).
+        layers = [c.row_stats() for c in caches]
+        rows = []
+        for per_layer in zip(*layers, strict=True):
+            seen = max(r["tokens_seen"] for r in per_layer)
+            kept = max(r["tokens_kept"] for r in per_layer)
+            rows.append(
+                {
+                    "tokens_seen": seen,
+                    "tokens_kept": kept,
+                    "compression_ratio": round(seen / kept, 3) if kept else 1.0,
+                    "kv_bytes": sum(r["kv_bytes"] for r in per_layer),
+                    "cache_bytes": sum(r["cache_bytes"] for r in per_layer),
+                }
+            )
+        return rows
     offsets = getattr(caches[0], "offset", None)
     if not isinstance(offsets, mx.array) or offsets.ndim != 1:
         return []

@@ -41,7 +41,7 @@ def cache_nbytes(cache: Any) -> int:
     """Bytes one layer cache holds: for a Velox cache every array of its state (kept rows,
     positions, running scores, undo log); for mlx-lm's caches their ``nbytes`` (the allocation)."""
     if isinstance(cache, BatchVeloxKVCache):
-        return sum(cache_nbytes(row) for row in cache.rows)
+        return sum(row["cache_bytes"] for row in cache.row_stats())
     if isinstance(cache, PolicyKVCache):
         leaves: Any = tree_flatten(cache.state)
         arrays = [a for _, a in leaves if isinstance(a, mx.array)]

@@ -85,5 +85,5 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     return replace(decision, changes={"scores": scores})
 
 
-H2O = Policy("h2o", H2OState, init_h2o_state, h2o_rule)
+H2O = Policy("h2o", H2OState, init_h2o_state, h2o_rule, packs_rows=True)
 h2o_update = H2O.update

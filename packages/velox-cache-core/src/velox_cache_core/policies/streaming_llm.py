@@ -71,5 +71,6 @@ STREAMING_LLM = Policy(
     streaming_llm_rule,
     uses_queries=False,
     evict_before=drop_oldest,
+    packs_rows=True,
 )
 streaming_llm_update = STREAMING_LLM.update

@@ -82,5 +82,5 @@ def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots)
     return decide_by_weights(state.rule, call, candidates)[0]
 
 
-TOVA = Policy("tova", TovaState, init_tova_state, tova_rule, presets=PRESETS)
+TOVA = Policy("tova", TovaState, init_tova_state, tova_rule, presets=PRESETS, packs_rows=True)
 tova_update = TOVA.update

@@ -1,0 +1,154 @@
+"""Packed rows (velox_cache_core.batch.pack / packed_update / unpack): a batch's decode steps
+as one engine call with per-row positions give every row exactly what it gets decoding alone.
+
+Rows start from prompts of different lengths (so different positions), decode packed, and are
+unpacked: each row's kept positions and rows (bit for bit), counters, attention outputs
+(float32 tolerance) and undo log must equal the row decoded alone, and a trim after unpacking
+must give the same state as the same trim of the row alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from velox_cache_core import POLICIES
+from velox_cache_core.attention import attend
+from velox_cache_core.batch import can_pack, pack, packed_update, unpack
+from velox_cache_core.undo import new_log
+
+PACKABLE = sorted(name for name, p in POLICIES.items() if p.packs_rows)
+H_KV, GROUP, D = 2, 2, 8
+SCALE = D**-0.5
+EXAMPLES = hypothesis_settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def _settings(name: str, budget: int, n_sink: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"budget": budget, "n_sink": n_sink}
+    if name == "h2o":
+        out["recent"] = min(2, budget - n_sink)
+    return out
+
+
+def _stream(n: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((1, H_KV, n, D)).astype(np.float32)
+    v = rng.standard_normal((1, H_KV, n, D)).astype(np.float32)
+    q = rng.standard_normal((1, H_KV * GROUP, n, D)).astype(np.float32)
+    return mx.array(k), mx.array(v), mx.array(q)
+
+
+def _same_state(a: Any, b: Any) -> None:
+    assert a.offset == b.offset and a.tokens_seen == b.tokens_seen
+    for x, y in zip(a.slots.compact().arrays(), b.slots.compact().arrays(), strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    if getattr(a, "scores", None) is not None:
+        np.testing.assert_allclose(np.array(a.scores), np.array(b.scores), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", PACKABLE)
+@EXAMPLES
+@given(
+    budget=st.integers(4, 9),
+    n_sink=st.integers(0, 2),
+    prompts=st.lists(st.integers(10, 20), min_size=2, max_size=3),
+    steps=st.integers(1, 12),
+    window=st.sampled_from([0, 3, 16]),
+    trim=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_rows_equal_rows_alone(
+    name: str,
+    budget: int,
+    n_sink: int,
+    prompts: list[int],
+    steps: int,
+    window: int,
+    trim: int,
+    seed: int,
+) -> None:
+    policy = POLICIES[name]
+    streams = [_stream(n + steps, seed + i) for i, n in enumerate(prompts)]
+    # Each row's prompt, fed alone; each has then evicted down to its budget.
+    states, logs = [], []
+    for (k, v, q), n in zip(streams, prompts, strict=True):
+        state = policy.init(**_settings(name, budget, n_sink))
+        step = policy.update(
+            state, k[:, :, :n], v[:, :, :n], q[:, :, :n], SCALE, log=new_log(window)
+        )
+        state, log = step.state, step.log
+        # One decode step alone, so that every row holds its dead slot (or, for StreamingLLM,
+        # a full budget): then the rows are laid out alike.
+        step = policy.update(
+            state, k[:, :, n : n + 1], v[:, :, n : n + 1], q[:, :, n : n + 1], SCALE, log=log
+        )
+        states.append(step.state)
+        logs.append(step.log)
+    assert can_pack(policy, states)
+    alone = list(zip(states, logs, strict=True))
+    packed = pack(states, logs)
+    for t in range(1, steps):
+        cols = [(n + t, n + t + 1) for n in prompts]
+        k, v, q = (
+            mx.concatenate([s[i][:, :, a:b] for s, (a, b) in zip(streams, cols, strict=True)])
+            for i in range(3)
+        )
+        step, packed = packed_update(policy, packed, k, v, q, SCALE)
+        out = np.array(attend(q, step, SCALE))
+        for b, ((state, log), (a, e)) in enumerate(zip(alone, cols, strict=True)):
+            s = streams[b]
+            one = policy.update(
+                state, s[0][:, :, a:e], s[1][:, :, a:e], s[2][:, :, a:e], SCALE, log=log
+            )
+            alone[b] = (one.state, one.log)
+            expect = np.array(attend(s[2][:, :, a:e], one, SCALE))
+            np.testing.assert_allclose(out[b : b + 1], expect, rtol=1e-5, atol=1e-6)
+    rows, row_logs = unpack(packed)
+    for (state, log), row, row_log in zip(alone, rows, row_logs, strict=True):
+        _same_state(row, state)
+        if log is None:
+            assert row_log is None
+            continue
+        assert row_log is not None and row_log.tokens == log.tokens
+        n = min(trim, log.tokens)
+        trimmed, _ = policy.trim(row, row_log, n)
+        expect, _ = policy.trim(state, log, n)
+        _same_state(trimmed, expect)
+
+
+def test_rows_laid_out_differently_do_not_pack() -> None:
+    policy = POLICIES["tova"]
+    k, v, q = _stream(12, 0)
+    full = policy.update(policy.init(budget=6), k, v, q, SCALE).state
+    short = policy.update(policy.init(budget=6), k[:, :, :4], v[:, :, :4], q[:, :, :4]).state
+    assert not can_pack(policy, [full, short])
+    assert not can_pack(POLICIES["morphkv"], [full, full])  # MorphKV does not pack
+
+
+def test_row_start_is_checked() -> None:
+    policy = POLICIES["tova"]
+    k, v, q = _stream(12, 0)
+    state = policy.update(policy.init(budget=6), k, v, q, SCALE).state
+    two = mx.concatenate([k[:, :, :1]] * 2), mx.concatenate([q[:, :, :1]] * 2)
+    packed = pack([state, state], [None, None])
+    with pytest.raises(ValueError, match="row_start must be 2 ints"):
+        policy.update(packed.state, two[0], two[0], two[1], SCALE, row_start=[1])
+    with pytest.raises(ValueError, match="L = 1"):
+        kk = mx.concatenate([k[:, :, :2]] * 2)
+        policy.update(packed.state, kk, kk, mx.concatenate([q[:, :, :2]] * 2), row_start=[1, 2])
+    with pytest.raises(ValueError, match="does not decide packed rows"):
+        POLICIES["morphkv"].update(
+            POLICIES["morphkv"].init(budget=16),
+            k[:, :, :1],
+            k[:, :, :1],
+            q[:, :, :1],
+            row_start=[0],
+        )
