@@ -3,7 +3,12 @@
 Each conversation is a thread that sends turns to ``/v1/chat/completions`` (streaming, greedy,
 ``stream_options.include_usage``) and appends the answer to its messages, so each turn's prompt
 is the previous turn plus a new user message (the server's prompt cache serves the shared
-prefix). A sampler thread polls ``GET /v1/velox/stats`` for memory over time. Plain
+prefix). Conversations start each turn together (a barrier), so that a turn's aggregate decode
+throughput is the batch decoding at that turn's context, not decode stalled behind another
+conversation's next, longer prefill (unsynchronised, a fast turn 0 of one method overlaps the
+turn-1 prefills of the others and the per-turn ratio measures that scheduling instead; set
+``synchronized=False`` for that load). A sampler thread polls ``GET /v1/velox/stats`` for memory
+over time. Plain
 ``http.client``: nothing to install, and each SSE chunk is timestamped as it arrives.
 """
 
@@ -37,6 +42,7 @@ class LoadSpec:
     end_tokens: int = 6000  # the last turn's prompt
     gen_tokens: int = 32
     poll_s: float = 0.5
+    synchronized: bool = True  # every conversation starts turn t together (see the module doc)
 
     def turn_tokens(self) -> list[int]:
         """The prompt length each turn aims at (linear from start to end)."""
@@ -143,39 +149,53 @@ def passage_words(offset: int) -> list[str]:
 
 
 def conversation(
-    port: int, index: int, spec: LoadSpec, t0: float, out: list[dict[str, Any]]
+    port: int,
+    index: int,
+    spec: LoadSpec,
+    t0: float,
+    out: list[dict[str, Any]],
+    barrier: threading.Barrier | None = None,
 ) -> None:
     words = passage_words(index * 37)
     messages: list[dict[str, str]] = []
     sent = 0  # words sent so far
-    for turn, target in enumerate(spec.turn_tokens()):
-        have = round(sent * TOKENS_PER_WORD)
-        n = max(8, round((target - have) / TOKENS_PER_WORD))
-        chunk = " ".join(words[(sent + i) % len(words)] for i in range(n))
-        sent += n
-        messages.append({"role": "user", "content": f"{chunk}\n\n{QUESTION}"})
-        result = stream_chat(port, messages, spec.gen_tokens)
-        messages.append({"role": "assistant", "content": result["text"]})
-        arrivals = result["arrivals"]
-        usage = result["usage"] or {}
-        velox = usage.get("velox", {})
-        out.append(
-            {
-                "conversation": index,
-                "turn": turn,
-                "prompt_tokens": usage.get("prompt_tokens"),
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-                "completion_tokens": usage.get("completion_tokens"),
-                "tokens_kept": velox.get("tokens_kept"),
-                "kv_bytes": velox.get("kv_bytes"),
-                "start_s": result["start"] - t0,
-                "first_token_s": (arrivals[0] - t0) if arrivals else None,
-                "end_s": (arrivals[-1] - t0) if arrivals else None,
-                "ttft_s": (arrivals[0] - result["start"]) if arrivals else None,
-                "itl_s": [b - a for a, b in itertools.pairwise(arrivals)],
-                "chunks": len(arrivals),
-            }
-        )
+    try:
+        for turn, target in enumerate(spec.turn_tokens()):
+            have = round(sent * TOKENS_PER_WORD)
+            n = max(8, round((target - have) / TOKENS_PER_WORD))
+            chunk = " ".join(words[(sent + i) % len(words)] for i in range(n))
+            sent += n
+            messages.append({"role": "user", "content": f"{chunk}\n\n{QUESTION}"})
+            if barrier is not None:
+                barrier.wait()
+            result = stream_chat(port, messages, spec.gen_tokens)
+            messages.append({"role": "assistant", "content": result["text"]})
+            arrivals = result["arrivals"]
+            usage = result["usage"] or {}
+            velox = usage.get("velox", {})
+            out.append(
+                {
+                    "conversation": index,
+                    "turn": turn,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ),
+                    "completion_tokens": usage.get("completion_tokens"),
+                    "tokens_kept": velox.get("tokens_kept"),
+                    "kv_bytes": velox.get("kv_bytes"),
+                    "start_s": result["start"] - t0,
+                    "first_token_s": (arrivals[0] - t0) if arrivals else None,
+                    "end_s": (arrivals[-1] - t0) if arrivals else None,
+                    "ttft_s": (arrivals[0] - result["start"]) if arrivals else None,
+                    "itl_s": [b - a for a, b in itertools.pairwise(arrivals)],
+                    "chunks": len(arrivals),
+                }
+            )
+    except BaseException:
+        if barrier is not None:  # the other conversations must not wait for this one forever
+            barrier.abort()
+        raise
 
 
 def run_load(flags: list[str], spec: LoadSpec) -> dict[str, Any]:
@@ -204,8 +224,11 @@ def run_load(flags: list[str], spec: LoadSpec) -> dict[str, Any]:
 
         sampler = threading.Thread(target=sample)
         sampler.start()
+        barrier = threading.Barrier(spec.conversations) if spec.synchronized else None
         threads = [
-            threading.Thread(target=conversation, args=(server.port, i, spec, t0, requests))
+            threading.Thread(
+                target=conversation, args=(server.port, i, spec, t0, requests, barrier)
+            )
             for i in range(spec.conversations)
         ]
         for t in threads:
