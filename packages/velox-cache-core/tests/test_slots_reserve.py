@@ -112,3 +112,15 @@ def test_a_trim_keeps_the_reserve_and_the_rows() -> None:
     again = _decode("tova", trimmed, tokens[6:])
     for a, b in zip(_rows(again[-1].state), _rows(state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_held_nbytes_counts_every_array_the_state_holds() -> None:
+    """Reserved buffers, not the views over them, and the running scores beside them."""
+    policy = POLICIES["h2o"]
+    state = _decode("h2o", policy.init(budget=100, n_sink=1, recent=2), _tokens(5, seed=7))[-1]
+    state = state.state
+    room = state.slots.reserve
+    assert room is not None and room.view is state.slots.keys
+    buffers = room.keys.nbytes + room.values.nbytes + room.positions.nbytes
+    assert state.held_nbytes == buffers + state.scores.nbytes
+    assert state.nbytes == room.keys.nbytes + room.values.nbytes

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.slots import KVSlots, stored_fields
 
 _RUNNING = "velox_running"
 
@@ -93,7 +93,35 @@ class PolicyState:
         return B * H * self.slots.n_held * D * 2 * self.slots.keys.dtype.size
 
     @property
+    def held_nbytes(self) -> int:
+        """Every byte the state holds: ``nbytes``, the positions of the rows held and the dead
+        slot's index, and the policy's running arrays (H2O's scores, MorphKV's probe rows)."""
+        total = self.nbytes
+        if self.slots is not None:
+            B, H = self.slots.positions.shape[:2]
+            total += B * H * self.slots.n_held * self.slots.positions.dtype.size
+            total += 0 if self.slots.free is None else int(self.slots.free.nbytes)
+        for name in running_fields(self):
+            if name != "slots":
+                total += arrays_nbytes(getattr(self, name))
+        return total
+
+    @property
     def compression_ratio(self) -> float:
         """Tokens seen per head over tokens kept (1.0 until something is evicted)."""
         kept = self.tokens_kept
         return self.offset / kept if kept else 1.0
+
+
+def arrays_nbytes(value: Any) -> int:
+    """Bytes of every array in ``value``: an array, a dataclass of arrays (its stored
+    fields), or tuples, lists and dicts of them; anything else counts 0."""
+    if isinstance(value, mx.array):
+        return int(value.nbytes)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(arrays_nbytes(getattr(value, f.name)) for f in stored_fields(value))
+    if isinstance(value, (tuple, list)):
+        return sum(arrays_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(arrays_nbytes(v) for v in value.values())
+    return 0

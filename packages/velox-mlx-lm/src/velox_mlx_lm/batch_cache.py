@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.batch import (
@@ -174,9 +173,9 @@ class BatchVeloxKVCache(VeloxKVCache):
         return True
 
     def row_stats(self) -> list[dict[str, int]]:
-        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` (kept keys and values, as
-        ``nbytes``) and ``cache_bytes`` (every array the row holds, undo log included),
-        read without unpacking packed rows."""
+        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` (keys and values held, as
+        ``nbytes``) and ``cache_bytes`` (every byte the row holds, undo log included), read
+        without unpacking packed rows (which share the packed arrays evenly)."""
         packed = self._packed
         if packed is None:
             return [
@@ -184,21 +183,19 @@ class BatchVeloxKVCache(VeloxKVCache):
                     "tokens_seen": row.offset,
                     "tokens_kept": row.tokens_kept,
                     "kv_bytes": row.nbytes,
-                    "cache_bytes": _arrays_nbytes(row.state),
+                    "cache_bytes": row.held_nbytes,
                 }
                 for row in self._rows
             ]
         B = len(self._rows)
         state = packed.state
-        shared = _arrays_nbytes(state.slots.arrays()) + _arrays_nbytes(
-            [] if packed.log is None else packed.log.arrays()
-        )
+        shared = int(state.held_nbytes) + (0 if packed.log is None else packed.log.nbytes)
         return [
             {
                 "tokens_seen": offset,
                 "tokens_kept": int(state.tokens_kept),
                 "kv_bytes": int(state.nbytes) // B,
-                "cache_bytes": shared // B + _arrays_nbytes([] if log is None else log.arrays()),
+                "cache_bytes": shared // B + (0 if log is None else log.nbytes),
             }
             for offset, log in zip(packed.offsets, packed.logs, strict=True)
         ]
@@ -476,9 +473,3 @@ class BatchVeloxKVCache(VeloxKVCache):
             "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
             "save those (each is a single-sequence cache)"
         )
-
-
-def _arrays_nbytes(tree: Any) -> int:
-    """Bytes of every array in a nest of lists, tuples and dicts."""
-    leaves: Any = tree_flatten(tree)
-    return sum(int(a.nbytes) for _, a in leaves if isinstance(a, mx.array))

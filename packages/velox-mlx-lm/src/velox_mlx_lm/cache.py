@@ -529,6 +529,12 @@ class PolicyKVCache(VeloxKVCache):
         return 0 if self._log is None else self._log.nbytes
 
     @property
+    def held_nbytes(self) -> int:
+        """Every byte the cache holds: the state's (``PolicyState.held_nbytes``: rows held,
+        their positions, running arrays) and the undo log's."""
+        return int(self.policy_state.held_nbytes) + self.undo_nbytes
+
+    @property
     def trimmable_tokens(self) -> int:
         """How many of the last tokens ``trim`` can take back now: those the undo log holds
         (at most ``trim_window``; 0 without a log)."""

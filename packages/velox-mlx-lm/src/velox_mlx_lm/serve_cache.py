@@ -16,8 +16,6 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
@@ -43,9 +41,7 @@ def cache_nbytes(cache: Any) -> int:
     if isinstance(cache, BatchVeloxKVCache):
         return sum(row["cache_bytes"] for row in cache.row_stats())
     if isinstance(cache, PolicyKVCache):
-        leaves: Any = tree_flatten(cache.state)
-        arrays = [a for _, a in leaves if isinstance(a, mx.array)]
-        return sum(int(a.nbytes) for a in arrays)
+        return cache.held_nbytes
     return int(cache.nbytes)
 
 
