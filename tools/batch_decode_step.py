@@ -13,8 +13,6 @@ without the server around it.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 from velox_blas import preload_openblas
@@ -23,6 +21,7 @@ BLAS = preload_openblas()  # before mlx is imported
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from single_sequence_step import alternate, report  # noqa: E402 (a sibling script)
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -59,24 +58,13 @@ def main() -> None:
         args.method: merged(model, lambda: KVCacheBuilder.for_model(model, config), prompts),
     }
     state = {name: mx.zeros((args.rows, 1), dtype=mx.int32) for name in lists}
-    times: dict[str, list[float]] = {name: [] for name in lists}
-    for _ in range(args.rounds):
-        for name, caches in lists.items():
-            y = state[name]
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
-                mx.eval(y)
-            times[name].append((time.perf_counter() - start) / args.steps)
-            state[name] = y
+    times = alternate(model, lists, state, args.rounds, args.steps)
     print(
         f"BLAS: {BLAS}; {args.rows} rows, prompts {lengths}, "
         f"{args.rounds} rounds x {args.steps} steps"
     )
-    for name, ts in times.items():
-        print(f"{name:14}{statistics.median(ts) * 1e3:10.1f} ms/step")
-    ratio = statistics.median(a / b for a, b in zip(times[args.method], times["full"], strict=True))
-    print(f"{args.method} / full: {ratio:.3f} (step time; throughput ratio {1 / ratio:.2f})")
+    ratio = report(times, args.method)
+    print(f"(step time; throughput ratio {1 / ratio:.2f})")
 
 
 if __name__ == "__main__":

@@ -48,21 +48,36 @@ def main() -> None:
         logits = model(prompt, cache=caches)
         mx.eval(logits, [c.state for c in caches])
         state[name] = mx.argmax(logits[:, -1:], axis=-1)
+    times = alternate(model, lists, state, args.rounds, args.steps)
+    print(f"BLAS: {BLAS}; prompt {args.prompt} tokens, {args.rounds} rounds x {args.steps} steps")
+    report(times, args.method)
+
+
+def alternate(
+    model: Any, lists: dict[str, Any], state: dict[str, mx.array], rounds: int, steps: int
+) -> dict[str, list[float]]:
+    """Greedy decode with every cache list in turn, ``steps`` steps per round, from the next
+    tokens in ``state`` (updated): seconds per step, one entry per round and list."""
     times: dict[str, list[float]] = {name: [] for name in lists}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, caches in lists.items():
             y = state[name]
             start = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
                 mx.eval(y)
-            times[name].append((time.perf_counter() - start) / args.steps)
+            times[name].append((time.perf_counter() - start) / steps)
             state[name] = y
-    print(f"BLAS: {BLAS}; prompt {args.prompt} tokens, {args.rounds} rounds x {args.steps} steps")
+    return times
+
+
+def report(times: dict[str, list[float]], method: str) -> float:
+    """Print each list's median step and ``method``'s median per-round ratio to ``full``."""
     for name, ts in times.items():
         print(f"{name:14}{statistics.median(ts) * 1e3:10.1f} ms/step")
-    ratio = statistics.median(a / b for a, b in zip(times[args.method], times["full"], strict=True))
-    print(f"{args.method} / full: {ratio:.3f}")
+    ratio = statistics.median(a / b for a, b in zip(times[method], times["full"], strict=True))
+    print(f"{method} / full: {ratio:.3f}")
+    return ratio
 
 
 if __name__ == "__main__":
