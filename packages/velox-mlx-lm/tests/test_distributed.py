@@ -359,3 +359,33 @@ def test_for_model_on_an_unsharded_model_has_no_group() -> None:
     assert all(c.group is None for c in caches)
     model.shard(mx.distributed.init())  # one process: a group of one rank
     assert tensor_group(model) is None
+
+
+def test_keys_setter_on_packed_rows_ties_without_unpacking() -> None:
+    """A pipeline model ties its send to the last layer's keys every pass: on a batch decoding
+    packed, that must neither unpack the rows (the next step would copy them again) nor
+    change what they hold."""
+    from velox_mlx_lm import TOVAKVCache
+    from velox_mlx_lm.batch_cache import merge
+
+    rows = []
+    for seed in (0, 1):
+        row = TOVAKVCache(budget=6, n_sink=1)
+        mx.random.seed(seed)
+        for n in (9, 1):  # a prompt past the budget, then a decode step: laid out alike
+            kv, q = mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 4, n, 4))
+            row.update_and_fetch(kv, kv)
+            row.attend(q, 0.5, None, None)
+        rows.append(row)
+    batch = merge(rows)
+    kv, q = mx.random.normal((2, 2, 1, 4)), mx.random.normal((2, 4, 1, 4))
+    batch.update_and_fetch(kv, kv)
+    batch.attend(q, 0.5, None, None)
+    assert batch._packed is not None
+    keys = batch.keys
+    batch.keys = mx.depends(batch.keys, mx.ones((1, 3)))
+    assert batch._packed is not None and mx.array_equal(batch.keys, keys)
+    mx.eval(batch.state)
+    assert batch.tokens_seen == [11, 11] and batch.size() == 6
+    kept = [r.positions for r in batch.rows]  # now unpacked
+    assert all(p.shape == (1, 2, 6) for p in kept)

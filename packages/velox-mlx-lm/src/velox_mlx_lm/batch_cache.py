@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -252,12 +253,24 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     @property
     def keys(self) -> mx.array | None:
-        """Row 0's retained keys (what pipeline-parallel models tie their send to)."""
-        return self.rows[0].keys
+        """Row 0's retained keys, or the packed rows' keys (what pipeline-parallel models tie
+        their send to, every forward pass: reading them does not unpack)."""
+        if self._packed is not None:
+            return self._packed.state.slots.keys
+        return self._rows[0].keys
 
     @keys.setter
     def keys(self, value: Any) -> None:
-        self.rows[0].keys = value
+        """Tie ``value`` to the stored keys (see ``PolicyKVCache.keys``) without changing them."""
+        packed = self._packed
+        if packed is None:
+            self._rows[0].keys = value
+            return
+        if not isinstance(value, mx.array):
+            return
+        slots = packed.state.slots
+        tied = replace(slots, keys=mx.depends([slots.keys], [value])[0])
+        self._packed = replace(packed, state=replace(packed.state, slots=tied))
 
     # -- padding -----------------------------------------------------------------------------
     def prepare(
