@@ -21,7 +21,7 @@ BLAS = preload_openblas()  # before mlx is imported
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from single_sequence_step import alternate, report  # noqa: E402 (a sibling script)
+from single_sequence_step import add_run_arguments, alternate, report  # noqa: E402 (a sibling script)
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
@@ -41,10 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4, help="sequences in the batch")
     parser.add_argument("--prompt", type=int, default=416, help="mean prompt tokens")
-    parser.add_argument("--method", default="tova")
-    parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    add_run_arguments(parser)
     args = parser.parse_args()
     model = load_default()[0]
     lengths = [args.prompt + 16 * (i - args.rows // 2) for i in range(args.rows)]

@@ -30,10 +30,7 @@ from velox_mlx_lm.embedded import load_default  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=416, help="prompt tokens")
-    parser.add_argument("--method", default="tova")
-    parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    add_run_arguments(parser)
     args = parser.parse_args()
     model = load_default()[0]
     prompt = mx.random.randint(0, 2000, (1, args.prompt), key=mx.random.key(0))
@@ -51,6 +48,14 @@ def main() -> None:
     times = alternate(model, lists, state, args.rounds, args.steps)
     print(f"BLAS: {BLAS}; prompt {args.prompt} tokens, {args.rounds} rounds x {args.steps} steps")
     report(times, args.method)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The method, budget and round options both step tools take."""
+    parser.add_argument("--method", default="tova")
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
 
 
 def alternate(
