@@ -141,6 +141,8 @@ def test_row_start_is_checked() -> None:
     packed = pack([state, state], [None, None])
     with pytest.raises(ValueError, match="row_start must be 2 ints"):
         policy.update(packed.state, two[0], two[0], two[1], SCALE, row_start=[1])
+    with pytest.raises(ValueError, match=r"row_start\[1\] must be an int >= 0"):
+        policy.update(packed.state, two[0], two[0], two[1], SCALE, row_start=[1, -1])
     with pytest.raises(ValueError, match="L = 1"):
         kk = mx.concatenate([k[:, :, :2]] * 2)
         policy.update(packed.state, kk, kk, mx.concatenate([q[:, :, :2]] * 2), row_start=[1, 2])

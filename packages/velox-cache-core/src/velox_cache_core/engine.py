@@ -19,6 +19,7 @@ from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
 from velox_cache_core.undo import UndoLog, record
 from velox_cache_core.validation import (
+    check_int,
     check_kv,
     check_queries,
     check_scale,
@@ -270,10 +271,10 @@ def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array
         raise ValueError(f"row_start needs one new token per row (L = 1), got L = {call.length}")
     starts = list(row_start)
     B = call.shape[0]
-    if len(starts) != B or any(isinstance(p, bool) or not isinstance(p, int) for p in starts):
+    if len(starts) != B:
         raise ValueError(f"row_start must be {B} ints (one per row), got {starts!r}")
-    if min(starts) < 0:
-        raise ValueError(f"row_start must be >= 0, got {starts!r}")
+    for b, p in enumerate(starts):
+        check_int(f"row_start[{b}]", p, minimum=0)
     return mx.array(starts, dtype=mx.int32)
 
 

@@ -16,7 +16,7 @@ first ``S + 1`` rows, as mlx-lm's ``KVCache`` grows in steps. The reserved rows 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -129,10 +129,8 @@ class KVSlots:
         after them become reserved rows again."""
         room = self._room()
         keys = self.keys[:, :, :n]
-        out = KVSlots(keys, self.values[:, :, :n], self.positions[:, :, :n])
-        if room is None:
-            return out
-        return KVSlots(out.keys, out.values, out.positions, None, replace_view(room, keys))
+        reserve = None if room is None else replace(room, view=keys)
+        return KVSlots(keys, self.values[:, :, :n], self.positions[:, :, :n], None, reserve)
 
     def append(
         self, keys: mx.array, values: mx.array, positions: mx.array, *, reserve: int = 0
@@ -199,14 +197,9 @@ class KVSlots:
         return KVSlots(self.keys, self.values, self.positions, free)
 
 
-def replace_view(room: Reserve, view: mx.array) -> Reserve:
-    """``room`` owned by the store whose keys are ``view``."""
-    return Reserve(room.keys, room.values, room.positions, view)
-
-
 def _view(room: Reserve, n: int) -> KVSlots:
     """The store of the first ``n`` rows of ``room``'s buffers, owning them."""
     keys = room.keys[:, :, :n]
     return KVSlots(
-        keys, room.values[:, :, :n], room.positions[:, :, :n], None, replace_view(room, keys)
+        keys, room.values[:, :, :n], room.positions[:, :, :n], None, replace(room, view=keys)
     )

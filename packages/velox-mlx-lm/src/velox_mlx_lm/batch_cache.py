@@ -164,6 +164,8 @@ class BatchVeloxKVCache(VeloxKVCache):
         if self._packed is not None:
             return True
         rows = self._rows
+        if not rows[0]._policy.packs_rows:  # most of what can_pack checks costs a loop
+            return False
         group = rows[0].group
         if any(not row._quiet() or row.group is not group for row in rows):
             return False

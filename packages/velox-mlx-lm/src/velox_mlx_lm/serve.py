@@ -33,7 +33,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
-from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, kv_stats
+from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, combine_layers, kv_stats
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
@@ -296,20 +296,7 @@ def _batch_rows(caches: list[Any]) -> list[dict[str, Any]]:
     if isinstance(caches[0], BatchVeloxKVCache):
         # Read without unpacking rows that decode packed (a step would then copy them again).
         layers = [c.row_stats() for c in caches]
-        rows = []
-        for per_layer in zip(*layers, strict=True):
-            seen = max(r["tokens_seen"] for r in per_layer)
-            kept = max(r["tokens_kept"] for r in per_layer)
-            rows.append(
-                {
-                    "tokens_seen": seen,
-                    "tokens_kept": kept,
-                    "compression_ratio": round(seen / kept, 3) if kept else 1.0,
-                    "kv_bytes": sum(r["kv_bytes"] for r in per_layer),
-                    "cache_bytes": sum(r["cache_bytes"] for r in per_layer),
-                }
-            )
-        return rows
+        return [combine_layers(list(per_layer)) for per_layer in zip(*layers, strict=True)]
     offsets = getattr(caches[0], "offset", None)
     if not isinstance(offsets, mx.array) or offsets.ndim != 1:
         return []

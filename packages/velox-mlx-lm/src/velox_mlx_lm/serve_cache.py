@@ -54,16 +54,33 @@ def kept_rows(cache: Any) -> int:
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
     """One sequence's counters: tokens kept (the fullest layer), tokens seen, compression
     ratio, bytes of kept keys and values, and all bytes held (Velox: with the undo log)."""
-    kept = [kept_rows(c) for c in caches]
-    seen = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
+    return combine_layers([layer_stats(c) for c in caches])
+
+
+def layer_stats(cache: Any) -> dict[str, Any]:
+    """One layer cache's counters (``tokens_seen`` is ``None`` where the offset is not an
+    int), as ``BatchVeloxKVCache.row_stats`` gives them per row."""
+    offset = getattr(cache, "offset", None)
+    return {
+        "tokens_seen": int(offset) if isinstance(offset, int) else None,
+        "tokens_kept": kept_rows(cache),
+        "kv_bytes": _kept_bytes(cache),
+        "cache_bytes": cache_nbytes(cache),
+    }
+
+
+def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sequence's counters from its layers' (:func:`layer_stats`): the most seen and kept,
+    the compression ratio of those, the bytes summed."""
+    seen = [r["tokens_seen"] for r in layers if r["tokens_seen"] is not None]
     seen_max = max(seen) if seen else 0
-    kept_max = max(kept) if kept else 0
+    kept_max = max((r["tokens_kept"] for r in layers), default=0)
     return {
         "tokens_seen": seen_max,
         "tokens_kept": kept_max,
         "compression_ratio": round(seen_max / kept_max, 3) if kept_max else 1.0,
-        "kv_bytes": sum(_kept_bytes(c) for c in caches),
-        "cache_bytes": sum(cache_nbytes(c) for c in caches),
+        "kv_bytes": sum(r["kv_bytes"] for r in layers),
+        "cache_bytes": sum(r["cache_bytes"] for r in layers),
     }
 
 
