@@ -6,8 +6,8 @@ can write the newest token over the slot freed by the previous eviction instead 
 When that happens the store holds ``budget + 1`` slots of which one, ``free``, is dead.
 
 While a cache grows one token at a time (decode before the budget is reached, or a policy that
-keeps every decoded token), copying every slot into a new array per step would cost more than
-the step's attention. A store can instead sit in the first ``S`` rows of larger buffers (a
+keeps every decoded token), copying every slot into a new array per step costs a copy of the
+whole store per token. A store can instead sit in the first ``S`` rows of larger buffers (a
 :class:`Reserve`): the next token is written into row ``S`` in place and the slots become the
 first ``S + 1`` rows, as mlx-lm's ``KVCache`` grows in steps. The reserved rows are counted in
 :attr:`KVSlots.n_held` (what the store's bytes report).
