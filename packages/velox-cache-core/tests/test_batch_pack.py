@@ -48,6 +48,9 @@ def _stream(n: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
 
 def _same_state(a: Any, b: Any) -> None:
     assert a.offset == b.offset and a.tokens_seen == b.tokens_seen
+    if a.slots is None or b.slots is None:  # trimmed back before the first token
+        assert a.slots is None and b.slots is None
+        return
     for x, y in zip(a.slots.compact().arrays(), b.slots.compact().arrays(), strict=True):
         np.testing.assert_array_equal(np.array(x), np.array(y))
     if getattr(a, "scores", None) is not None:
@@ -95,8 +98,23 @@ def test_packed_rows_equal_rows_alone(
     assert can_pack(policy, states)
     alone = list(zip(states, logs, strict=True))
     packed = pack(states, logs)
-    for t in range(1, steps):
-        cols = [(n + t, n + t + 1) for n in prompts]
+    assert not packed.padded
+    packed = _decode_both(policy, packed, alone, streams, [n + 1 for n in prompts], steps - 1)
+    _check_unpacked(policy, packed, alone, trim)
+
+
+def _decode_both(
+    policy: Any,
+    packed: Any,
+    alone: list[tuple[Any, Any]],
+    streams: list[tuple[mx.array, mx.array, mx.array]],
+    starts: list[int],
+    steps: int,
+) -> Any:
+    """``steps`` decode steps of the packed rows and of each row alone (``alone``, updated),
+    row ``b``'s tokens from ``streams[b]`` at ``starts[b]``: attention outputs must agree."""
+    for t in range(steps):
+        cols = [(n + t, n + t + 1) for n in starts]
         k, v, q = (
             mx.concatenate([s[i][:, :, a:b] for s, (a, b) in zip(streams, cols, strict=True)])
             for i in range(3)
@@ -111,6 +129,12 @@ def test_packed_rows_equal_rows_alone(
             alone[b] = (one.state, one.log)
             expect = np.array(attend(s[2][:, :, a:e], one, SCALE))
             np.testing.assert_allclose(out[b : b + 1], expect, rtol=1e-5, atol=1e-6)
+    return packed
+
+
+def _check_unpacked(policy: Any, packed: Any, alone: list[tuple[Any, Any]], trim: int) -> None:
+    """Unpacked rows equal the rows alone: state, undo log and a trim of ``trim`` tokens."""
+    assert packed.tokens_kept == [int(state.tokens_kept) for state, _ in alone]
     rows, row_logs = unpack(packed)
     for (state, log), row, row_log in zip(alone, rows, row_logs, strict=True):
         _same_state(row, state)
@@ -122,6 +146,78 @@ def test_packed_rows_equal_rows_alone(
         trimmed, _ = policy.trim(row, row_log, n)
         expect, _ = policy.trim(state, log, n)
         _same_state(trimmed, expect)
+
+
+# Policies whose rows pack padded below their budget: no running arrays besides the slots.
+PADDABLE = ["streaming_llm", "tova"]
+
+
+@pytest.mark.parametrize("name", PADDABLE)
+@EXAMPLES
+@given(
+    budget=st.integers(6, 24),
+    n_sink=st.integers(0, 2),
+    fractions=st.lists(st.floats(0, 1), min_size=2, max_size=4),
+    steps=st.integers(1, 24),
+    window=st.sampled_from([0, 3, 16]),
+    trim=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_padded_rows_equal_rows_alone(
+    name: str,
+    budget: int,
+    n_sink: int,
+    fractions: list[float],
+    steps: int,
+    window: int,
+    trim: int,
+    seed: int,
+) -> None:
+    """Rows below their budget, of different lengths, pack padded and decode packed until the
+    longest would evict; each row then equals the row decoded alone."""
+    policy = POLICIES[name]
+    prompts = [1 + int(f * (budget - 2)) for f in fractions]  # 1 .. budget - 1 tokens
+    streams = [_stream(n + steps, seed + i) for i, n in enumerate(prompts)]
+    states, logs = [], []
+    for (k, v, q), n in zip(streams, prompts, strict=True):
+        state = policy.init(**_settings(name, budget, n_sink))
+        step = policy.update(
+            state, k[:, :, :n], v[:, :, :n], q[:, :, :n], SCALE, log=new_log(window)
+        )
+        states.append(step.state)
+        logs.append(step.log)
+    assert can_pack(policy, states)
+    packed = pack(states, logs)
+    assert list(packed.pads) == [max(prompts) - n for n in prompts]
+    fits = min(steps, budget - max(prompts))  # steps until the longest row's budget
+    alone = list(zip(states, logs, strict=True))
+    packed = _decode_both(policy, packed, alone, streams, prompts, fits)
+    if packed.padded:  # packed until the longest row's next step would evict
+        assert packed.can_step() == (max(prompts) + fits + 1 <= budget)
+    _check_unpacked(policy, packed, alone, trim)
+
+
+def test_padded_rows_stop_at_the_budget() -> None:
+    policy = POLICIES["tova"]
+    k, v, q = _stream(8, 0)
+    short = policy.update(policy.init(budget=6), k[:, :, :3], v[:, :, :3], q[:, :, :3]).state
+    long = policy.update(policy.init(budget=6), k[:, :, :5], v[:, :, :5], q[:, :, :5]).state
+    packed = pack([short, long], [None, None])
+    assert packed.pads == (2, 0) and packed.tokens_kept == [3, 5]
+    two = [mx.concatenate([x[:, :, 5:6]] * 2) for x in (k, v, q)]
+    _, packed = packed_update(policy, packed, *two, SCALE)
+    assert packed.tokens_kept == [4, 6] and not packed.can_step()
+    with pytest.raises(ValueError, match="unpack them first"):
+        packed_update(policy, packed, *two, SCALE)
+    # A row at its budget and H2O's running scores do not pack padded.
+    full = policy.update(policy.init(budget=6), k[:, :, :6], v[:, :, :6], q[:, :, :6]).state
+    assert not can_pack(policy, [short, full])
+    h2o = POLICIES["h2o"]
+    rows = [
+        h2o.update(h2o.init(budget=6, recent=1), k[:, :, :n], v[:, :, :n], q[:, :, :n]).state
+        for n in (3, 5)
+    ]
+    assert not can_pack(h2o, rows)
 
 
 def test_rows_laid_out_differently_do_not_pack() -> None:

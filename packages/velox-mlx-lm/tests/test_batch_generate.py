@@ -145,6 +145,26 @@ def test_batch_rows_equal_sequences_alone(tiny_model, method):
     assert any(packed) == POLICIES[cfg.policy].packs_rows
 
 
+@pytest.mark.parametrize("method", ["tova", "streaming_llm"])
+def test_rows_below_the_budget_decode_padded_then_alone(tiny_model, method):
+    """Short rows of different lengths decode packed with padding until the longest would
+    evict, then each row alone until all have evicted, then packed again: each row still
+    equals its sequence alone."""
+    model = tiny_model("llama", fresh=True)
+    cfg = config(method, budget=16)
+    items = [(p, 20) for p in prompts((3, 7, 5), seed=4)]
+    padded, alike = [], []
+
+    def check(gen) -> None:
+        for c in gen._generation_batch.prompt_cache:
+            if isinstance(c, BatchVeloxKVCache) and c._packed is not None:
+                (padded if c._packed.padded else alike).append(True)
+                assert c.tokens_kept == c._packed.tokens_kept
+
+    assert_same_as_alone(model, cfg, items, batched(model, cfg, items, check=check))
+    assert padded and alike
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("method", ["tova", "h2o"])
 def test_batch_rows_equal_sequences_alone_across_archs(tiny_model, arch, method):

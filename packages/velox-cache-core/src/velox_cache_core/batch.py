@@ -15,7 +15,11 @@ Packed rows: calling the engine once per row costs a decode step ``B`` times the
 building and ``B`` small kernels per op. Rows whose slots are laid out alike (a full budget
 each, as every row of a bounded policy has once it evicts) can instead be held as one ``B``-row
 state (:func:`pack`) and decode as one call with per-row positions (:func:`packed_update`);
-:func:`unpack` gives each row back exactly the state and undo log it would have alone.
+:func:`unpack` gives each row back exactly the state and undo log it would have alone. Rows
+that have not reached their budget yet hold different slot counts: they pack *padded* (each
+row's slots after ``pads[b]`` padding slots, which a mask hides from attention) for as long as
+no row can evict, which for such a policy means while the longest row's next step stays within
+the budget (:meth:`Packed.can_step`).
 """
 
 from __future__ import annotations
@@ -276,7 +280,8 @@ class Packed:
     state: the ``B``-row state (its ``offset``/``tokens_seen`` only count packed calls);
     log: the packed calls' undo log (``None`` without logs); offsets, seen: each row's
     ``offset`` and ``tokens_seen`` now; logs: each row's undo log from before packing;
-    calls: packed calls so far.
+    calls: packed calls so far; pads: padding slots before each row's slots (all 0 when the
+    rows were laid out alike), hidden from attention by :attr:`mask`.
     """
 
     state: Any
@@ -285,6 +290,28 @@ class Packed:
     seen: tuple[int, ...]
     logs: tuple[UndoLog | None, ...]
     calls: int = 0
+    pads: tuple[int, ...] = ()
+
+    @property
+    def padded(self) -> bool:
+        return any(self.pads)
+
+    @property
+    def tokens_kept(self) -> list[int]:
+        """Each row's retained tokens (per KV head), padding not counted."""
+        n = int(self.state.n_kept)
+        return [n - pad for pad in self.pads] if self.pads else [n] * len(self.offsets)
+
+    def can_step(self) -> bool:
+        """Whether the next decode step can run packed: always for rows laid out alike; for
+        padded rows, while the longest row's candidates stay within the budget (nothing is
+        evicted, so the padding is never scored or chosen)."""
+        return not self.padded or self.state.slots.n_slots + 1 <= self.state.budget
+
+    def mask(self, n: int) -> mx.array:
+        """bool ``[B, 1, 1, n]``: which of ``n`` candidate slots hold a row's tokens."""
+        pads = mx.array(self.pads, dtype=mx.int32)
+        return (mx.arange(n, dtype=mx.int32)[None] >= pads[:, None])[:, None, None]
 
 
 def _slice_rows(value: Any, b: int) -> Any:
@@ -301,34 +328,62 @@ def _slice_rows(value: Any, b: int) -> Any:
 
 def can_pack(policy: Policy, states: Sequence[Any]) -> bool:
     """Whether single-sequence ``states`` of ``policy`` can decode packed: the policy
-    ``packs_rows``, every state holds slots laid out alike (same slot count, dead slot in all
-    or none), and every other running field is an array in all of them or ``None`` in all."""
+    ``packs_rows`` and either every state holds slots laid out alike (same slot count, dead
+    slot in all or none) and every other running field is an array in all of them or ``None``
+    in all, or (padded, see the module doc) no state has a dead slot or any running array
+    and the longest row's next decode step stays within the budget."""
     if not policy.packs_rows or len(states) < 2:
         return False
     first = states[0]
     if first.slots is None:
         return False
     n, dead = first.slots.n_slots, first.slots.free is None
+    alike = True
     for state in states:
         slots = state.slots
-        if slots is None or slots.n_slots != n or (slots.free is None) != dead:
+        if slots is None or slots.keys.shape[0] != 1:
             return False
-        if slots.keys.shape[0] != 1:
-            return False
-    for name in running_fields(first):
-        if name in _COUNTERS:
-            continue
+        if slots.n_slots != n or (slots.free is None) != dead:
+            alike = False
+    others = [name for name in running_fields(first) if name not in _COUNTERS]
+    if not alike:
+        budget = getattr(first, "budget", None)
+        longest = max(s.slots.n_slots for s in states)
+        return (
+            isinstance(budget, int)
+            and longest + 1 <= budget
+            and all(s.slots.free is None for s in states)
+            and all(getattr(s, name) is None for s in states for name in others)
+        )
+    for name in others:
         values = [getattr(s, name) for s in states]
         if not (all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)):
             return False
     return True
 
 
+def _padded(slots: KVSlots, pad: int) -> KVSlots:
+    """``slots`` after ``pad`` padding slots (zero rows at position -1)."""
+    if pad == 0:
+        return slots
+    B, H, _, D = slots.keys.shape
+    zeros = mx.zeros((B, H, pad, D), dtype=slots.keys.dtype)
+    return KVSlots(
+        mx.concatenate([zeros, slots.keys], axis=2),
+        mx.concatenate([zeros, slots.values], axis=2),
+        mx.concatenate([mx.full((B, H, pad), -1, dtype=mx.int32), slots.positions], axis=2),
+    )
+
+
 def pack(states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
-    """Pack single-sequence states (see :func:`can_pack`) and their undo logs."""
+    """Pack single-sequence states (see :func:`can_pack`) and their undo logs; rows with
+    fewer slots than the longest are padded before their slots."""
     first = states[0]
-    slots = [s.slots for s in states]
-    free = None if slots[0].free is None else mx.concatenate([s.free for s in slots], axis=0)
+    longest = max(s.slots.n_slots for s in states)
+    pads = tuple(longest - s.slots.n_slots for s in states)
+    slots = [_padded(s.slots, pad) for s, pad in zip(states, pads, strict=True)]
+    frees = [s.free for s in slots if s.free is not None]  # in every row or in none
+    free = mx.concatenate(frees, axis=0) if frees else None
     stacked = KVSlots(
         mx.concatenate([s.keys for s in slots], axis=0),
         mx.concatenate([s.values for s in slots], axis=0),
@@ -346,6 +401,7 @@ def pack(states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
         offsets=tuple(int(s.offset) for s in states),
         seen=tuple(int(s.tokens_seen) for s in states),
         logs=tuple(logs),
+        pads=pads,
     )
 
 
@@ -360,30 +416,39 @@ def packed_update(
     group: Any = None,
 ) -> tuple[Step, Packed]:
     """One decode step (keys/values ``[B, H_kv, 1, D]``, queries ``[B, H_q, 1, D]``) of every
-    packed row at its own position: the step to attend over and the packed rows after it."""
+    packed row at its own position: the step to attend over (masking padded rows' padding)
+    and the packed rows after it. Padded rows must be able to step (:meth:`Packed.can_step`;
+    ``ValueError`` otherwise: unpack them first)."""
+    if not packed.can_step():
+        raise ValueError(
+            "padded packed rows would reach their budget in this step: unpack them first"
+        )
     step = policy.update(
         packed.state, keys, values, queries, scale, False, packed.log, group, packed.offsets
     )
+    if packed.padded:  # attention over the candidates, minus each row's padding
+        step = replace(step, mask=packed.mask(int(step.keys.shape[2])), probs=None)
     H = int(keys.shape[1])
-    return step, Packed(
+    return step, replace(
+        packed,
         state=step.state,
         log=step.log,
         offsets=tuple(o + 1 for o in packed.offsets),
         seen=tuple(s + H for s in packed.seen),
-        logs=packed.logs,
         calls=packed.calls + 1,
     )
 
 
-def _row_entry(entry: Entry, b: int, offset: int, seen: int) -> Entry:
+def _row_entry(entry: Entry, b: int, offset: int, seen: int, pad: int) -> Entry:
     """Row ``b``'s part of a packed call's undo entry; the row was at ``offset`` having seen
-    ``seen`` before the call."""
+    ``seen`` before the call, after ``pad`` padding slots."""
     running = {k: _slice_rows(v, b) for k, v in entry.running.items()}
     running.update(offset=offset, tokens_seen=seen)
     return replace(
         entry,
         start=offset,
         running=running,
+        n_live=entry.n_live - pad,
         free=_slice_rows(entry.free, b),
         written=_slice_rows(entry.written, b),
         row=_slice_rows(entry.row, b),
@@ -395,18 +460,27 @@ def _row_entry(entry: Entry, b: int, offset: int, seen: int) -> Entry:
 
 def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
     """Each row's single-sequence state and undo log, as if it had decoded alone (its slots
-    are views of the packed arrays; its log holds its part of the packed calls' entries)."""
+    are views of the packed arrays, padding left out; its log holds its part of the packed
+    calls' entries)."""
     state = packed.state
     H = int(state.slots.keys.shape[1])
     states, logs = [], []
     held = () if packed.log is None else packed.log.entries
     dropped = packed.calls - len(held)  # packed calls the packed log no longer holds
+    pads = packed.pads or (0,) * len(packed.offsets)
     for b, (offset, seen) in enumerate(zip(packed.offsets, packed.seen, strict=True)):
         changes = {
             name: _slice_rows(getattr(state, name), b)
             for name in running_fields(state)
             if name not in ("offset", "tokens_seen")
         }
+        if pads[b]:  # a padded row holds no dead slot (see can_pack)
+            slots = changes["slots"]
+            changes["slots"] = KVSlots(
+                slots.keys[:, :, pads[b] :],
+                slots.values[:, :, pads[b] :],
+                slots.positions[:, :, pads[b] :],
+            )
         states.append(replace(state, offset=offset, tokens_seen=seen, **changes))
         log = packed.logs[b]
         if log is not None:
@@ -414,6 +488,6 @@ def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
             log = log.cleared() if dropped else log
             for i, entry in enumerate(held):
                 back = len(held) - i  # calls from this entry's to now
-                log = log.push(_row_entry(entry, b, offset - back, seen - back * H))
+                log = log.push(_row_entry(entry, b, offset - back, seen - back * H, pads[b]))
         logs.append(log)
     return states, logs

@@ -134,10 +134,11 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     # -- packed rows -------------------------------------------------------------------------
     # While every row decodes one token per step and their slots are laid out alike (a bounded
-    # policy's rows once each has evicted), the rows are held as one B-row core state
-    # (velox_cache_core.batch.pack) and each step is one engine call, not B. Anything else
-    # (a prefill, a row joining or leaving, a trim, reading a row) unpacks them first: each row
-    # gets back exactly the state and undo log it would have had alone.
+    # policy's rows once each has evicted) or can be padded alike (rows below their budget),
+    # the rows are held as one B-row core state (velox_cache_core.batch.pack) and each step is
+    # one engine call, not B. Anything else (a prefill, a row joining or leaving, a trim,
+    # reading a row, padded rows about to reach their budget) unpacks them first: each row gets
+    # back exactly the state and undo log it would have had alone.
     @property
     def rows(self) -> list[PolicyKVCache]:
         """The rows' single-sequence caches (unpacked first when packed)."""
@@ -162,7 +163,9 @@ class BatchVeloxKVCache(VeloxKVCache):
     def _try_pack(self) -> bool:
         """Pack the rows for a decode step when they can be (see above)."""
         if self._packed is not None:
-            return True
+            if self._packed.can_step():
+                return True
+            self._unpack()  # padded rows about to evict: each decides alone again
         rows = self._rows
         if not rows[0]._policy.packs_rows:  # most of what can_pack checks costs a loop
             return False
@@ -196,11 +199,13 @@ class BatchVeloxKVCache(VeloxKVCache):
         return [
             {
                 "tokens_seen": offset,
-                "tokens_kept": int(state.tokens_kept),
+                "tokens_kept": kept,
                 "kv_bytes": int(state.nbytes) // B,
                 "cache_bytes": shared // B + (0 if log is None else log.nbytes),
             }
-            for offset, log in zip(packed.offsets, packed.logs, strict=True)
+            for offset, kept, log in zip(
+                packed.offsets, packed.tokens_kept, packed.logs, strict=True
+            )
         ]
 
     # -- what BatchGenerator reads ---------------------------------------------------------
@@ -221,7 +226,7 @@ class BatchVeloxKVCache(VeloxKVCache):
     def tokens_kept(self) -> list[int]:
         """Retained tokens per row (per KV head)."""
         if self._packed is not None:
-            return [int(self._packed.state.tokens_kept)] * len(self._rows)
+            return self._packed.tokens_kept
         return [row.tokens_kept for row in self._rows]
 
     @property
@@ -232,7 +237,8 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every row's retained keys and values; padding is never stored."""
+        """Bytes of the keys and values the rows hold (as ``nbytes`` of each row; rows packed
+        below their budget also hold the padding slots that align them)."""
         if self._packed is not None:
             return int(self._packed.state.nbytes)
         return sum(row.nbytes for row in self._rows)
