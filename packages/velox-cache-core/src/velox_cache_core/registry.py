@@ -40,7 +40,9 @@ class Policy:
     packs_rows: whether rows of a batch at different positions can decode as one call
     (``update(..., row_start=...)``): the decode rule and ``evict_before`` read positions only
     from the slots and ``Call.newest``/``Call.positions``, and every running field but the
-    counters is an array with the batch first (see :mod:`velox_cache_core.batch`).
+    counters is an array with the batch first (see :mod:`velox_cache_core.batch`); and a decode
+    step whose candidates fit the state's ``budget`` scores and evicts nothing unless a running
+    array asks for it (so rows below their budget can pack padded).
     """
 
     name: str
