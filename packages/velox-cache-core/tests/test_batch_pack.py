@@ -30,6 +30,14 @@ EXAMPLES = hypothesis_settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
+# What both packing tests draw besides the budget, prompts and steps.
+ROW_SETTINGS = {
+    "n_sink": st.integers(0, 2),
+    "window": st.sampled_from([0, 3, 16]),
+    "trim": st.integers(0, 3),
+    "seed": st.integers(0, 2**16),
+}
+
 
 def _settings(name: str, budget: int, n_sink: int) -> dict[str, Any]:
     out: dict[str, Any] = {"budget": budget, "n_sink": n_sink}
@@ -61,12 +69,9 @@ def _same_state(a: Any, b: Any) -> None:
 @EXAMPLES
 @given(
     budget=st.integers(4, 9),
-    n_sink=st.integers(0, 2),
     prompts=st.lists(st.integers(10, 20), min_size=2, max_size=3),
     steps=st.integers(1, 12),
-    window=st.sampled_from([0, 3, 16]),
-    trim=st.integers(0, 3),
-    seed=st.integers(0, 2**16),
+    **ROW_SETTINGS,
 )
 def test_packed_rows_equal_rows_alone(
     name: str,
@@ -80,27 +85,43 @@ def test_packed_rows_equal_rows_alone(
 ) -> None:
     policy = POLICIES[name]
     streams = [_stream(n + steps, seed + i) for i, n in enumerate(prompts)]
-    # Each row's prompt, fed alone; each has then evicted down to its budget.
-    states, logs = [], []
-    for (k, v, q), n in zip(streams, prompts, strict=True):
-        state = policy.init(**_settings(name, budget, n_sink))
-        step = policy.update(
-            state, k[:, :, :n], v[:, :, :n], q[:, :, :n], SCALE, log=new_log(window)
-        )
-        state, log = step.state, step.log
-        # One decode step alone, so that every row holds its dead slot (or, for StreamingLLM,
-        # a full budget): then the rows are laid out alike.
-        step = policy.update(
-            state, k[:, :, n : n + 1], v[:, :, n : n + 1], q[:, :, n : n + 1], SCALE, log=log
-        )
-        states.append(step.state)
-        logs.append(step.log)
+    # Each row's prompt, fed alone; each has then evicted down to its budget. Then one decode
+    # step alone, so that every row holds its dead slot (or, for StreamingLLM, a full budget):
+    # the rows are laid out alike.
+    alone = _fed(policy, _fresh(name, budget, n_sink, window, prompts), streams, prompts, 0)
+    alone = _fed(policy, alone, streams, [1] * len(prompts), prompts)
+    states, logs = [s for s, _ in alone], [lg for _, lg in alone]
     assert can_pack(policy, states)
-    alone = list(zip(states, logs, strict=True))
     packed = pack(states, logs)
     assert not packed.padded
     packed = _decode_both(policy, packed, alone, streams, [n + 1 for n in prompts], steps - 1)
     _check_unpacked(policy, packed, alone, trim)
+
+
+Row = tuple[Any, Any]  # a row's state and undo log
+
+
+def _fresh(name: str, budget: int, n_sink: int, window: int, prompts: list[int]) -> list[Row]:
+    """An empty state and undo log per row."""
+    policy = POLICIES[name]
+    return [(policy.init(**_settings(name, budget, n_sink)), new_log(window)) for _ in prompts]
+
+
+def _fed(
+    policy: Any,
+    rows: list[Row],
+    streams: list[tuple[mx.array, mx.array, mx.array]],
+    counts: list[int],
+    starts: list[int] | int,
+) -> list[Row]:
+    """Each row fed alone, as one call, ``counts[b]`` tokens of its stream from ``starts[b]``."""
+    firsts = [starts] * len(rows) if isinstance(starts, int) else starts
+    out = []
+    for (state, log), (k, v, q), a, n in zip(rows, streams, firsts, counts, strict=True):
+        e = a + n
+        step = policy.update(state, k[:, :, a:e], v[:, :, a:e], q[:, :, a:e], SCALE, log=log)
+        out.append((step.state, step.log))
+    return out
 
 
 def _decode_both(
@@ -156,12 +177,9 @@ PADDABLE = ["streaming_llm", "tova"]
 @EXAMPLES
 @given(
     budget=st.integers(6, 24),
-    n_sink=st.integers(0, 2),
     fractions=st.lists(st.floats(0, 1), min_size=2, max_size=4),
     steps=st.integers(1, 24),
-    window=st.sampled_from([0, 3, 16]),
-    trim=st.integers(0, 3),
-    seed=st.integers(0, 2**16),
+    **ROW_SETTINGS,
 )
 def test_padded_rows_equal_rows_alone(
     name: str,
@@ -178,19 +196,12 @@ def test_padded_rows_equal_rows_alone(
     policy = POLICIES[name]
     prompts = [1 + int(f * (budget - 2)) for f in fractions]  # 1 .. budget - 1 tokens
     streams = [_stream(n + steps, seed + i) for i, n in enumerate(prompts)]
-    states, logs = [], []
-    for (k, v, q), n in zip(streams, prompts, strict=True):
-        state = policy.init(**_settings(name, budget, n_sink))
-        step = policy.update(
-            state, k[:, :, :n], v[:, :, :n], q[:, :, :n], SCALE, log=new_log(window)
-        )
-        states.append(step.state)
-        logs.append(step.log)
+    alone = _fed(policy, _fresh(name, budget, n_sink, window, prompts), streams, prompts, 0)
+    states, logs = [s for s, _ in alone], [lg for _, lg in alone]
     assert can_pack(policy, states)
     packed = pack(states, logs)
     assert list(packed.pads) == [max(prompts) - n for n in prompts]
     fits = min(steps, budget - max(prompts))  # steps until the longest row's budget
-    alone = list(zip(states, logs, strict=True))
     packed = _decode_both(policy, packed, alone, streams, prompts, fits)
     if packed.padded:  # packed until the longest row's next step would evict
         assert packed.can_step() == (max(prompts) + fits + 1 <= budget)
