@@ -281,6 +281,38 @@ def test_merge_filter_extend_extract_errors_leave_caches_unchanged(tiny_model, h
     assert batch.extract(1).offset == 12 and batch.extract(-1).offset == 12
 
 
+def test_extracted_row_of_packed_rows_holds_only_its_own_bytes():
+    """A finished sequence's cache (what the server's prompt cache keeps) is extracted from
+    packed rows; it must not keep the other rows' buffers alive behind its ``nbytes``."""
+    import gc
+
+    from velox_mlx_lm.cache import TOVAKVCache
+
+    H, D, budget, B = 8, 128, 1024, 4
+    gc.collect()
+    base = mx.get_active_memory()
+    rows = []
+    for b in range(B):
+        row = TOVAKVCache(budget=budget)
+        k = mx.random.normal((1, H, budget + 64, D), key=mx.random.key(b))
+        row.update_and_fetch(k, k)
+        row.attend(mx.random.normal((1, 2 * H, budget + 64, D)), D**-0.5, None, None)
+        mx.eval(row.policy_state.slots.arrays())
+        rows.append(row)
+    batch = BatchVeloxKVCache.merge(rows)
+    k = mx.random.normal((B, H, 1, D))
+    batch.update_and_fetch(k, k)
+    mx.eval(batch.attend(mx.random.normal((B, 2 * H, 1, D)), D**-0.5, None, None))
+    assert batch._packed is not None
+    kept = batch.extract(0)
+    mx.eval(kept.policy_state.slots.arrays())
+    del rows, row, batch, k
+    gc.collect()
+    held = mx.get_active_memory() - base
+    # Its own rows (and small undo entries), not the B rows' packed buffers.
+    assert kept.nbytes // 2 < held < 2 * kept.nbytes, (held, kept.nbytes)
+
+
 def test_batched_cache_needs_the_hook(tiny_model):
     model = tiny_model("llama")
     cfg = config("tova")

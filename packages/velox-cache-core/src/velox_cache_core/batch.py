@@ -458,10 +458,33 @@ def _row_entry(entry: Entry, b: int, offset: int, seen: int, pad: int) -> Entry:
     )
 
 
+def detach(state: Any) -> Any:
+    """``state`` with its slots and running arrays in buffers of their own. An unpacked row's
+    arrays are views of the packed buffers and keep them alive whole (``B`` rows' worth for
+    one) for as long as the row is held, as a prompt cache holds a finished sequence."""
+    slots = state.slots
+    if slots is None:
+        return state
+    free = None if slots.free is None else mx.contiguous(slots.free)
+    changes: dict[str, Any] = {
+        "slots": KVSlots(
+            mx.contiguous(slots.keys),
+            mx.contiguous(slots.values),
+            mx.contiguous(slots.positions),
+            free,
+        )
+    }
+    for name in running_fields(state):
+        value = getattr(state, name)
+        if name not in _COUNTERS and isinstance(value, mx.array):
+            changes[name] = mx.contiguous(value)
+    return replace(state, **changes)
+
+
 def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
     """Each row's single-sequence state and undo log, as if it had decoded alone (its slots
-    are views of the packed arrays, padding left out; its log holds its part of the packed
-    calls' entries)."""
+    are views of the packed arrays, padding left out, until :func:`detach` copies them; its log
+    holds its part of the packed calls' entries)."""
     state = packed.state
     H = int(state.slots.keys.shape[1])
     states, logs = [], []

@@ -25,6 +25,7 @@ from velox_cache_core.batch import (
     Packed,
     can_pack,
     check_compatible,
+    detach,
     pack,
     packed_update,
     scatter,
@@ -456,13 +457,15 @@ class BatchVeloxKVCache(VeloxKVCache):
 
     def extract(self, idx: int) -> PolicyKVCache:
         """Row ``idx`` as an independent single-sequence Velox cache (merge it again, save it
-        with ``save_prompt_cache``, reuse it)."""
+        with ``save_prompt_cache``, reuse it). Its arrays are its own: a row of packed rows
+        would otherwise keep every row's buffers alive (``nbytes`` would then under-count what
+        a prompt cache holds)."""
         (i,) = _indices([idx], len(self._rows))
         if self._spans is not None:
             raise ValueError("cannot extract a row in the middle of a call")
         self._unpack()
         row = copy.copy(self._rows[i])
-        row.policy_state  # noqa: B018 (settle any pending decision in the copy)
+        row._restore(detach(row.policy_state), row._log)  # policy_state settles the copy
         return row
 
     # -- trims (speculative decoding is one sequence at a time in mlx-lm; kept for symmetry) ----
