@@ -92,7 +92,7 @@ def test_packed_rows_equal_rows_alone(
     alone = _fed(policy, alone, streams, [1] * len(prompts), prompts)
     states, logs = [s for s, _ in alone], [lg for _, lg in alone]
     assert can_pack(policy, states)
-    packed = pack(states, logs)
+    packed = pack(policy, states, logs)
     assert not packed.padded
     packed = _decode_both(policy, packed, alone, streams, [n + 1 for n in prompts], steps - 1)
     _check_unpacked(policy, packed, alone, trim)
@@ -199,7 +199,7 @@ def test_padded_rows_equal_rows_alone(
     alone = _fed(policy, _fresh(name, budget, n_sink, window, prompts), streams, prompts, 0)
     states, logs = [s for s, _ in alone], [lg for _, lg in alone]
     assert can_pack(policy, states)
-    packed = pack(states, logs)
+    packed = pack(policy, states, logs)
     assert list(packed.pads) == [max(prompts) - n for n in prompts]
     fits = min(steps, budget - max(prompts))  # steps until the longest row's budget
     packed = _decode_both(policy, packed, alone, streams, prompts, fits)
@@ -213,7 +213,7 @@ def test_padded_rows_stop_at_the_budget() -> None:
     k, v, q = _stream(8, 0)
     short = policy.update(policy.init(budget=6), k[:, :, :3], v[:, :, :3], q[:, :, :3]).state
     long = policy.update(policy.init(budget=6), k[:, :, :5], v[:, :, :5], q[:, :, :5]).state
-    packed = pack([short, long], [None, None])
+    packed = pack(policy, [short, long], [None, None])
     assert packed.pads == (2, 0) and packed.tokens_kept == [3, 5]
     two = [mx.concatenate([x[:, :, 5:6]] * 2) for x in (k, v, q)]
     _, packed = packed_update(policy, packed, *two, SCALE)
@@ -245,7 +245,7 @@ def test_row_start_is_checked() -> None:
     k, v, q = _stream(12, 0)
     state = policy.update(policy.init(budget=6), k, v, q, SCALE).state
     two = mx.concatenate([k[:, :, :1]] * 2), mx.concatenate([q[:, :, :1]] * 2)
-    packed = pack([state, state], [None, None])
+    packed = pack(policy, [state, state], [None, None])
     with pytest.raises(ValueError, match="row_start must be 2 ints"):
         policy.update(packed.state, two[0], two[0], two[1], SCALE, row_start=[1])
     with pytest.raises(ValueError, match=r"row_start\[1\] must be an int >= 0"):

@@ -138,7 +138,7 @@ def test_sequential_prefill_does_not_depend_on_chunking(
     got = h.forward_chunks(model, cache, tokens, h.split(SEQ_N, SEQ_CHUNKINGS[chunking]))
     for c in cache:
         if isinstance(c, TOVAKVCache):
-            assert c.offset == SEQ_N and c.size() == config.tova_budget
+            assert c.offset == SEQ_N and c.size() == config.value("tova_budget")
     assert _survivors(cache) == want_survivors
     # Same kept tokens exactly; logits within float32 rounding. OpenBLAS sums a chunk's matmuls
     # in another order than token-by-token calls (seen: 1.2e-4 on one logit of gemma3's 7680).
@@ -162,7 +162,7 @@ def test_long_chunk_equals_small_chunks(tiny_model, h, method):
     """mlx-lm feeds 2048-token chunks; a sequential-mode cache splits a long chunk internally
     (SUBCHUNK queries at a time), which must not change anything: one 4096-token chunk and
     256-token chunks leave the same state and give the same last logits."""
-    import velox_mlx_lm.cache as vcache
+    import velox_cache_core.layer as vcache
 
     model = tiny_model("llama")
     policy = "tova" if method.startswith("tova") else method

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-import velox_mlx_lm.cache as vcache
+import velox_cache_core.layer as vcache
 from velox_mlx_lm import (
     KVCacheBuilder,
     KVCacheConfig,

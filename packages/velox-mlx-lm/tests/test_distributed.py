@@ -387,5 +387,5 @@ def test_keys_setter_on_packed_rows_ties_without_unpacking() -> None:
     assert batch._packed is not None and mx.array_equal(batch.keys, keys)
     mx.eval(batch.state)
     assert batch.tokens_seen == [11, 11] and batch.size() == 6
-    kept = [r.positions for r in batch.rows]  # now unpacked
+    kept = [r.view().positions for r in batch.rows]  # now unpacked
     assert all(p.shape == (1, 2, 6) for p in kept)

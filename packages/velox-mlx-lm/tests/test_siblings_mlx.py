@@ -17,7 +17,7 @@ from mlx_lm.models.cache import RotatingKVCache, save_prompt_cache
 from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
 
 import velox_mlx_lm
-import velox_mlx_lm.cache as vcache
+import velox_cache_core.layer as vcache
 from velox_mlx_lm import (
     H2OKVCache,
     KVCacheBuilder,
@@ -180,7 +180,7 @@ def test_prompt_cache_round_trip_and_config_check(tmp_path, tiny_model, h, metho
     assert [c.settings for c in ok] == [c.settings for c in loaded]
     budget_key = f"{method}_budget"
     other = config(method, BUDGET + 2)
-    assert getattr(other, budget_key) != getattr(cfg, budget_key)
+    assert other.value(budget_key) != cfg.value(budget_key)
     with pytest.raises(ValueError, match="prompt cache layer 0 was saved as " + method):
         velox_mlx_lm.load_prompt_cache(path, other)
     with pytest.raises(ValueError, match="layer 0"):

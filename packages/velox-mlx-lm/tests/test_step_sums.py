@@ -123,8 +123,9 @@ def test_head_scope_sends_nothing(sums_counted: list[int]) -> None:
 
 
 def test_a_read_before_the_last_layer_sends_the_sums(sums_counted: list[int]) -> None:
-    """A cache read between layers (not what a model does) flushes the deferred sums at once,
-    so nothing is read half-decided."""
+    """A stats read between layers (not what a model does) enters no collective: it reads the
+    state before the deferred step. Reading the policy state settles it: one all_sum, then
+    the state is whole."""
     model = _model()
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CASES["tova"]), group=_TwoRanks())
     prompt = mx.random.randint(0, 128, (1, PROMPT), key=mx.random.key(1))
@@ -139,7 +140,9 @@ def test_a_read_before_the_last_layer_sends_the_sums(sums_counted: list[int]) ->
     layer0(h, mask=None, cache=caches[0])  # layer 0 alone: its decision waits
     assert sums.pending == 1 and caches[0].offset == offset + 1
     sums_counted.clear()
-    kept = caches[0].size()  # reading settles it: one all_sum, then the state is whole
+    kept = caches[0].size()  # a stats read: no collective
+    assert sums.pending == 1 and len(sums_counted) == 0 and kept == BUDGET
+    kept = caches[0].policy_state.n_kept  # settles it: one all_sum, then the state is whole
     assert sums.pending == 0 and len(sums_counted) == 1 and kept == BUDGET
 
 

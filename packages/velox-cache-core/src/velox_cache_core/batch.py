@@ -26,19 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.engine import Step
+from velox_cache_core.engine import Policy, Step
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running_fields
 from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_kv
-
-if TYPE_CHECKING:
-    from velox_cache_core.registry import Policy
 
 Span = tuple[int, int]  # (first, length) of a row's real tokens in a call
 
@@ -291,6 +288,7 @@ class Packed:
     logs: tuple[UndoLog | None, ...]
     calls: int = 0
     pads: tuple[int, ...] = ()
+    budget: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -306,7 +304,9 @@ class Packed:
         """Whether the next decode step can run packed: always for rows laid out alike; for
         padded rows, while the longest row's candidates stay within the budget (nothing is
         evicted, so the padding is never scored or chosen)."""
-        return not self.padded or self.state.slots.n_slots + 1 <= self.state.budget
+        if not self.padded:
+            return True
+        return self.budget is not None and self.state.slots.n_slots + 1 <= self.budget
 
     def mask(self, n: int) -> mx.array:
         """bool ``[B, 1, 1, n]``: which of ``n`` candidate slots hold a row's tokens."""
@@ -332,34 +332,45 @@ def can_pack(policy: Policy, states: Sequence[Any]) -> bool:
     slot in all or none) and every other running field is an array in all of them or ``None``
     in all, or (padded, see the module doc) no state has a dead slot or any running array
     and the longest row's next decode step stays within the budget."""
-    if not policy.packs_rows or len(states) < 2:
+    if not policy.packs_rows or len(states) < 2 or not _single_rows(states):
         return False
-    first = states[0]
-    if first.slots is None:
-        return False
-    n, dead = first.slots.n_slots, first.slots.free is None
-    alike = True
-    for state in states:
-        slots = state.slots
-        if slots is None or slots.keys.shape[0] != 1:
-            return False
-        if slots.n_slots != n or (slots.free is None) != dead:
-            alike = False
-    others = [name for name in running_fields(first) if name not in _COUNTERS]
-    if not alike:
-        budget = getattr(first, "budget", None)
-        longest = max(s.slots.n_slots for s in states)
-        return (
-            isinstance(budget, int)
-            and longest + 1 <= budget
-            and all(s.slots.free is None for s in states)
-            and all(getattr(s, name) is None for s in states for name in others)
-        )
-    for name in others:
+    if _laid_out_alike(states):
+        return _running_arrays_alike(states)
+    return _can_pad(policy, states)
+
+
+def _single_rows(states: Sequence[Any]) -> bool:
+    return all(s.slots is not None and s.slots.keys.shape[0] == 1 for s in states)
+
+
+def _laid_out_alike(states: Sequence[Any]) -> bool:
+    first = states[0].slots
+    n, dead = first.n_slots, first.free is None
+    return all(s.slots.n_slots == n and (s.slots.free is None) == dead for s in states)
+
+
+def _others(state: Any) -> list[str]:
+    """The running fields besides the slots and counters."""
+    return [name for name in running_fields(state) if name not in _COUNTERS]
+
+
+def _running_arrays_alike(states: Sequence[Any]) -> bool:
+    for name in _others(states[0]):
         values = [getattr(s, name) for s in states]
         if not (all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)):
             return False
     return True
+
+
+def _can_pad(policy: Policy, states: Sequence[Any]) -> bool:
+    budget = policy.traits.budget(states[0])
+    longest = max(s.slots.n_slots for s in states)
+    return (
+        budget is not None
+        and longest + 1 <= budget
+        and all(s.slots.free is None for s in states)
+        and all(getattr(s, name) is None for s in states for name in _others(states[0]))
+    )
 
 
 def _padded(slots: KVSlots, pad: int) -> KVSlots:
@@ -375,24 +386,15 @@ def _padded(slots: KVSlots, pad: int) -> KVSlots:
     )
 
 
-def pack(states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
-    """Pack single-sequence states (see :func:`can_pack`) and their undo logs; rows with
-    fewer slots than the longest are padded before their slots."""
+def pack(policy: Policy, states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
+    """Pack single-sequence states of ``policy`` (see :func:`can_pack`) and their undo logs;
+    rows with fewer slots than the longest are padded before their slots."""
     first = states[0]
     longest = max(s.slots.n_slots for s in states)
     pads = tuple(longest - s.slots.n_slots for s in states)
-    slots = [_padded(s.slots, pad) for s, pad in zip(states, pads, strict=True)]
-    frees = [s.free for s in slots if s.free is not None]  # in every row or in none
-    free = mx.concatenate(frees, axis=0) if frees else None
-    stacked = KVSlots(
-        mx.concatenate([s.keys for s in slots], axis=0),
-        mx.concatenate([s.values for s in slots], axis=0),
-        mx.concatenate([s.positions for s in slots], axis=0),
-        free,
-    )
-    changes: dict[str, Any] = {"slots": stacked, "offset": 0, "tokens_seen": 0}
-    for name in running_fields(first):
-        if name not in _COUNTERS and getattr(first, name) is not None:
+    changes: dict[str, Any] = {"slots": _stack_slots(states, pads), "offset": 0, "tokens_seen": 0}
+    for name in _others(first):
+        if getattr(first, name) is not None:
             changes[name] = mx.concatenate([getattr(s, name) for s in states], axis=0)
     window = next((lg.window for lg in logs if lg is not None), 0)
     return Packed(
@@ -402,6 +404,19 @@ def pack(states: Sequence[Any], logs: Sequence[UndoLog | None]) -> Packed:
         seen=tuple(int(s.tokens_seen) for s in states),
         logs=tuple(logs),
         pads=pads,
+        budget=policy.traits.budget(first),
+    )
+
+
+def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:
+    """Every row's slots after its padding, stacked on the batch axis."""
+    slots = [_padded(s.slots, pad) for s, pad in zip(states, pads, strict=True)]
+    frees = [s.free for s in slots if s.free is not None]  # in every row or in none
+    return KVSlots(
+        mx.concatenate([s.keys for s in slots], axis=0),
+        mx.concatenate([s.values for s in slots], axis=0),
+        mx.concatenate([s.positions for s in slots], axis=0),
+        mx.concatenate(frees, axis=0) if frees else None,
     )
 
 

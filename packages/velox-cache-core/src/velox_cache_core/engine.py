@@ -8,15 +8,16 @@ each query may see; everything else happens here once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.traits import Traits
 from velox_cache_core.undo import UndoLog, record
 from velox_cache_core.validation import (
     check_int,
@@ -25,9 +26,6 @@ from velox_cache_core.validation import (
     check_scale,
     require_finite,
 )
-
-if TYPE_CHECKING:
-    from velox_cache_core.registry import Policy
 
 S = TypeVar("S", bound=PolicyState)
 
@@ -115,6 +113,25 @@ class Decision:
     probs: mx.array | None = None
 
 
+class Policy(Protocol):
+    """What the engine reads of a policy (``velox_cache_core.registry.Policy`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state_type(self) -> type[PolicyState]: ...
+    @property
+    def rule(self) -> Callable[[Any, Call, KVSlots, KVSlots], Decision]: ...
+    @property
+    def evict_before(self) -> Callable[[Any, KVSlots, Call], KVSlots] | None: ...
+    @property
+    def grows_after_prompt_end(self) -> bool: ...
+    @property
+    def packs_rows(self) -> bool: ...
+    @property
+    def traits(self) -> Traits: ...
+
+
 def open_call(
     state: PolicyState,
     state_type: type,
@@ -124,15 +141,16 @@ def open_call(
     scale: Any,
     *,
     check_finite: bool,
+    traits: Traits | None = None,
 ) -> tuple[KVSlots, Call]:
     """Validate one update call against ``state``; nothing is computed or changed on error.
 
-    Queries are required when the state scores with signal ``query`` (a state without a
-    ``signal`` setting, like StreamingLLM's, only validates them if given).
+    Queries are required when the state scores with signal ``query`` (``traits``: the
+    policy's; a policy without a signal, like StreamingLLM, only validates them if given).
     """
     if not isinstance(state, state_type):
         raise TypeError(f"state must be a {state_type.__name__}, got {type(state).__name__}")
-    signal = getattr(state, "signal", None)
+    signal = (traits or Traits()).signal(state)
     slots = state.slots
     expect = None
     if slots is not None:
@@ -176,8 +194,8 @@ def slot_limit(policy: Policy, state: Any) -> int | None:
     """The most slots ``policy``'s decode steps lay out: ``budget + 1`` for a policy that
     evicts every decode step down to its budget, ``None`` for one that keeps every decoded
     token (SnapKV and KVzip after the prompt) or has no budget."""
-    budget = getattr(state, "budget", None)
-    if policy.grows_after_prompt_end or not isinstance(budget, int):
+    budget = policy.traits.budget(state)
+    if policy.grows_after_prompt_end or budget is None:
         return None
     return budget + 1
 
@@ -240,7 +258,16 @@ def prepare(
 ) -> Laid:
     """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
     first half; :func:`decide` is the second). Nothing is computed or changed on error."""
-    slots, call = _open(policy, state, keys, values, queries, scale, check_finite, group)
+    slots, call = _open(
+        policy,
+        state,
+        keys=keys,
+        values=values,
+        queries=queries,
+        scale=scale,
+        check_finite=check_finite,
+        group=group,
+    )
     if call.length == 0:
         raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
     return _lay_out(policy, state, slots, call)
@@ -249,6 +276,7 @@ def prepare(
 def _open(
     policy: Policy,
     state: Any,
+    *,
     keys: Any,
     values: Any,
     queries: Any,
@@ -258,7 +286,14 @@ def _open(
 ) -> tuple[KVSlots, Call]:
     """:func:`open_call` for ``policy``'s state type, deciding over ``group``."""
     slots, call = open_call(
-        state, policy.state_type, keys, values, queries, scale, check_finite=check_finite
+        state,
+        policy.state_type,
+        keys=keys,
+        values=values,
+        queries=queries,
+        scale=scale,
+        check_finite=check_finite,
+        traits=policy.traits,
     )
     return slots, call if group is None else replace(call, group=group)
 
@@ -291,20 +326,19 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
     twice builds two decisions over the same candidates: the layout is not repeated."""
     state, call, candidates = laid.state, laid.call, laid.candidates
     decision = policy.rule(state, call, laid.slots, candidates)
-    scope = getattr(state, "scope", "layer")  # policies without the setting decide per layer
-    mask = _full_mask(decision.mask, call, candidates.n_slots, scope)
+    mask = _full_mask(decision.mask, call, candidates.n_slots, policy.traits.scope(state))
     after = advance(state, decision.kept, call, **decision.changes)
     if log is not None:
         entry = record(
             state,
-            laid.before,
-            laid.slots,
-            candidates,
-            decision.kept,
-            call.keys,
-            call.values,
-            call.queries,
-            call.scale,
+            before=laid.before,
+            laid_out_from=laid.slots,
+            candidates=candidates,
+            kept=decision.kept,
+            keys=call.keys,
+            values=call.values,
+            queries=call.queries,
+            scale=call.scale,
         )
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
@@ -340,7 +374,16 @@ def update(
     row's own position of it (rows of a batch packed into one state, see
     :mod:`velox_cache_core.batch`); the state's ``offset`` then only counts calls.
     """
-    slots, call = _open(policy, state, keys, values, queries, scale, check_finite, group)
+    slots, call = _open(
+        policy,
+        state,
+        keys=keys,
+        values=values,
+        queries=queries,
+        scale=scale,
+        check_finite=check_finite,
+        group=group,
+    )
     if row_start is not None:
         call = replace(call, row_start=_row_start(policy, call, row_start))
     if call.length == 0:

@@ -7,15 +7,16 @@ prompt-cache encoding) asks the record instead of naming policies.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from velox_cache_core import undo
 from velox_cache_core.engine import Call, Decision, Step, update
+from velox_cache_core.settings import Setting, policy_settings
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.traits import Compressor, Traits
 from velox_cache_core.undo import UndoLog
 
 
@@ -31,8 +32,12 @@ class Policy:
     uses_queries: whether the rule can read the true queries (else it never looks at attention).
     prompt_end: optional step run once the prompt has been fed (SnapKV's cut); a no-op after.
     grows_after_prompt_end: whether the cache keeps every token after ``prompt_end``.
-    prompt_end_needs_model: whether the prompt end is a pass through the model that a cache
-    alone cannot run (KVzip's reconstruction, ``velox_mlx_lm.kvzip.compress``).
+    traits: what its states say of themselves (signal, scope, prefill, budget, rows only masks
+    hide), read by the engine and the adapters instead of probing states
+    (:class:`~velox_cache_core.traits.Traits`; the defaults suit a policy without such settings).
+    compressor: a model-driven phase, a pass through the model that a cache alone cannot run
+    (KVzip's reconstruction, driven by ``velox_mlx_lm.compress``), or ``None``.
+    help: one line per setting for ``--<policy>-<setting>`` flags and docs (optional).
     evict_before: optional decode hook freeing a slot before the new token attends
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
@@ -52,10 +57,17 @@ class Policy:
     uses_queries: bool = True
     prompt_end: Callable[[Any], Any] | None = None
     grows_after_prompt_end: bool = False
-    prompt_end_needs_model: bool = False
     evict_before: Callable[[Any, KVSlots, Call], KVSlots] | None = None
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     packs_rows: bool = False
+    traits: Traits = field(default_factory=Traits)
+    compressor: Compressor | None = None
+    help: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_end_needs_model(self) -> bool:
+        """Whether the prompt end is a pass through the model (:attr:`compressor`)."""
+        return self.compressor is not None
 
     def update(
         self,
@@ -75,10 +87,10 @@ class Policy:
         return update(
             self,
             state,
-            keys,
-            values,
-            queries,
-            scale,
+            keys=keys,
+            values=values,
+            queries=queries,
+            scale=scale,
             check_finite=check_finite,
             log=log,
             group=group,
@@ -97,7 +109,9 @@ class Policy:
             raise TypeError(f"log must be an UndoLog, got {type(log).__name__}")
 
         def feed(s: Any, k: Any, v: Any, q: Any, scale: float, lg: UndoLog) -> Any:
-            step = self.update(s, k, v, q, scale, check_finite=False, log=lg, group=group)
+            step = self.update(
+                s, keys=k, values=v, queries=q, scale=scale, check_finite=False, log=lg, group=group
+            )
             return step.state, step.log
 
         return undo.trim(state, log, n, feed)
@@ -108,15 +122,26 @@ class Policy:
         return tuple(self.presets) or (self.name,)
 
     @property
+    def settings(self) -> tuple[Setting, ...]:
+        """Every setting a user sets (``init``'s keyword arguments but ``preset``), typed."""
+        return policy_settings(self.init, self.help)
+
+    @property
     def setting_names(self) -> tuple[str, ...]:
         """``init``'s keyword arguments a user sets (``preset`` is chosen by the method)."""
-        params = inspect.signature(self.init).parameters
-        return tuple(name for name in params if name != "preset")
+        return tuple(s.name for s in self.settings)
 
     def defaults(self) -> dict[str, Any]:
         """``init``'s default for every setting (``None`` where the method/preset decides)."""
-        params = inspect.signature(self.init).parameters
-        return {name: params[name].default for name in self.setting_names}
+        return {s.name: s.default for s in self.settings}
+
+    def rebudget(self, state: Any, budget: int | None) -> Any:
+        """``state`` with another ``budget`` (validated like a new state); unchanged for
+        ``None`` or the same budget."""
+        if budget is None or budget == self.traits.budget(state):
+            return state
+        self.init_for(self.methods[0], **{**state.settings, "budget": budget})  # validates
+        return replace(state, budget=budget)
 
     def init_for(self, method: str, **settings: Any) -> Any:
         """The empty state for ``method`` (one of :attr:`methods`) with ``settings``."""
@@ -134,18 +159,64 @@ class Policy:
 
 
 POLICIES: dict[str, Policy] = {}
+# Option strings (``--flag``) of the commands that generate ``--<policy>-<setting>`` flags,
+# which no policy's flag may equal or abbreviate (argparse accepts unique prefixes); the
+# integrations add theirs with :func:`reserve_flags`.
+RESERVED_FLAGS: set[str] = set()
+# Config fields every integration has besides ``<policy>_<setting>``.
+RESERVED_FIELDS = {"method", "head_dim", "trim_window"}
+
+
+def flag_name(policy: str, setting: str) -> str:
+    """``--<policy>-<setting>`` with ``_`` as ``-`` (``--snapkv-window``)."""
+    return f"--{policy}-{setting}".replace("_", "-")
+
+
+def field_name(policy: str, setting: str) -> str:
+    """``<policy>_<setting>``: a setting's name in a config (``tova_budget``)."""
+    return f"{policy}_{setting}"
+
+
+def _collisions(policy: Policy) -> list[str]:
+    """What registering ``policy`` would make ambiguous: names, config fields, flags."""
+    taken = {m for p in POLICIES.values() for m in p.methods} | set(POLICIES) | {"full"}
+    out = [f"policy name {n!r}" for n in sorted(({policy.name} | set(policy.methods)) & taken)]
+    fields = {field_name(p.name, s) for p in POLICIES.values() for s in p.setting_names}
+    flags = {flag_name(p.name, s) for p in POLICIES.values() for s in p.setting_names}
+    for setting in policy.setting_names:
+        name, flag = field_name(policy.name, setting), flag_name(policy.name, setting)
+        if name in fields or name in RESERVED_FIELDS:
+            out.append(f"config field {name!r}")
+        clashing = sorted(f for f in flags | RESERVED_FLAGS if f.startswith(flag))
+        if clashing:
+            out.append(f"flag {flag} (equals or abbreviates {', '.join(clashing)})")
+    return out
 
 
 def register(policy: Policy) -> Policy:
-    """Add ``policy`` to :data:`POLICIES` (its name and method names must be new)."""
+    """Add ``policy`` to :data:`POLICIES`. Its name and method names must be new, and none of
+    its ``<policy>_<setting>`` config fields or ``--<policy>-<setting>`` flags may equal
+    another's, nor a flag equal or abbreviate another or a reserved one."""
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
-    taken = {m for p in POLICIES.values() for m in p.methods} | set(POLICIES) | {"full"}
-    clash = sorted(({policy.name} | set(policy.methods)) & taken)
+    clash = _collisions(policy)
     if clash:
-        raise ValueError(f"policy names already registered: {clash}")
+        raise ValueError(f"cannot register policy {policy.name!r}: {'; '.join(clash)} taken")
     POLICIES[policy.name] = policy
     return policy
+
+
+def reserve_flags(flags: Iterable[str]) -> None:
+    """Keep ``flags`` (option strings such as ``--max-tokens``) for a command's own use: a
+    policy's generated flag may neither equal nor abbreviate one."""
+    flags = set(flags)
+    for policy in POLICIES.values():
+        for setting in policy.setting_names:
+            flag = flag_name(policy.name, setting)
+            clashing = sorted(f for f in flags if f.startswith(flag))
+            if clashing:
+                raise ValueError(f"{flag} of policy {policy.name!r} abbreviates {clashing}")
+    RESERVED_FLAGS.update(flags)
 
 
 def unregister(name: str) -> None:

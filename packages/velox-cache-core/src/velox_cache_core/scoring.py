@@ -13,9 +13,10 @@ from typing import Literal
 
 import mlx.core as mx
 
+from velox_cache_core.traits import Scope
+
 _LOG2_E = math.log2(math.e)
 
-Scope = Literal["layer", "head"]
 
 
 def grouped_logits(probe: mx.array, keys: mx.array, scale: float, scope: Scope) -> mx.array:

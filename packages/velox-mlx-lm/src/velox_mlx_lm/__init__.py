@@ -13,6 +13,7 @@ if _os.environ.get("VELOX_BLAS") != "default":
 
 # Defining the cache classes registers them by name in mlx_lm.models.cache, where mlx-lm's
 # load_prompt_cache looks classes up (velox_mlx_lm.cache.PolicyKVCache.__init_subclass__).
+from velox_mlx_lm.base import VeloxKVCache
 from velox_mlx_lm.builder import KVCacheBuilder, KVCacheFactory
 from velox_mlx_lm.cache import (
     H2OKVCache,
@@ -21,7 +22,6 @@ from velox_mlx_lm.cache import (
     SnapKVCache,
     StreamingLLMKVCache,
     TOVAKVCache,
-    VeloxKVCache,
     cache_class,
 )
 from velox_mlx_lm.config import KVCacheConfig, methods

@@ -1,7 +1,8 @@
 """Batched Velox caches: what ``mlx_lm.generate.BatchGenerator`` (``batch_generate``,
 ``mlx_lm.server``) uses when every layer cache has ``merge``.
 
-A :class:`BatchVeloxKVCache` holds one single-sequence Velox cache per row. Each row keeps its
+A :class:`BatchVeloxKVCache` holds one single-sequence core layer
+(:class:`velox_cache_core.layer.Layer`) per row. Each row keeps its
 own offset, positions, evictions and running state, so row ``b`` of a batch keeps exactly what
 the same sequence keeps alone (row equivalence). Padding is never stored: ``prepare`` says
 which tokens of the coming calls are real (mlx-lm right-pads prompts and passes ``lengths``;
@@ -28,58 +29,67 @@ from velox_cache_core.batch import (
     detach,
     pack,
     packed_update,
+    row_signature,
     scatter,
     unpack,
 )
+from velox_cache_core.layer import Layer
 from velox_cache_core.validation import check_kv
-from velox_mlx_lm.cache import PolicyKVCache, VeloxKVCache
+from velox_mlx_lm.base import VeloxKVCache
+from velox_mlx_lm.prompt_state import encode
 
 
-def _signature(cache: PolicyKVCache) -> dict[str, Any]:
-    """What caches of one batch share: policy, settings, trim window, group, and once fed,
+def _signature(layer: Layer) -> dict[str, Any]:
+    """What rows of one batch share: policy, settings, trim window, group, and once fed,
     KV heads, head dim and dtype."""
-    sig: dict[str, Any] = {
-        "policy state": cache.policy_name,
-        **cache.settings,
-        "trim_window": cache.trim_window,
-        "group": id(cache.group) if cache.group is not None else None,
+    state = layer.view()
+    return {
+        **row_signature(state),
+        "policy state": layer.policy.name,
+        "trim_window": 0 if layer.log is None else layer.log.window,
+        "group": id(layer.group) if layer.group is not None else None,
     }
-    state = cache.policy_state
-    if state.slots is not None:
-        _, H, _, D = state.slots.keys.shape
-        sig.update({"H_kv": H, "D": D, "dtype": str(state.slots.keys.dtype)})
-    return sig
 
 
-def _row_copies(caches: Sequence[Any], what: str) -> list[PolicyKVCache]:
-    """Independent single-sequence copies of ``caches`` (batched ones give all their rows),
-    checked to be able to share a batch; the inputs are not changed."""
-    rows: list[PolicyKVCache] = []
+def _single_row(cache: Any, where: str) -> Layer:
+    """An independent copy of a single-sequence Velox cache's layer."""
+    layer = getattr(cache, "layer", None)
+    if not isinstance(cache, VeloxKVCache) or not isinstance(layer, Layer):
+        raise TypeError(
+            f"{where} must be a Velox cache, got {type(cache).__name__}: every layer of "
+            "a batch must use the same kind of cache"
+        )
+    if layer.phase is not None:
+        raise ValueError(f"{where} is in its policy's scoring phase; finish it first")
+    state = layer.view()
+    if state.slots is not None and state.slots.keys.shape[0] != 1:
+        raise ValueError(
+            f"{where} holds {state.slots.keys.shape[0]} sequences in lockstep; "
+            "merge takes single-sequence caches (or batched Velox caches)"
+        )
+    return copy.copy(layer)
+
+
+def _row_copies(caches: Sequence[Any], what: str) -> tuple[list[Layer], type]:
+    """Independent single-sequence copies of ``caches``' layers (batched ones give all their
+    rows), checked to be able to share a batch, and the single-sequence cache class; the
+    inputs are not changed."""
+    rows: list[Layer] = []
+    row_type: type | None = None
     for i, cache in enumerate(caches):
         if isinstance(cache, BatchVeloxKVCache):
             rows.extend(cache._copy_rows())
-        elif isinstance(cache, PolicyKVCache):
-            if getattr(cache, "scoring", False):
-                raise ValueError(f"{what}[{i}] is in KVzip scoring mode; finish_scoring() first")
-            state = cache.policy_state
-            if state.slots is not None and state.slots.keys.shape[0] != 1:
-                raise ValueError(
-                    f"{what}[{i}] holds {state.slots.keys.shape[0]} sequences in lockstep; "
-                    "merge takes single-sequence caches (or batched Velox caches)"
-                )
-            rows.append(copy.copy(cache))
+            row_type = row_type or cache.row_type
         else:
-            raise TypeError(
-                f"{what}[{i}] must be a Velox cache, got {type(cache).__name__}: every layer of "
-                "a batch must use the same kind of cache"
-            )
-    if not rows:
+            rows.append(_single_row(cache, f"{what}[{i}]"))
+            row_type = row_type or type(cache)
+    if not rows or row_type is None:
         raise ValueError(f"{what} must hold at least one cache")
     first = _signature(rows[0])
     for i, row in enumerate(rows[1:], 1):
         check_compatible(first, _signature(row), f"row 0 and row {i}")
         first = {**_signature(row), **first}
-    return rows
+    return rows, row_type
 
 
 def merge(caches: Sequence[Any]) -> BatchVeloxKVCache:
@@ -91,7 +101,8 @@ def merge(caches: Sequence[Any]) -> BatchVeloxKVCache:
     """
     if not isinstance(caches, Sequence) or isinstance(caches, (str, bytes)):
         raise TypeError(f"caches must be a list of caches, got {type(caches).__name__}")
-    return BatchVeloxKVCache(_row_copies(caches, "caches"))
+    rows, row_type = _row_copies(caches, "caches")
+    return BatchVeloxKVCache(rows, row_type)
 
 
 def _indices(batch_indices: Any, size: int) -> list[int]:
@@ -123,10 +134,12 @@ def _counts(name: str, value: Any, size: int) -> list[int]:
 
 class BatchVeloxKVCache(VeloxKVCache):
     """``B`` sequences of one Velox policy in one layer; ``rows[b]`` is row ``b``'s
-    single-sequence cache. Needs the attention hook (``KVCacheBuilder.for_model``)."""
+    single-sequence layer, ``row_type`` the single-sequence cache class rows are extracted as.
+    Needs the attention hook (``KVCacheBuilder.for_model``)."""
 
-    def __init__(self, rows: list[PolicyKVCache]) -> None:
+    def __init__(self, rows: list[Layer], row_type: type) -> None:
         self._rows = rows
+        self.row_type = row_type
         self._packed: Packed | None = None  # the rows while they decode packed (see below)
         self._packed_call: tuple[mx.array, mx.array] | None = None  # packed step awaiting attend
         self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
@@ -141,15 +154,10 @@ class BatchVeloxKVCache(VeloxKVCache):
     # reading a row, padded rows about to reach their budget) unpacks them first: each row gets
     # back exactly the state and undo log it would have had alone.
     @property
-    def rows(self) -> list[PolicyKVCache]:
-        """The rows' single-sequence caches (unpacked first when packed)."""
+    def rows(self) -> list[Layer]:
+        """The rows' single-sequence layers (unpacked first when packed)."""
         self._unpack()
         return self._rows
-
-    @rows.setter
-    def rows(self, rows: list[PolicyKVCache]) -> None:
-        self._unpack()
-        self._rows = rows
 
     def _unpack(self) -> None:
         if self._packed_call is not None:
@@ -159,7 +167,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         states, logs = unpack(self._packed)
         self._packed = None
         for row, state, log in zip(self._rows, states, logs, strict=True):
-            row._restore(state, log)
+            row.restore(state, log)
 
     def _try_pack(self) -> bool:
         """Pack the rows for a decode step when they can be (see above)."""
@@ -168,15 +176,16 @@ class BatchVeloxKVCache(VeloxKVCache):
                 return True
             self._unpack()  # padded rows about to evict: each decides alone again
         rows = self._rows
-        if not rows[0]._policy.packs_rows:  # most of what can_pack checks costs a loop
+        policy = rows[0].policy
+        if not policy.packs_rows:  # most of what can_pack checks costs a loop
             return False
         group = rows[0].group
-        if any(not row._quiet() or row.group is not group for row in rows):
+        if any(not row.quiet or row.group is not group for row in rows):
             return False
-        states = [row.policy_state for row in rows]
-        if not can_pack(rows[0]._policy, states):
+        states = [row.state for row in rows]
+        if not can_pack(policy, states):
             return False
-        self._packed = pack(states, [row._log for row in rows])
+        self._packed = pack(policy, states, [row.log for row in rows])
         return True
 
     def row_stats(self) -> list[dict[str, int]]:
@@ -185,15 +194,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         without unpacking packed rows (which share the packed arrays evenly)."""
         packed = self._packed
         if packed is None:
-            return [
-                {
-                    "tokens_seen": row.offset,
-                    "tokens_kept": row.tokens_kept,
-                    "kv_bytes": row.nbytes,
-                    "cache_bytes": row.held_nbytes,
-                }
-                for row in self._rows
-            ]
+            return [_row_stats(row) for row in self._rows]
         B = len(self._rows)
         state = packed.state
         shared = int(state.held_nbytes) + (0 if packed.log is None else packed.log.nbytes)
@@ -212,7 +213,7 @@ class BatchVeloxKVCache(VeloxKVCache):
     # -- what BatchGenerator reads ---------------------------------------------------------
     @property
     def policy_name(self) -> str:
-        return self._rows[0].policy_name
+        return self._rows[0].policy.name
 
     @property
     def offset(self) -> mx.array:
@@ -228,7 +229,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         """Retained tokens per row (per KV head)."""
         if self._packed is not None:
             return self._packed.tokens_kept
-        return [row.tokens_kept for row in self._rows]
+        return [int(row.view().tokens_kept) for row in self._rows]
 
     @property
     def tokens_seen(self) -> list[int]:
@@ -242,17 +243,17 @@ class BatchVeloxKVCache(VeloxKVCache):
         below their budget also hold the padding slots that align them)."""
         if self._packed is not None:
             return int(self._packed.state.nbytes)
-        return sum(row.nbytes for row in self._rows)
+        return sum(int(row.view().nbytes) for row in self._rows)
 
     @property
     def undo_nbytes(self) -> int:
-        return sum(row.undo_nbytes for row in self.rows)
+        return sum(0 if row.log is None else row.log.nbytes for row in self.rows)
 
     def size(self) -> int:
         """The longest row's retained tokens."""
         if self._packed is not None:
             return int(self._packed.state.n_kept)
-        return max(row.size() for row in self._rows)
+        return max(int(row.view().n_kept) for row in self._rows)
 
     def empty(self) -> bool:
         return self._packed is None and all(row.empty() for row in self._rows)
@@ -266,16 +267,16 @@ class BatchVeloxKVCache(VeloxKVCache):
         their send to, every forward pass: reading them does not unpack)."""
         if self._packed is not None:
             return self._packed.state.slots.keys
-        return self._rows[0].keys
+        return self._rows[0].view().keys
 
     @keys.setter
     def keys(self, value: Any) -> None:
         """Tie ``value`` to the stored keys (see ``PolicyKVCache.keys``) without changing them."""
         packed = self._packed
-        if packed is None:
-            self._rows[0].keys = value
-            return
         if not isinstance(value, mx.array):
+            return
+        if packed is None:
+            self._rows[0].tie(value)
             return
         slots = packed.state.slots
         tied = replace(slots, keys=mx.depends([slots.keys], [value])[0])
@@ -340,7 +341,7 @@ class BatchVeloxKVCache(VeloxKVCache):
             self._spans = [(0, 1)] * len(self._rows)
             return keys, values
         self._unpack()
-        fed = next((r.policy_state for r in self._rows if r.policy_state.slots is not None), None)
+        fed = next((r.view() for r in self._rows if r.view().slots is not None), None)
         expect = None
         dtype = None
         if fed is not None:
@@ -353,7 +354,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
             if count:
                 part = slice(first, first + count)
-                row.update_and_fetch(keys[b : b + 1, :, part], values[b : b + 1, :, part])
+                row.lay_out(keys[b : b + 1, :, part], values[b : b + 1, :, part])
         self._spans = spans
         return keys, values
 
@@ -370,7 +371,7 @@ class BatchVeloxKVCache(VeloxKVCache):
             (keys, values), self._packed_call = self._packed_call, None
             row = self._rows[0]
             step, self._packed = packed_update(
-                row._policy, self._packed, keys, values, queries, scale, group=row.group
+                row.policy, self._packed, keys, values, queries, scale, group=row.group
             )
             return attend_step(queries, step, scale, sinks)
         parts: list[mx.array | None] = []
@@ -379,7 +380,7 @@ class BatchVeloxKVCache(VeloxKVCache):
                 parts.append(None)
                 continue
             q = queries[b : b + 1, :, first : first + count]
-            parts.append(row.attend(q, scale, None, sinks))
+            parts.append(row.attend(q, scale, sinks))
         return scatter(parts, spans, queries)
 
     def _decode_call(self, keys: mx.array) -> bool:
@@ -408,7 +409,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         return mx.arange(n + N)[None, :] <= (mx.arange(N) + n)[:, None]
 
     # -- batch membership ----------------------------------------------------------------------
-    def _copy_rows(self) -> list[PolicyKVCache]:
+    def _copy_rows(self) -> list[Layer]:
         self._unpack()
         if (
             self._spans is not None
@@ -447,7 +448,7 @@ class BatchVeloxKVCache(VeloxKVCache):
             pads, real = list(other._pad_left), list(other._real_left)
         else:
             pads, real = [0], [None]
-        new = _row_copies([other], "other")
+        new, _ = _row_copies([other], "other")
         check_compatible(_signature(self._rows[0]), _signature(new[0]), "this batch and other")
         for row in self._rows[1:]:
             check_compatible(_signature(row), _signature(new[0]), "this batch and other")
@@ -455,7 +456,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         self._pad_left += pads
         self._real_left += real
 
-    def extract(self, idx: int) -> PolicyKVCache:
+    def extract(self, idx: int) -> Any:
         """Row ``idx`` as an independent single-sequence Velox cache (merge it again, save it
         with ``save_prompt_cache``, reuse it). Its arrays are its own: a row of packed rows
         would otherwise keep every row's buffers alive (``nbytes`` would then under-count what
@@ -465,12 +466,13 @@ class BatchVeloxKVCache(VeloxKVCache):
             raise ValueError("cannot extract a row in the middle of a call")
         self._unpack()
         row = copy.copy(self._rows[i])
-        row._restore(detach(row.policy_state), row._log)  # policy_state settles the copy
-        return row
+        row.settle()
+        row.restore(detach(row.state), row.log)
+        return self.row_type.from_layer(row)
 
     # -- trims (speculative decoding is one sequence at a time in mlx-lm; kept for symmetry) ----
     def is_trimmable(self) -> bool:
-        return all(row.is_trimmable() for row in self.rows)
+        return all(row.log is not None for row in self.rows)
 
     def trim(self, n: int) -> int:
         """Trim ``n`` tokens from every row exactly; all or nothing."""
@@ -489,7 +491,7 @@ class BatchVeloxKVCache(VeloxKVCache):
         if packed is not None:
             logs = [] if packed.log is None else packed.log.arrays()
             return [{"slots": packed.state.slots.arrays(), "log": logs}]
-        return [row.state for row in self._rows]
+        return [encode(row.view(), row.log) for row in self._rows]
 
     @state.setter
     def state(self, v: Any) -> None:
@@ -497,3 +499,15 @@ class BatchVeloxKVCache(VeloxKVCache):
             "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
             "save those (each is a single-sequence cache)"
         )
+
+
+def _row_stats(row: Layer) -> dict[str, int]:
+    """One unpacked row's stats (as ``BatchVeloxKVCache.row_stats`` gives them)."""
+    state = row.view()
+    undo = 0 if row.log is None else row.log.nbytes
+    return {
+        "tokens_seen": row.offset,
+        "tokens_kept": int(state.tokens_kept),
+        "kv_bytes": int(state.nbytes),
+        "cache_bytes": int(state.held_nbytes) + undo,
+    }

@@ -9,6 +9,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from velox_cache_core.distributed import StepSums
+from velox_cache_core.layer import Mode
 from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.distributed import tensor_group
@@ -21,14 +22,16 @@ class KVCacheFactory:
     """One layer's cache for a config."""
 
     @staticmethod
-    def create(config: KVCacheConfig, group: Any = None) -> Any:
-        """``group``: the tensor-parallel group of a sharded model (``docs/distributed.md``)."""
+    def create(config: KVCacheConfig, group: Any = None, mode: Mode = Mode.QUERIES) -> Any:
+        """``group``: the tensor-parallel group of a sharded model (``docs/distributed.md``);
+        ``mode``: where the layer decides (``velox_cache_core.layer.Mode``; the default stays
+        correct whether or not the attention hook reaches the model)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.policy is None:
             return KVCache()
         cls = cache_class(config.policy)
-        return cls(trim_window=config.trim_window, group=group, **config.settings())
+        return cls(trim_window=config.trim_window, group=group, mode=mode, **config.settings())
 
 
 def _base_caches(model: nn.Module) -> list[Any]:
@@ -94,12 +97,15 @@ class KVCacheBuilder:
                 stacklevel=2,
             )
             config = config.replace(**{field: "key"})
+        # Decided once: without the hook no query ever comes back, so every call is decided
+        # as it is laid out; with it, calls wait for their queries.
+        mode = Mode.QUERIES if reached else Mode.AT_ONCE
         if isinstance(group, str) and group == AUTO:
             group = tensor_group(model)
         caches = []
         for base in _base_caches(model):
             if type(base) is KVCache:
-                caches.append(KVCacheFactory.create(config, group))
+                caches.append(KVCacheFactory.create(config, group, mode))
             else:  # sliding windows, recurrent state: already bounded, keep
                 caches.append(base)
         ours = [c for c in caches if isinstance(c, PolicyKVCache) and c.group is not None]

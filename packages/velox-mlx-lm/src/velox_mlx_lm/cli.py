@@ -616,7 +616,7 @@ def _kvzip_run(
     echo: bool,
 ) -> Run:
     """Prefill the document, compress it (KVzip), then generate the answer to the rest."""
-    from velox_mlx_lm.kvzip import compress, prefill
+    from velox_mlx_lm.compress import compress, prefill
 
     document, rest = split_document(text, chat, tokenizer)
     started = time.perf_counter()

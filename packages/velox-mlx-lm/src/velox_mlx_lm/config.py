@@ -1,16 +1,21 @@
 """KVCacheConfig: one validated, frozen description of the cache every layer gets.
 
-Its fields come from the policy registry: every registered policy's settings (the keyword
-arguments of its ``init``) appear as ``<policy>_<setting>``, with ``init``'s defaults; the
-methods are the registry's method names plus ``"full"`` (mlx-lm's unbounded ``KVCache``).
+Its settings come from the policy registry: every registered policy's typed settings
+(``Policy.settings``, read from its ``init``) are given as ``<policy>_<setting>`` keyword
+arguments (``KVCacheConfig(method="tova", tova_budget=512)``) and held per policy as a
+:class:`PolicySettings`, validated once. The methods are the registry's method names plus
+``"full"`` (mlx-lm's unbounded ``KVCache``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
-from velox_cache_core.registry import POLICIES, Policy, policy_for_method
+from velox_cache_core.registry import POLICIES, Policy, field_name, policy_for_method
 from velox_cache_core.validation import check_choice, check_int
 from velox_mlx_lm.cache import TRIM_WINDOW
 
@@ -24,29 +29,58 @@ def methods() -> tuple[str, ...]:
 
 def config_fields() -> dict[str, tuple[Policy, str, Any]]:
     """``<policy>_<setting>`` -> (policy, setting, default) for every registered policy."""
-    out = {}
-    for policy in POLICIES.values():
-        for setting, default in policy.defaults().items():
-            out[f"{policy.name}_{setting}"] = (policy, setting, default)
-    return out
+    return {
+        field_name(policy.name, s.name): (policy, s.name, s.default)
+        for policy in POLICIES.values()
+        for s in policy.settings
+    }
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """One policy's settings as a config gives them: ``given`` (every setting, ``None`` where
+    the method's preset decides), ``method`` (the method they were validated under) and
+    ``state`` (the empty core state ``init`` made from them: the validation, done once)."""
+
+    policy: Policy
+    method: str
+    given: Mapping[str, Any]
+    state: Any
+
+    def resolved(self) -> dict[str, Any]:
+        """The settings with the preset's choices filled in."""
+        made = self.state.settings
+        return {k: (made[k] if v is None and k in made else v) for k, v in self.given.items()}
+
+
+def _policy_settings(policy: Policy, method: str, fields: Mapping[str, Any]) -> PolicySettings:
+    """Validate one policy's settings (an error names the config field)."""
+    chosen = method if method in policy.methods else policy.methods[0]
+    given = {s.name: fields.get(field_name(policy.name, s.name), s.default) for s in policy.settings}
+    try:
+        state = policy.init_for(chosen, **given)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{policy.name}_{exc}") from None
+    return PolicySettings(policy, chosen, MappingProxyType(given), state)
 
 
 class KVCacheConfig:
     """Which cache to build and its settings, one ``<policy>_<setting>`` per policy setting.
 
-    ``method``: ``"tova"`` (paper-faithful preset), ``"tova_adapted"`` (key-as-query, per head),
-    ``"h2o"``, ``"streaming_llm"``, ``"snapkv"``, ``"morphkv"`` (any registered policy's method)
-    or ``"full"`` (mlx-lm's unbounded ``KVCache``). Settings left at ``None`` take the chosen
-    method's preset (``tova_signal``/``tova_scope``/``tova_prefill`` for the TOVA presets).
+    ``method``: any registered policy's method (``"tova"``, ``"tova_adapted"``, ``"h2o"``,
+    ``"streaming_llm"``, ``"snapkv"``, ``"morphkv"``, ``"kvzip"``, ...) or ``"full"`` (mlx-lm's
+    unbounded ``KVCache``). Settings left at ``None`` take the chosen method's preset.
     ``head_dim``, if given, is checked against the model by ``KVCacheBuilder.for_model``.
     ``trim_window``: how many of the last tokens a Velox cache can take back exactly (its undo
     log, for speculative decoding and prompt-cache rewinds; 0 turns trims off).
-    Every field is validated at construction, whatever the method; the object is frozen.
+    Every policy's settings are validated once, at construction, whatever the method; the
+    object is frozen. Read a field with :meth:`value`, a policy's with :meth:`settings_of`.
     """
 
     method: str
     head_dim: int | None
     trim_window: int
+    _policies: Mapping[str, PolicySettings]
 
     def __init__(
         self,
@@ -68,29 +102,25 @@ class KVCacheConfig:
         if head_dim is not None:
             check_int("head_dim", head_dim, minimum=1)
         check_int("trim_window", trim_window, minimum=0)
-        values = {name: fields.get(name, default) for name, (_, _, default) in known.items()}
+        policies = {p.name: _policy_settings(p, method, fields) for p in POLICIES.values()}
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "trim_window", trim_window)
-        object.__setattr__(self, "_values", values)
-        for policy in POLICIES.values():
-            try:
-                self._init(policy)
-            except (TypeError, ValueError) as exc:  # name the config field, not the argument
-                raise type(exc)(f"{policy.name}_{exc}") from None
+        object.__setattr__(self, "_policies", MappingProxyType(policies))
 
     # -- frozen value object -------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        values = self.__dict__.get("_values", {})
-        if name in values:
-            return values[name]
-        raise AttributeError(f"KVCacheConfig has no field {name!r}")
-
     def __setattr__(self, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
+    def _values(self) -> dict[str, Any]:
+        return {
+            field_name(name, setting): value
+            for name, settings in self._policies.items()
+            for setting, value in settings.given.items()
+        }
+
     def _key(self) -> tuple[Any, ...]:
-        values = tuple(sorted(self._values.items()))
+        values = tuple(sorted(self._values().items()))
         return (self.method, self.head_dim, self.trim_window, values)
 
     def __eq__(self, other: object) -> bool:
@@ -100,14 +130,20 @@ class KVCacheConfig:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        changed = {
-            name: value for name, value in self._values.items() if value != config_fields()[name][2]
-        }
+        defaults = config_fields()
+        changed = {k: v for k, v in self._values().items() if v != defaults[k][2]}
         args = ", ".join(f"{k}={v!r}" for k, v in {"method": self.method, **changed}.items())
         extra = "" if self.head_dim is None else f", head_dim={self.head_dim!r}"
         if self.trim_window != TRIM_WINDOW:
             extra += f", trim_window={self.trim_window!r}"
         return f"KVCacheConfig({args}{extra})"
+
+    def value(self, name: str) -> Any:
+        """One ``<policy>_<setting>`` field's value as given (``None``: the preset decides)."""
+        values = self._values()
+        if name not in values:
+            raise KeyError(f"KVCacheConfig has no field {name!r}")
+        return values[name]
 
     def fields(self) -> dict[str, Any]:
         """Every field's value (``method``, ``head_dim``, ``trim_window`` and each
@@ -116,47 +152,37 @@ class KVCacheConfig:
             "method": self.method,
             "head_dim": self.head_dim,
             "trim_window": self.trim_window,
-            **self._values,
+            **self._values(),
         }
 
     def replace(self, **changes: Any) -> KVCacheConfig:
         """A copy with ``changes`` applied (validated like a new config)."""
-        fields = {**self.fields(), **changes}
-        return KVCacheConfig(**fields)
+        return KVCacheConfig(**{**self.fields(), **changes})
 
     # -- what the builder asks ---------------------------------------------------------------------
-    def _settings(self, policy: Policy) -> dict[str, Any]:
-        prefix = f"{policy.name}_"
-        return {
-            name[len(prefix) :]: value
-            for name, value in self._values.items()
-            if name.startswith(prefix)
-        }
-
-    def _method_for(self, policy: Policy) -> str:
-        """The method a policy's settings are validated and resolved under."""
-        return self.method if self.method in policy.methods else policy.methods[0]
-
-    def _init(self, policy: Policy) -> Any:
-        return policy.init_for(self._method_for(policy), **self._settings(policy))
-
     @property
     def policy(self) -> str | None:
         """The core policy behind ``method`` (``None`` for ``"full"``)."""
         return None if self.method == FULL else policy_for_method(self.method).name
 
+    @property
+    def record(self) -> Policy | None:
+        """The registry's record of the chosen policy (``None`` for ``"full"``)."""
+        return None if self.policy is None else POLICIES[self.policy]
+
+    def settings_of(self, policy: str) -> PolicySettings:
+        """One policy's settings as this config gives them."""
+        if policy not in self._policies:
+            raise KeyError(f"no registered policy {policy!r}; registered: {sorted(POLICIES)}")
+        return self._policies[policy]
+
     def settings(self) -> dict[str, Any]:
         """The chosen policy's settings with the method's preset filled in (``{}`` for full)."""
-        if self.policy is None:
-            return {}
-        return self.policy_settings(self.policy)
+        return {} if self.policy is None else self.policy_settings(self.policy)
 
     def policy_settings(self, policy: str) -> dict[str, Any]:
         """One policy's settings as this config gives them, preset defaults filled in."""
-        record = POLICIES[policy]
-        given = self._settings(record)
-        resolved = self._init(record).settings
-        return {k: (resolved[k] if v is None and k in resolved else v) for k, v in given.items()}
+        return self.settings_of(policy).resolved()
 
     def tova_settings(self) -> dict[str, Any]:
         """Keyword arguments for ``init_tova_state``, preset defaults filled in."""
@@ -164,9 +190,10 @@ class KVCacheConfig:
 
     def state(self) -> Any:
         """A fresh core state of the chosen policy (``None`` for ``"full"``)."""
-        return None if self.policy is None else self._init(POLICIES[self.policy])
+        return None if self.policy is None else self._policies[self.policy].state
 
     @property
     def signal(self) -> str | None:
         """The attention signal the chosen method scores with (``None``: it does not)."""
-        return getattr(self.state(), "signal", None)
+        record = self.record
+        return None if record is None else record.traits.signal(self.state())

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from velox_mlx_lm.cache import VeloxKVCache
+from velox_mlx_lm.base import VeloxKVCache
 
 _NAME = "scaled_dot_product_attention"
 _original = base.scaled_dot_product_attention

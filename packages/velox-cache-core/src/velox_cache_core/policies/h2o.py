@@ -17,6 +17,7 @@ from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
 from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
+from velox_cache_core.traits import Prefill, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 
@@ -28,9 +29,9 @@ class H2OState(PolicyState):
     budget: int
     n_sink: int
     recent: int
-    signal: str
-    scope: str
-    prefill: str
+    signal: Signal
+    scope: Scope
+    prefill: Prefill
     scores: mx.array | None = running()
 
     @property
@@ -39,7 +40,7 @@ class H2OState(PolicyState):
             self.budget,
             self.n_sink,
             self.signal,
-            self.scope,  # type: ignore[arg-type]
+            self.scope,
             self.prefill,
             recent=self.recent,
         )
@@ -49,9 +50,9 @@ def init_h2o_state(
     budget: int = 512,
     n_sink: int = 4,
     recent: int | None = None,
-    signal: str = "query",
-    scope: str = "head",
-    prefill: str = "sequential",
+    signal: Signal = "query",
+    scope: Scope = "head",
+    prefill: Prefill = "sequential",
 ) -> H2OState:
     """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
     ``n_sink + recent <= budget``."""
@@ -67,9 +68,9 @@ def init_h2o_state(
         budget=budget,
         n_sink=n_sink,
         recent=recent,
-        signal=check_choice("signal", signal, SIGNALS),
-        scope=check_choice("scope", scope, SCOPES),
-        prefill=check_choice("prefill", prefill, PREFILLS),
+        signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
+        scope=check_choice("scope", scope, SCOPES),  # type: ignore[arg-type]
+        prefill=check_choice("prefill", prefill, PREFILLS),  # type: ignore[arg-type]
     )
 
 
@@ -85,5 +86,20 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     return replace(decision, changes={"scores": scores})
 
 
-H2O = Policy("h2o", H2OState, init_h2o_state, h2o_rule, packs_rows=True)
+H2O = Policy(
+    "h2o",
+    H2OState,
+    init_h2o_state,
+    h2o_rule,
+    packs_rows=True,
+    traits=read_settings("signal", "scope", "prefill", "budget"),
+    help={
+        "budget": "tokens kept per KV head",
+        "n_sink": "first positions never evicted",
+        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+        "scope": "one eviction per layer (every head drops the same token) or per KV head",
+        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
+        "recent": "latest tokens always kept (default: budget // 2)",
+    },
+)
 h2o_update = H2O.update

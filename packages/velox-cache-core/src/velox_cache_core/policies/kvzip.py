@@ -35,6 +35,8 @@ sequential prefill) at ``budget``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
+from typing import Literal
 
 import mlx.core as mx
 
@@ -48,11 +50,15 @@ from velox_cache_core.selection import highest_weights, sinks
 from velox_cache_core.sequential import row_visibility
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
+from velox_cache_core.traits import Compressor, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
 ALLOCATIONS = ("global", "layer", "head")
+Probe = Literal["reconstruct", "latest"]
+After = Literal["append", "tova"]
+Allocation = Literal["global", "layer", "head"]
 PAD = 2**30  # position of a pad slot: after every real position, so no query ever sees it
 
 
@@ -62,17 +68,17 @@ class KVzipState(PolicyState):
 
     budget: int
     n_sink: int
-    probe: str
-    signal: str
-    after: str
-    allocation: str = "global"
+    probe: Probe
+    signal: Signal
+    after: After
+    allocation: Allocation = "global"
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
     padded: bool = running(False)  # pad slots present (heads keep different row counts)
 
     @property
-    def scope(self) -> str:
+    def scope(self) -> Scope:
         """What the engine reads for the mask layout: per KV head once TOVA decides or pad
         slots are held."""
         per_head = self.compressed and (self.after == "tova" or self.padded)
@@ -96,10 +102,10 @@ class KVzipState(PolicyState):
 def init_kvzip_state(
     budget: int = 512,
     n_sink: int = 4,
-    probe: str = "reconstruct",
-    signal: str = "query",
-    after: str = "append",
-    allocation: str = "global",
+    probe: Probe = "reconstruct",
+    signal: Signal = "query",
+    after: After = "append",
+    allocation: Allocation = "global",
 ) -> KVzipState:
     """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
     ``after`` ``append`` or ``tova``; ``allocation`` ``global``, ``layer`` or ``head`` (how the
@@ -117,10 +123,10 @@ def init_kvzip_state(
     return KVzipState(
         budget=budget,
         n_sink=n_sink,
-        probe=check_choice("probe", probe, PROBES),
-        signal=check_choice("signal", signal, SIGNALS),
-        after=after,
-        allocation=allocation,
+        probe=check_choice("probe", probe, PROBES),  # type: ignore[arg-type]
+        signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
+        after=after,  # type: ignore[arg-type]
+        allocation=allocation,  # type: ignore[arg-type]
     )
 
 
@@ -296,6 +302,21 @@ def kvzip_end_prompt(state: KVzipState) -> KVzipState:
     return kvzip_compress(state)
 
 
+def _check_whole(state: KVzipState) -> None:
+    _context(state)
+
+
+def _needs_pass(state: KVzipState) -> bool:
+    return state.probe == "reconstruct"
+
+
+def _shares(scores: list[mx.array], state: KVzipState) -> list[int | None]:
+    """One threshold over every layer for ``allocation="global"``; else each layer alone."""
+    if state.allocation != "global":
+        return [None] * len(scores)
+    return list(global_totals(scores, state.budget, state.n_sink))
+
+
 KVZIP = Policy(
     "kvzip",
     KVzipState,
@@ -303,6 +324,22 @@ KVZIP = Policy(
     kvzip_rule,
     prompt_end=kvzip_end_prompt,
     grows_after_prompt_end=True,
-    prompt_end_needs_model=True,
+    traits=read_settings("signal", "budget", "scope", hides_rows=attrgetter("padded")),
+    compressor=Compressor(
+        needs_pass=_needs_pass,
+        check=_check_whole,
+        score=reconstruction_scores,
+        cut=kvzip_compress,
+        shares=_shares,
+    ),
+    help={
+        "budget": "rows kept per KV head (on average, with allocation global or layer)",
+        "n_sink": "first positions never evicted",
+        "probe": "what scores the context: a reconstruction pass, or its last query",
+        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+        "after": "after the cut, keep every new token (append) or evict by TOVA (tova)",
+        "allocation": "how the rows are shared out: over every layer's heads, each layer's, "
+        "or exactly budget per head",
+    },
 )
 kvzip_update = KVZIP.update

@@ -11,6 +11,7 @@ window). With ``window=1`` this is TOVA, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision
@@ -18,9 +19,11 @@ from velox_cache_core.policies.tova import PREFILLS, PRESETS, SCOPES, SIGNALS
 from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
+from velox_cache_core.traits import Prefill, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 FUSIONS = ("mean", "max")
+Fusion = Literal["mean", "max"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +33,10 @@ class MorphKVState(PolicyState):
     budget: int
     n_sink: int
     window: int
-    fusion: str
-    signal: str
-    scope: str
-    prefill: str
+    fusion: Fusion
+    signal: Signal
+    scope: Scope
+    prefill: Prefill
     history: History | None = running()
 
     @property
@@ -42,7 +45,7 @@ class MorphKVState(PolicyState):
             self.budget,
             self.n_sink,
             self.signal,
-            self.scope,  # type: ignore[arg-type]
+            self.scope,
             self.prefill,
             window=self.window,
             fusion=self.fusion,
@@ -54,10 +57,10 @@ def init_morphkv_state(
     budget: int = 512,
     n_sink: int = 4,
     window: int = 8,
-    fusion: str = "mean",
-    signal: str | None = None,
-    scope: str | None = None,
-    prefill: str | None = None,
+    fusion: Fusion = "mean",
+    signal: Signal | None = None,
+    scope: Scope | None = None,
+    prefill: Prefill | None = None,
 ) -> MorphKVState:
     """Empty MorphKV state; signal/scope/prefill default to the ``tova`` preset's."""
     check_budget_and_sinks(budget, n_sink)
@@ -74,9 +77,9 @@ def init_morphkv_state(
         n_sink=n_sink,
         window=window,
         fusion=fusion,
-        signal=check_choice("signal", signal or defaults["signal"], SIGNALS),
-        scope=check_choice("scope", scope or defaults["scope"], SCOPES),
-        prefill=check_choice("prefill", prefill or defaults["prefill"], PREFILLS),
+        signal=check_choice("signal", signal or defaults["signal"], SIGNALS),  # type: ignore[arg-type]
+        scope=check_choice("scope", scope or defaults["scope"], SCOPES),  # type: ignore[arg-type]
+        prefill=check_choice("prefill", prefill or defaults["prefill"], PREFILLS),  # type: ignore[arg-type]
     )
 
 
@@ -89,5 +92,20 @@ def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KV
     return replace(decision, changes={"history": history})
 
 
-MORPHKV = Policy("morphkv", MorphKVState, init_morphkv_state, morphkv_rule)
+MORPHKV = Policy(
+    "morphkv",
+    MorphKVState,
+    init_morphkv_state,
+    morphkv_rule,
+    traits=read_settings("signal", "scope", "prefill", "budget"),
+    help={
+        "budget": "tokens kept per KV head",
+        "n_sink": "first positions never evicted",
+        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+        "scope": "one eviction per layer (every head drops the same token) or per KV head",
+        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
+        "window": "latest queries whose weights are fused",
+        "fusion": "how the window's weights are fused",
+    },
+)
 morphkv_update = MORPHKV.update

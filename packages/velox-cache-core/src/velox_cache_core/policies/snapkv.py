@@ -22,6 +22,7 @@ from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.sequential import row_visibility
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
+from velox_cache_core.traits import Signal, read_settings
 from velox_cache_core.validation import check_choice, check_int
 
 
@@ -32,14 +33,14 @@ class SnapKVState(PolicyState):
     budget: int
     window: int
     kernel: int
-    signal: str
+    signal: Signal
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
 
 
 def init_snapkv_state(
-    budget: int = 512, window: int = 32, kernel: int = 5, signal: str = "query"
+    budget: int = 512, window: int = 32, kernel: int = 5, signal: Signal = "query"
 ) -> SnapKVState:
     """Empty SnapKV state: ``1 <= window < budget``, odd ``kernel >= 1``."""
     check_int("budget", budget, minimum=2)
@@ -50,7 +51,7 @@ def init_snapkv_state(
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (avg_pool1d keeps length), got {kernel}")
     return SnapKVState(
-        budget=budget, window=window, kernel=kernel, signal=check_choice("signal", signal, SIGNALS)
+        budget=budget, window=window, kernel=kernel, signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
     )
 
 
@@ -109,5 +110,12 @@ SNAPKV = Policy(
     snapkv_rule,
     prompt_end=snapkv_compress,
     grows_after_prompt_end=True,
+    traits=read_settings("signal", "budget"),
+    help={
+        "budget": "tokens kept per KV head by the cut at the prompt's end",
+        "window": "latest prompt queries whose attention decides the cut",
+        "kernel": "width of the moving average over the scores (odd)",
+        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+    },
 )
 snapkv_update = SNAPKV.update

@@ -17,6 +17,7 @@ from velox_cache_core.registry import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.traits import read_settings
 from velox_cache_core.validation import check_budget_and_sinks
 
 
@@ -72,5 +73,7 @@ STREAMING_LLM = Policy(
     uses_queries=False,
     evict_before=drop_oldest,
     packs_rows=True,
+    traits=read_settings("budget"),
+    help={"budget": "tokens kept: sinks plus the latest", "n_sink": "first positions kept"},
 )
 streaming_llm_update = STREAMING_LLM.update

@@ -8,18 +8,14 @@ included). Nothing is carried between steps: the state holds no scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 from velox_cache_core.attention_rule import Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.registry import Policy
 from velox_cache_core.scoring import Scope
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
+from velox_cache_core.traits import Prefill, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
-
-Signal = Literal["query", "key"]
-Prefill = Literal["sequential", "oneshot"]
 
 SIGNALS = ("query", "key")
 SCOPES = ("layer", "head")
@@ -82,5 +78,20 @@ def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots)
     return decide_by_weights(state.rule, call, candidates)[0]
 
 
-TOVA = Policy("tova", TovaState, init_tova_state, tova_rule, presets=PRESETS, packs_rows=True)
+TOVA = Policy(
+    "tova",
+    TovaState,
+    init_tova_state,
+    tova_rule,
+    presets=PRESETS,
+    packs_rows=True,
+    traits=read_settings("signal", "scope", "prefill", "budget"),
+    help={
+        "budget": "tokens kept per KV head",
+        "n_sink": "first positions never evicted",
+        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+        "scope": "one eviction per layer (every head drops the same token) or per KV head",
+        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
+    },
+)
 tova_update = TOVA.update

@@ -1,0 +1,511 @@
+"""One layer's cache lifecycle: the policy, its state, the undo log and the call in flight.
+
+A framework's attention layer drives a :class:`Layer` with three explicit operations:
+
+1. :meth:`Layer.lay_out` ``(keys, values)``: the call's rotated keys and values; returns what
+   the model attends over (``retained + new``). Depending on the :class:`Mode` and the call,
+   the decision is taken now or waits for the queries.
+2. :meth:`Layer.attend` ``(queries, scale)``: settle the call with the true queries and return
+   the attention output (the policy's masks applied).
+3. :meth:`Layer.settle`: settle it without them (the queries never came: signal ``key`` stands
+   in, with a warning), or :meth:`Layer.finish` with the tensor-parallel group's sums.
+
+The mode is chosen once, by whoever knows how attention reaches the layer:
+
+- ``AT_ONCE``: every call is decided in ``lay_out`` (the model attends by itself, over what
+  ``lay_out`` returned; the states must not score by the true queries);
+- ``QUERIES`` (the default, correct with or without a hook): a call that needs the queries
+  waits for ``attend``; one that never gets them is settled without them at the next call;
+- ``STEP_SUMS``: as ``QUERIES``, and a decode step's layer-wide sums go out with the other
+  layers' in one ``all_sum`` per forward pass (:class:`velox_cache_core.distributed.StepSums`).
+
+At most one thing is pending: a call :class:`Waiting` for its queries, one :class:`Decided` at
+once whose attention may still come, or a decode step :class:`Deferred` until the pass's sums
+arrive. Reading stats (:meth:`Layer.view`) never enters a collective. A policy's model-driven
+phase (:class:`velox_cache_core.traits.Compressor`) runs through :meth:`Layer.start_phase`.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.distributed import Recorder, Replay, StepSums
+from velox_cache_core.engine import Laid, Step, decide, prepare
+from velox_cache_core.masks import chunk_causal
+from velox_cache_core.registry import Policy
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.traits import Compressor
+from velox_cache_core.undo import UndoLog
+from velox_cache_core.validation import check_kv
+
+# Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
+# sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
+# attention on ``retained + SUBCHUNK`` keys, not ``retained + L``.
+SUBCHUNK = 256
+
+_warned_no_hook: set[str] = set()
+
+
+class Mode(enum.Enum):
+    """Where a layer's decisions are taken (see the module docstring)."""
+
+    AT_ONCE = "at_once"
+    QUERIES = "queries"
+    STEP_SUMS = "step_sums"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A call laid out and waiting for its queries. keys/values ``[B, H_kv, L, D]``."""
+
+    keys: mx.array
+    values: mx.array
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A call decided at once; ``attend`` may still come for its masks and weights."""
+
+    step: Step
+    length: int
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A decode step attended; its decision waits for the pass's layer-wide sums."""
+
+    laid: Laid
+
+
+@dataclass
+class Phase:
+    """A model-driven phase in progress: each pass chunk scores context rows ``chunk``; its
+    keys and values (``recon``) are attended to but never stored."""
+
+    scores: list[mx.array] = field(default_factory=list)
+    chunk: tuple[int, int] | None = None
+    recon: tuple[mx.array, mx.array] | None = None
+
+
+Pending = Waiting | Decided | Deferred | None
+
+
+class Layer:
+    """One layer's cache: ``policy``, ``state`` (its frozen core state), ``log`` (undo log or
+    ``None``), the ``mode`` and the call in flight (``pending``).
+
+    ``group``: the tensor-parallel group layer-wide decisions sum over (``None``: one
+    process); ``sums``/``index``: the model's :class:`StepSums` and this layer's index in it
+    (mode ``STEP_SUMS``).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        state: Any,
+        log: UndoLog | None,
+        *,
+        mode: Mode = Mode.QUERIES,
+        group: Any = None,
+    ) -> None:
+        if not isinstance(mode, Mode):
+            raise TypeError(f"mode must be a Mode ({[m.name for m in Mode]}), got {mode!r}")
+        if mode is Mode.STEP_SUMS:
+            raise ValueError("mode STEP_SUMS is set by share_step_sums(sums, index)")
+        if mode is Mode.AT_ONCE and policy.traits.signal(state) == "query":
+            raise ValueError(
+                f"mode AT_ONCE decides without the queries: {policy.name} needs signal='key'"
+            )
+        self.policy = policy
+        self.state = state
+        self.log = log
+        self.mode = mode
+        self.group = group
+        self.sums: StepSums | None = None
+        self.index = 0
+        self.pending: Pending = None
+        self.phase: Phase | None = None
+
+    # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
+    def __copy__(self) -> Layer:
+        out = Layer.__new__(Layer)
+        out.__dict__.update(self.__dict__)
+        out.phase = None if self.phase is None else copy.copy(self.phase)
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Layer:
+        out = copy.copy(self)
+        for name in ("state", "log", "pending", "phase"):
+            setattr(out, name, copy.deepcopy(getattr(self, name), memo))
+        return out
+
+    # -- wiring (the builder decides the mode once) --------------------------------------------
+    def connect(self, group: Any) -> None:
+        """Decide layer-wide over ``group`` (``None``: alone); leaves ``STEP_SUMS``."""
+        self.settle()
+        self.group = group
+        self.sums = None
+        if self.mode is Mode.STEP_SUMS:
+            self.mode = Mode.QUERIES
+
+    def share_step_sums(self, sums: StepSums | None, index: int = 0) -> None:
+        """Mode ``STEP_SUMS`` through ``sums`` as layer ``index`` (``None``: back to
+        ``QUERIES``)."""
+        self.settle()
+        self.sums, self.index = sums, index
+        self.mode = Mode.QUERIES if sums is None else Mode.STEP_SUMS
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        """True absolute position of the next token (tokens seen, not tokens kept)."""
+        pending = self.pending
+        extra = 0
+        if isinstance(pending, Waiting):
+            extra = int(pending.keys.shape[2])
+        elif isinstance(pending, Deferred):
+            extra = 1
+        return int(self.state.offset) + extra
+
+    @property
+    def quiet(self) -> bool:
+        """No call in flight, no phase and no shared step sums: the state may be packed with
+        other rows' (``velox_cache_core.batch``)."""
+        return self.pending is None and self.phase is None and self.mode is not Mode.STEP_SUMS
+
+    def empty(self) -> bool:
+        pending = isinstance(self.pending, (Waiting, Deferred))
+        return self.state.slots is None and not pending
+
+    def view(self) -> Any:
+        """The state to read stats from: a call pending locally is settled first; a decode
+        step waiting for the group's sums reads as the state before it (no collective)."""
+        if isinstance(self.pending, Deferred):
+            return self.pending.laid.state
+        self.settle()
+        return self.state
+
+    # -- 1. lay out a call -----------------------------------------------------------------------
+    def lay_out(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
+        over an evicted slot: the same rows in slot order)."""
+        if self.phase is not None:
+            return self._lay_out_phase(keys, values)
+        self.settle()
+        if self._waits(int(keys.shape[2])):
+            return self._wait(keys, values)
+        step = self._feed(self.state, keys=keys, values=values)
+        self.pending = Decided(step, int(keys.shape[2]))
+        self.state = step.state
+        return step.keys, step.values
+
+    def _waits(self, length: int) -> bool:
+        """Whether a call waits for ``attend``: a chunk (which ``attend`` may split and mask
+        per head) or a state scoring by the true queries, unless the mode decides at once."""
+        if self.mode is Mode.AT_ONCE:
+            return False
+        return length > 1 or self.policy.traits.signal(self.state) == "query"
+
+    def _wait(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        slots = self.state.slots
+        expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
+        check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
+        self.pending = Waiting(keys, values)
+        if slots is None:
+            return keys, values
+        if keys.shape[2] == 1 and slots.free is not None:
+            # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
+            laid_out = slots.write_free(keys, values, self.state.offset)
+            return laid_out.keys, laid_out.values
+        live = slots.compact()
+        return (
+            mx.concatenate([live.keys, keys], axis=2),
+            mx.concatenate([live.values, values], axis=2),
+        )
+
+    # -- 2. settle with the queries ------------------------------------------------------------
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """``[B, H_q, L, D]``: the call's queries over its candidates, the policy's mask."""
+        if self.phase is not None:
+            return self._attend_phase(queries, scale, sinks)
+        pending, self.pending = self.pending, None
+        if isinstance(pending, Waiting):
+            return self._decide_waiting(pending, queries, scale, sinks)
+        if isinstance(pending, Decided):
+            self.state = self._after_call(pending.step.state, int(queries.shape[2]))
+            return attend_step(queries, pending.step, scale, sinks)
+        self.pending = pending
+        raise RuntimeError("attend() called before update_and_fetch()")
+
+    def _decide_waiting(
+        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        keys, values = pending.keys, pending.values
+        L = int(keys.shape[2])
+        if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
+            return self._attend_subchunks(pending, queries, scale, sinks)
+        if L == 1 and self.mode is Mode.STEP_SUMS:
+            return self._attend_deferring(pending, queries, scale, sinks)
+        step = self._feed(self.state, keys=keys, values=values, queries=queries, scale=scale)
+        self.state = self._after_call(step.state, L)
+        return attend_step(queries, step, scale, sinks)
+
+    def _attend_subchunks(
+        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        outs = []
+        L = int(pending.keys.shape[2])
+        for s in range(0, L, SUBCHUNK):
+            part = slice(s, s + SUBCHUNK)
+            q = queries[:, :, part]
+            step = self._feed(
+                self.state,
+                keys=pending.keys[:, :, part],
+                values=pending.values[:, :, part],
+                queries=q,
+                scale=scale,
+            )
+            self.state = step.state
+            outs.append(attend_step(q, step, scale, sinks))
+        self.state = self._after_call(self.state, L)
+        return mx.concatenate(outs, axis=2)
+
+    def _attend_deferring(
+        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        """Attend now; decide when the pass's last layer has arrived (:meth:`finish`)."""
+        sums = self.sums
+        assert sums is not None
+        recorder = Recorder(self.group)
+        laid = prepare(
+            self.policy,
+            self.state,
+            pending.keys,
+            pending.values,
+            queries,
+            scale,
+            check_finite=False,
+            group=recorder,
+        )
+        step = decide(self.policy, laid, self.log)
+        if recorder.sums:  # the decision waits for the sums; the attention does not
+            self.pending = Deferred(laid)
+            sums.defer(recorder.sums, self.finish)
+            step = replace(step, values=laid.candidates.values)
+        else:  # nothing was summed over the group: this is the decision
+            self.log = step.log
+            self.state = self._after_call(step.state, 1)
+        out = attend_step(queries, step, scale, sinks)
+        tied = sums.arrive(self.index)
+        return mx.depends([out], tied)[0] if tied else out
+
+    # -- 3. settle with the group's sums, or without the queries ------------------------------------
+    def finish(self, replay: Replay) -> list[mx.array]:
+        """Decide the deferred step with the group's sums; its new arrays, to evaluate with
+        the forward pass (the log's rows then hold no lazy read of slots written in place)."""
+        pending, self.pending = self.pending, None
+        assert isinstance(pending, Deferred)
+        step = decide(self.policy, pending.laid.regroup(replay), self.log)
+        self.log = step.log
+        self.state = self._after_call(step.state, 1)
+        tied = self.state.slots.arrays()
+        if step.log is not None and step.log.entries:
+            tied += step.log.entries[-1].arrays()
+        return tied
+
+    def settle(self) -> None:
+        """Settle whatever is pending: a deferred step's sums are sent now (a collective:
+        every rank reaches this point alike); a call the queries never reached is decided
+        without them (signal ``key`` stands in for ``query``, with a warning)."""
+        if isinstance(self.pending, Deferred):
+            assert self.sums is not None
+            self.sums.flush()
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        if self.policy.traits.hides_rows(self.state):
+            # The model attended by itself, over rows only the hook's masks hide.
+            raise RuntimeError(
+                f"this {self.policy.name} cache holds pad slots that only the attention hook "
+                "hides, and the last call ran without it: install it "
+                "(velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model does)"
+            )
+        if isinstance(pending, Decided):  # attention never came back
+            self.state = self._after_call(self.state, pending.length)
+            return
+        assert isinstance(pending, Waiting)
+        self._decide_unseen(pending)
+
+    def _decide_unseen(self, pending: Waiting) -> None:
+        L = int(pending.keys.shape[2])
+        if self.policy.traits.signal(self.state) != "query":  # decided as the hook would have
+            step = self._feed(self.state, keys=pending.keys, values=pending.values)
+            self.state = self._after_call(step.state, L)
+            return
+        if self.policy.name not in _warned_no_hook:
+            _warned_no_hook.add(self.policy.name)
+            warnings.warn(
+                f"a {self.policy.name} cache was used without the attention hook "
+                "(KVCacheBuilder.for_model installs it): eviction fell back to signal 'key'.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        keyed = replace(self.state, signal="key")
+        step = self._feed(keyed, keys=pending.keys, values=pending.values)
+        self.state = self._after_call(replace(step.state, signal="query"), L)
+
+    # -- the prompt's end, trims, restores ---------------------------------------------------------
+    def _feed(
+        self,
+        state: Any,
+        *,
+        keys: mx.array,
+        values: mx.array,
+        queries: mx.array | None = None,
+        scale: float | None = None,
+    ) -> Step:
+        """One core update, recorded in the undo log."""
+        step = self.policy.update(
+            state,
+            keys=keys,
+            values=values,
+            queries=queries,
+            scale=scale,
+            check_finite=False,
+            log=self.log,
+            group=self.group,
+        )
+        self.log = step.log
+        return step
+
+    def _after_call(self, state: Any, length: int) -> Any:
+        """Once a call's attention is built: the first single-token call ends the prompt
+        (mlx-lm feeds the prompt's last token alone before decoding)."""
+        if length == 1 and self.policy.prompt_end is not None:
+            return self._end_prompt(state)
+        return state
+
+    def _end_prompt(self, state: Any) -> Any:
+        ended = self.policy.end_prompt(state)
+        if ended is not state and self.log is not None:  # the cut cannot be undone
+            self.log = self.log.cleared()
+        return ended
+
+    def end_prompt(self) -> None:
+        """End the prompt now (a no-op for policies without a prompt-end step)."""
+        self.settle()
+        self.state = self._end_prompt(self.state)
+
+    def trim(self, n: int) -> None:
+        """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
+        log does not reach back ``n`` tokens (or there is none)."""
+        self.settle()
+        if self.log is None:
+            raise ValueError(
+                f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
+            )
+        self.state, self.log = self.policy.trim(self.state, self.log, n, self.group)
+
+    def restore(self, state: Any, log: UndoLog | None) -> None:
+        """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded
+        prompt cache); nothing stays pending."""
+        self.state, self.log = state, log
+        self.pending = None
+        self.phase = None
+
+    def tie(self, value: mx.array) -> None:
+        """Tie ``value`` to the stored keys without changing them (pipeline-parallel sends)."""
+        self.settle()
+        slots = self.state.slots
+        if slots is None:
+            return
+        tied = mx.depends([slots.keys], [value])[0]
+        self.state = replace(self.state, slots=replace(slots, keys=tied))
+
+    # -- the model-driven phase ----------------------------------------------------------------------
+    @property
+    def compressor(self) -> Compressor:
+        compressor = self.policy.compressor
+        if compressor is None:
+            raise ValueError(f"policy {self.policy.name!r} declares no model-driven phase")
+        return compressor
+
+    def start_phase(self) -> None:
+        """Enter the phase (the context must be whole: not compressed yet)."""
+        compressor = self.compressor
+        self.settle()
+        compressor.check(self.state)  # raises on a compressed or empty state
+        self.phase = Phase()
+
+    def score_chunk(self, start: int, end: int) -> None:
+        """The next forward pass scores context rows ``start..end-1``."""
+        if self.phase is None:
+            raise RuntimeError("score_chunk() outside the scoring phase (call start_phase())")
+        self.phase.chunk = (start, end)
+
+    def phase_scores(self) -> mx.array:
+        """float32 ``[B, H_kv, n]``: every context row's score so far (the chunks, in order)."""
+        if self.phase is None or not self.phase.scores:
+            raise ValueError("no chunk of the scoring pass was scored")
+        return mx.concatenate(self.phase.scores, axis=-1)
+
+    def finish_phase(self, budget: int | None = None, total: int | None = None) -> None:
+        """Leave the phase: cut the context by every chunk's scores (to ``budget`` if given;
+        ``total``: the layer's share of a model-wide row total)."""
+        if self.phase is None:
+            raise RuntimeError("finish_phase() outside the scoring phase")
+        scores = self.phase_scores()
+        state = self.policy.rebudget(self.state, budget)
+        state = self.compressor.cut(state, scores, total)  # raises: unchanged
+        self.phase = None
+        self.state = state
+        if self.log is not None:  # the cut cannot be undone
+            self.log = self.log.cleared()
+
+    def abort_phase(self) -> None:
+        """Leave the phase uncompressed (after an error in the pass)."""
+        self.phase = None
+
+    def _live(self) -> KVSlots:
+        if self.state.slots is None:
+            raise ValueError(f"the {self.policy.name} cache holds no context to score")
+        return self.state.slots.compact()
+
+    def _lay_out_phase(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        assert self.phase is not None
+        live = self._live()
+        B, H, _, D = live.keys.shape
+        check_kv(keys, values, expect=(B, H, D), dtype=live.keys.dtype)
+        self.phase.recon = (keys, values)
+        return (
+            mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
+            mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
+        )
+
+    def _attend_phase(
+        self, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        phase = self.phase
+        assert phase is not None
+        if phase.recon is None or phase.chunk is None:
+            raise RuntimeError("attend() in the scoring phase needs score_chunk() and a call")
+        (keys, values), phase.recon = phase.recon, None
+        start, end = phase.chunk
+        phase.scores.append(self.compressor.score(self.state, queries, keys, start, end, scale))
+        live = self._live()
+        dtype = live.keys.dtype
+        all_keys = mx.concatenate([live.keys, keys.astype(dtype)], axis=2)
+        all_values = mx.concatenate([live.values, values.astype(dtype)], axis=2)
+        L = int(keys.shape[2])
+        causal = None if L == 1 else chunk_causal(live.n_slots, L)[None, None]
+        return mx.fast.scaled_dot_product_attention(
+            queries, all_keys, all_values, scale=scale, mask=causal, sinks=sinks
+        ).astype(queries.dtype)

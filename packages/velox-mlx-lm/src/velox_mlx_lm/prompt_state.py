@@ -1,0 +1,122 @@
+"""A policy state and its undo log as mlx-lm's prompt-cache files hold them: arrays plus one
+JSON string of scalars (``save_prompt_cache``/``load_prompt_cache`` round-trip them losslessly,
+positions and settings included)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.attention_rule import History
+from velox_cache_core.registry import Policy
+from velox_cache_core.slots import KVSlots, stored_fields
+from velox_cache_core.state import running_fields
+from velox_cache_core.undo import Entry, UndoLog
+
+
+def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
+    """A JSON skeleton of ``value`` whose arrays go to ``arrays`` (under ``key``-based names):
+    dataclasses (by type name), tuples, dicts, arrays and JSON scalars."""
+    if isinstance(value, mx.array):
+        arrays[key] = value
+        return {"array": key}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            "type": type(value).__name__,
+            "fields": {
+                f.name: _pack(getattr(value, f.name), f"{key}_{f.name}", arrays)
+                for f in stored_fields(value)
+            },
+        }
+    if isinstance(value, tuple):
+        return {"tuple": [_pack(v, f"{key}_{i}", arrays) for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        return {"dict": {k: _pack(v, f"{key}_{k}", arrays) for k, v in value.items()}}
+    return {"value": value}
+
+
+_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog)}
+
+
+def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:
+    if "array" in skeleton:
+        return data[skeleton["array"]]
+    if "type" in skeleton:
+        fields = {k: _unpack(v, data) for k, v in skeleton["fields"].items()}
+        return _PACKED_TYPES[skeleton["type"]](**fields)
+    if "tuple" in skeleton:
+        return tuple(_unpack(v, data) for v in skeleton["tuple"])
+    if "dict" in skeleton:
+        return {k: _unpack(v, data) for k, v in skeleton["dict"].items()}
+    return skeleton["value"]
+
+
+def encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
+    """Policy state and undo log -> arrays and one JSON string (what mlx-lm can save and
+    ``mx.eval``).
+
+    Settings and scalar running fields go to the JSON string; an array field is saved under its
+    name, a dataclass of arrays (slots, history) as ``<field>_<member>``; ``None`` stays ``None``.
+    The undo log is packed under ``undo_*`` names with its skeleton in the JSON string.
+    """
+    out: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    arrays = set(running_fields(state))
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if dataclasses.is_dataclass(value):
+            for member in stored_fields(value):
+                out[f"{f.name}_{member.name}"] = getattr(value, member.name)
+        elif isinstance(value, mx.array) or (value is None and f.name in arrays):
+            out[f.name] = value
+        else:
+            meta[f.name] = value
+    undo: dict[str, mx.array] = {}
+    skeleton = None if log is None else _pack(log, "undo", undo)
+    out.update(undo)
+    out["meta"] = json.dumps({**meta, "undo": skeleton}, sort_keys=True)
+    return out
+
+
+def _array_type(state_type: type, name: str) -> type | None:
+    """The dataclass a running field holds (slots, history), from its type annotation."""
+    hint = typing.get_type_hints(state_type).get(name)
+    for arg in typing.get_args(hint) or (hint,):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
+def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
+    meta = json.loads(data["meta"])
+    skeleton = meta.pop("undo", None)
+    state_type = policy.state_type
+    fields = {f.name for f in dataclasses.fields(state_type)}
+    unknown = set(meta) - fields
+    if unknown:
+        raise ValueError(f"saved {policy.name} state has unknown fields {sorted(unknown)}")
+    running = set(running_fields(state_type))
+    changes = {k: meta.pop(k) for k in running if k in meta}
+    state = policy.init(**meta)  # validates the settings
+    for name in running - set(changes):
+        member_type = _array_type(state_type, name)
+        if member_type is None:
+            value = data.get(name)
+        else:
+            members = {m.name: data.get(f"{name}_{m.name}") for m in stored_fields(member_type)}
+            first = stored_fields(member_type)[0].name
+            value = None if members[first] is None else member_type(**members)
+        if value is not None:
+            changes[name] = value
+    after = replace(state, **changes)
+    budget = policy.traits.budget(after)
+    if policy.prompt_end is None and budget is not None and after.n_kept > budget:
+        raise ValueError(
+            f"saved {policy.name} state holds more rows ({after.n_kept}) than budget {budget}"
+        )
+    return after, None if skeleton is None else _unpack(skeleton, data)

@@ -1,0 +1,127 @@
+"""Structure checks `nox -s lint` runs on every package's ``src``.
+
+1. No import cycle inside a package, counting every import: module level, function-local and
+   under ``TYPE_CHECKING`` (a cycle hidden behind either is still a cycle for a reader).
+2. No function above cyclomatic complexity 15, as radon counts it.
+
+    python tools/check_structure.py [--max-complexity 15]
+
+Exits 1 naming each cycle and each function over the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_COMPLEXITY = 15
+
+
+def _modules(src: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under ``src``."""
+    out = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` names (relative imports resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its body."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, node, is_package)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _is_parent_package(a: str, b: str) -> bool:
+    """A package's ``__init__`` importing its own submodule (or a submodule importing a name
+    its parent re-exports) is how Python packages work, not a cycle between two modules."""
+    return b.startswith(a + ".") or a.startswith(b + ".")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle found by depth-first search (one report per cycle)."""
+    found: list[list[str]] = []
+    seen: set[tuple[str, ...]] = set()
+
+    def visit(node: str, path: list[str], on_path: set[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if _is_parent_package(node, nxt):
+                continue
+            if nxt in on_path:
+                cycle = path[path.index(nxt) :]
+                key = tuple(sorted(cycle))
+                if key not in seen:
+                    seen.add(key)
+                    found.append([*cycle, nxt])
+                continue
+            if len(path) < 12:
+                visit(nxt, [*path, nxt], on_path | {nxt})
+
+    for start in sorted(graph):
+        visit(start, [start], {start})
+    return found
+
+
+def complex_functions(src: Path, limit: int) -> list[str]:
+    """``path:line name (CC)`` for every function over ``limit`` (radon's count)."""
+    from radon.complexity import cc_visit
+
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        for block in cc_visit(path.read_text()):
+            if block.complexity > limit:
+                where = path.relative_to(ROOT)
+                out.append(f"{where}:{block.lineno} {block.fullname} ({block.complexity})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-complexity", type=int, default=MAX_COMPLEXITY)
+    args = parser.parse_args(argv)
+    problems: list[str] = []
+    for src in sorted(ROOT.glob("packages/*/src")):
+        graph = imports(_modules(src))
+        problems += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+        problems += [
+            f"complexity over {args.max_complexity}: {f}"
+            for f in complex_functions(src, args.max_complexity)
+        ]
+    for line in problems:
+        print(line)
+    if problems:
+        return 1
+    print("no import cycle; no function over complexity", args.max_complexity)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
