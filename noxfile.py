@@ -241,11 +241,14 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check, then check that every version agrees with VERSION."""
-    session.install("ruff")
+    """ruff check + ruff format --check; no import cycle and no function over cyclomatic
+    complexity 15 (radon) in any package's src (tools/check_structure.py); then check that
+    every version agrees with VERSION."""
+    session.install("ruff", "radon")
     targets = ["packages", "tools", "noxfile.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
+    session.run("python", "tools/check_structure.py")
     session.run("python", "tools/check_versions.py")
 
 

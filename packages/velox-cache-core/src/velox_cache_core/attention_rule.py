@@ -107,88 +107,129 @@ def decide_by_weights(
     rule to accumulating weights; the updated scores of the kept slots are returned.
     Layer-wide weights are averaged over the heads of every rank of ``call.group``
     (:mod:`velox_cache_core.distributed`), so every rank takes the same decision.
+    One function per path: a decode step, a sequential chunk, a oneshot chunk.
     """
-    _, H_kv, L, _ = call.shape
+    if call.length == 1:
+        return _decide_step(rule, call, candidates, history, scores)
+    if candidates.n_slots <= rule.budget and scores is None:
+        return Decision(candidates), scores
+    if rule.prefill == "sequential":
+        return _decide_sequential(rule, call, candidates, history, scores)
+    return _decide_oneshot(rule, call, candidates, history, scores)
+
+
+def _step_weights(
+    rule: Rule, call: Call, candidates: KVSlots, history: History | None
+) -> tuple[mx.array, mx.array]:
+    """A decode step's (weights ``[B, G, n]``, per-row weights ``[B, G, H_d, R, n]``)."""
     group = layer_group(call.group, rule.scope)
-    G = rule.groups(H_kv)
-    accumulate = scores is not None
-    probe = call.probe(rule.signal)
-    newest = call.newest()
+    rows, row_positions = _rows(history, call.probe(rule.signal), call)
+    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+    if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
+        row_weights = softmax(logits.astype(mx.float32))
+        return head_mean(row_weights, 2, group)[:, :, 0], row_weights
+    # earlier rows (MorphKV) do not see the candidates that came after them
+    positions = candidates.positions[:, : rule.groups(call.shape[1])]
+    visible = row_visibility(positions, row_positions)[:, :, None]
+    row_weights = masked_softmax(logits, visible)
+    return fuse_rows(head_mean(row_weights, 2, group), rule.fusion), row_weights
+
+
+def _decide_step(
+    rule: Rule,
+    call: Call,
+    candidates: KVSlots,
+    history: History | None,
+    scores: mx.array | None,
+) -> tuple[Decision, mx.array | None]:
+    """One token: evict the lowest weight (or accumulated score) when over budget."""
     n = candidates.n_slots
-    positions = candidates.positions[:, :G]
+    evict = n > rule.budget
+    if not evict and scores is None:
+        return Decision(candidates), scores
+    weights, row_weights = _step_weights(rule, call, candidates, history)
+    probs = None
+    if rule.signal == "query":
+        # The newest row is the model's own query, which sees every candidate: its softmax is
+        # the attention itself, so the caller can attend from it ([B, H_q, 1, n]).
+        last = row_weights[:, :, :, -1:]
+        probs = last.reshape(last.shape[0], -1, 1, n)
+    if scores is not None:
+        scores = weights = scores + weights
     kept = candidates
-    mask = None
+    if evict:
+        positions = candidates.positions[:, : rule.groups(call.shape[1])]
+        excluded = rule.protected(positions, call.newest())
+        kept = candidates.with_free(lowest_weight(weights, positions, excluded))
+    return Decision(kept, probs=probs), scores
 
-    if L == 1:
-        evict = n > rule.budget
-        probs = None
-        if evict or accumulate:
-            rows, row_positions = _rows(history, probe, call)
-            logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-            if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
-                row_weights = softmax(logits.astype(mx.float32))
-                weights = head_mean(row_weights, 2, group)[:, :, 0]
-            else:  # earlier rows (MorphKV) do not see the candidates that came after them
-                visible = row_visibility(positions, row_positions)[:, :, None]
-                row_weights = masked_softmax(logits, visible)
-                weights = fuse_rows(head_mean(row_weights, 2, group), rule.fusion)
-            if rule.signal == "query":
-                # The newest row is the model's own query, which sees every candidate: its
-                # softmax is the attention itself, so the caller can attend from it.
-                probs = row_weights[:, :, :, -1:]
-            if scores is not None:
-                scores = weights = scores + weights
-            if evict:
-                excluded = rule.protected(positions, newest)
-                kept = candidates.with_free(lowest_weight(weights, positions, excluded))
-        if probs is not None:  # [B, G, H_d, 1, n] -> per query head [B, H_q, 1, n]
-            probs = probs.reshape(probs.shape[0], -1, 1, n)
-        return Decision(kept, probs=probs), scores
 
-    if n <= rule.budget and not accumulate:
-        pass
-    elif rule.prefill == "sequential":
-        rows, row_positions = _rows(history, probe, call)
-        logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-        evict_step, scores = eviction_steps(
-            logits,
-            row_positions,
-            positions,
-            start=call.start,
-            length=L,
-            budget=rule.budget,
-            n_sink=rule.n_sink,
-            n_history=rows.shape[2] - L,
-            window=rule.window,
-            fusion=rule.fusion,
-            scores=scores,
-            recent=rule.recent,
-            group=group,
-        )
-        mask = alive_mask(evict_step, positions, call.start, L)
-        if n > rule.budget:
-            cols = mx.arange(n)
-            order = mx.argsort(mx.where(evict_step == L, cols, n + cols), axis=-1)
-            survivors = order[..., : rule.budget]
-            kept = candidates.take(survivors)
-            if scores is not None:
-                scores = mx.take_along_axis(scores, survivors, axis=-1)
-    else:
+def _decide_sequential(
+    rule: Rule,
+    call: Call,
+    candidates: KVSlots,
+    history: History | None,
+    scores: mx.array | None,
+) -> tuple[Decision, mx.array | None]:
+    """A chunk decided token by token, as if fed one at a time (masks say who saw whom)."""
+    L, n = call.length, candidates.n_slots
+    positions = candidates.positions[:, : rule.groups(call.shape[1])]
+    rows, row_positions = _rows(history, call.probe(rule.signal), call)
+    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+    evict_step, scores = eviction_steps(
+        logits,
+        row_positions,
+        positions,
+        start=call.start,
+        length=L,
+        budget=rule.budget,
+        n_sink=rule.n_sink,
+        n_history=rows.shape[2] - L,
+        window=rule.window,
+        fusion=rule.fusion,
+        scores=scores,
+        recent=rule.recent,
+        group=layer_group(call.group, rule.scope),
+    )
+    mask = alive_mask(evict_step, positions, call.start, L)
+    kept = candidates
+    if n > rule.budget:
+        cols = mx.arange(n)
+        order = mx.argsort(mx.where(evict_step == L, cols, n + cols), axis=-1)
+        survivors = order[..., : rule.budget]
+        kept = candidates.take(survivors)
         if scores is not None:
-            # Every chunk query attends causally; each adds its weights to the running sums.
-            logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
-            visible = row_visibility(positions, call.positions())[:, :, None]
-            weights = head_mean(masked_softmax(logits, visible), 2, group).sum(2)
-            scores = weights = scores + weights
-        else:
-            rows, row_positions = _rows(history, probe, call)
-            rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
-            logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-            weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
-        if n > rule.budget:
-            protected = rule.protected(positions, newest)
-            keep = highest_weights(weights, positions, protected, rule.budget)
-            kept = candidates.take(keep)
-            if scores is not None:
-                scores = mx.take_along_axis(scores, keep, axis=-1)
+            scores = mx.take_along_axis(scores, survivors, axis=-1)
     return Decision(kept, mask), scores
+
+
+def _decide_oneshot(
+    rule: Rule,
+    call: Call,
+    candidates: KVSlots,
+    history: History | None,
+    scores: mx.array | None,
+) -> tuple[Decision, mx.array | None]:
+    """A chunk attended causally, then cut once by the last rows' (or accumulated) weights."""
+    group = layer_group(call.group, rule.scope)
+    probe = call.probe(rule.signal)
+    positions = candidates.positions[:, : rule.groups(call.shape[1])]
+    if scores is not None:
+        # Every chunk query attends causally; each adds its weights to the running sums.
+        logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
+        visible = row_visibility(positions, call.positions())[:, :, None]
+        weights = head_mean(masked_softmax(logits, visible), 2, group).sum(2)
+        scores = weights = scores + weights
+    else:
+        rows, row_positions = _rows(history, probe, call)
+        rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
+        logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+        weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
+    kept = candidates
+    if candidates.n_slots > rule.budget:
+        protected = rule.protected(positions, call.newest())
+        keep = highest_weights(weights, positions, protected, rule.budget)
+        kept = candidates.take(keep)
+        if scores is not None:
+            scores = mx.take_along_axis(scores, keep, axis=-1)
+    return Decision(kept, None), scores

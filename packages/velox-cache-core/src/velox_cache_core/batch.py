@@ -31,7 +31,8 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.engine import Policy, Step
+from velox_cache_core.engine import Step
+from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running_fields
 from velox_cache_core.undo import Entry, UndoLog

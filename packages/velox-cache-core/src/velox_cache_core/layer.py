@@ -126,7 +126,7 @@ class Layer:
         self.policy = policy
         self.state = state
         self.log = log
-        self.mode = mode
+        self.mode: Mode = mode
         self.group = group
         self.sums: StepSums | None = None
         self.index = 0
@@ -306,7 +306,7 @@ class Layer:
         tied = sums.arrive(self.index)
         return mx.depends([out], tied)[0] if tied else out
 
-    # -- 3. settle with the group's sums, or without the queries ------------------------------------
+    # -- 3. settle with the group's sums, or without the queries -------------------------------
     def finish(self, replay: Replay) -> list[mx.array]:
         """Decide the deferred step with the group's sums; its new arrays, to evaluate with
         the forward pass (the log's rows then hold no lazy read of slots written in place)."""
@@ -430,7 +430,7 @@ class Layer:
         tied = mx.depends([slots.keys], [value])[0]
         self.state = replace(self.state, slots=replace(slots, keys=tied))
 
-    # -- the model-driven phase ----------------------------------------------------------------------
+    # -- the model-driven phase -----------------------------------------------------------------
     @property
     def compressor(self) -> Compressor:
         compressor = self.policy.compressor
@@ -490,9 +490,7 @@ class Layer:
             mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
         )
 
-    def _attend_phase(
-        self, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
+    def _attend_phase(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         phase = self.phase
         assert phase is not None
         if phase.recon is None or phase.chunk is None:

@@ -38,6 +38,7 @@ class Policy:
     compressor: a model-driven phase, a pass through the model that a cache alone cannot run
     (KVzip's reconstruction, driven by ``velox_mlx_lm.compress``), or ``None``.
     help: one line per setting for ``--<policy>-<setting>`` flags and docs (optional).
+    summary: method name -> one line saying what it keeps (``--method``'s help).
     evict_before: optional decode hook freeing a slot before the new token attends
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
@@ -63,6 +64,7 @@ class Policy:
     traits: Traits = field(default_factory=Traits)
     compressor: Compressor | None = None
     help: Mapping[str, str] = field(default_factory=dict)
+    summary: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def prompt_end_needs_model(self) -> bool:

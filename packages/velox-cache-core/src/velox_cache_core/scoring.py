@@ -9,14 +9,12 @@ layer (scope ``layer``).
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import mlx.core as mx
 
 from velox_cache_core.traits import Scope
 
 _LOG2_E = math.log2(math.e)
-
 
 
 def grouped_logits(probe: mx.array, keys: mx.array, scale: float, scope: Scope) -> mx.array:

@@ -62,6 +62,5 @@ def _settings(init: Callable[..., Any]) -> tuple[Setting, ...]:
 def policy_settings(init: Callable[..., Any], help: Mapping[str, str]) -> tuple[Setting, ...]:
     """Every setting ``init`` takes (``preset`` excepted), with ``help`` lines attached."""
     return tuple(
-        Setting(s.name, s.kind, s.default, s.choices, help.get(s.name, ""))
-        for s in _settings(init)
+        Setting(s.name, s.kind, s.default, s.choices, help.get(s.name, "")) for s in _settings(init)
     )

@@ -13,6 +13,7 @@ if _os.environ.get("VELOX_BLAS") != "default":
 
 # Defining the cache classes registers them by name in mlx_lm.models.cache, where mlx-lm's
 # load_prompt_cache looks classes up (velox_mlx_lm.cache.PolicyKVCache.__init_subclass__).
+import velox_mlx_lm.flags  # noqa: F401  (reserves the commands' flags in the registry)
 from velox_mlx_lm.base import VeloxKVCache
 from velox_mlx_lm.builder import KVCacheBuilder, KVCacheFactory
 from velox_mlx_lm.cache import (

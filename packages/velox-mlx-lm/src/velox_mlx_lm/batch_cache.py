@@ -137,7 +137,7 @@ class BatchVeloxKVCache(VeloxKVCache):
     single-sequence layer, ``row_type`` the single-sequence cache class rows are extracted as.
     Needs the attention hook (``KVCacheBuilder.for_model``)."""
 
-    def __init__(self, rows: list[Layer], row_type: type) -> None:
+    def __init__(self, rows: list[Layer], row_type: Any) -> None:
         self._rows = rows
         self.row_type = row_type
         self._packed: Packed | None = None  # the rows while they decode packed (see below)

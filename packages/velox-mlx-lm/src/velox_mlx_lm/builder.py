@@ -76,27 +76,12 @@ class KVCacheBuilder:
         group, the caches share one ``StepSums``: a decode step's layer-wide sums of every layer
         go out in one ``all_sum`` after the last layer's attention (``docs/distributed.md``).
         """
-        if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if not hasattr(model, "layers"):
-            raise TypeError("model must be an mlx-lm model (it has no .layers)")
-        dims = _head_dims(model)
-        if config.head_dim is not None and dims and config.head_dim not in dims:
-            raise ValueError(
-                f"head_dim={config.head_dim} does not match the model's head_dim {sorted(dims)}"
-            )
+        _check_model(model, config)
         if config.method == "full":
             return _base_caches(model)
         reached = install_attention_hook(model)
-        if not reached and config.signal == "query":
-            field = f"{config.policy}_signal"
-            warnings.warn(
-                f"{type(model).__module__} computes attention by hand, so the hook cannot give "
-                f"the cache the true queries; using {field}='key' instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            config = config.replace(**{field: "key"})
+        if not reached:
+            config = _without_queries(model, config)
         # Decided once: without the hook no query ever comes back, so every call is decided
         # as it is laid out; with it, calls wait for their queries.
         mode = Mode.QUERIES if reached else Mode.AT_ONCE
@@ -108,9 +93,41 @@ class KVCacheBuilder:
                 caches.append(KVCacheFactory.create(config, group, mode))
             else:  # sliding windows, recurrent state: already bounded, keep
                 caches.append(base)
-        ours = [c for c in caches if isinstance(c, PolicyKVCache) and c.group is not None]
-        if ours:  # every layer's decode-step sums go out in one all_sum per forward pass
-            sums = StepSums(ours[0].group, len(ours))
-            for layer, cache in enumerate(ours):
-                cache.share_step_sums(sums, layer)
+        _share_step_sums(caches)
         return caches
+
+
+def _check_model(model: nn.Module, config: KVCacheConfig) -> None:
+    if not isinstance(config, KVCacheConfig):
+        raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+    if not hasattr(model, "layers"):
+        raise TypeError("model must be an mlx-lm model (it has no .layers)")
+    dims = _head_dims(model)
+    if config.head_dim is not None and dims and config.head_dim not in dims:
+        raise ValueError(
+            f"head_dim={config.head_dim} does not match the model's head_dim {sorted(dims)}"
+        )
+
+
+def _without_queries(model: nn.Module, config: KVCacheConfig) -> KVCacheConfig:
+    """The config for a model the hook does not reach: signal ``key`` where it scored by
+    ``query`` (with a warning)."""
+    if config.signal != "query":
+        return config
+    field = f"{config.policy}_signal"
+    warnings.warn(
+        f"{type(model).__module__} computes attention by hand, so the hook cannot give "
+        f"the cache the true queries; using {field}='key' instead.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return config.replace(**{field: "key"})
+
+
+def _share_step_sums(caches: list[Any]) -> None:
+    """Every sharded layer's decode-step sums go out in one ``all_sum`` per forward pass."""
+    ours = [c for c in caches if isinstance(c, PolicyKVCache) and c.group is not None]
+    if ours:
+        sums = StepSums(ours[0].group, len(ours))
+        for layer, cache in enumerate(ours):
+            cache.share_step_sums(sums, layer)

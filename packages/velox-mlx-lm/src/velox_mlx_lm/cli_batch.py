@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from velox_mlx_lm.generation import grid, kv_stats
+
 
 @dataclass
 class BatchRun:
@@ -38,7 +40,6 @@ def generate_batch(
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from velox_mlx_lm.builder import KVCacheBuilder
-    from velox_mlx_lm.cli import _kv_stats
 
     mx.random.seed(args.seed)
     mx.reset_peak_memory()
@@ -88,7 +89,7 @@ def generate_batch(
         {
             "prompt_tokens": len(prompt),
             "generated_tokens": len(tokens[uid]),
-            **_kv_stats(caches[uid]),
+            **kv_stats(caches[uid]),
         }
         for uid, prompt in zip(uids, prompts, strict=True)
     ]
@@ -123,7 +124,6 @@ def print_batch(
     args: argparse.Namespace,
 ) -> None:
     """Per-prompt answers and stats (one table per method), then the batches' stats."""
-    from velox_mlx_lm.cli import grid
 
     if args.json:
         out = {

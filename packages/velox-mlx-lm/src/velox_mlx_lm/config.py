@@ -56,7 +56,9 @@ class PolicySettings:
 def _policy_settings(policy: Policy, method: str, fields: Mapping[str, Any]) -> PolicySettings:
     """Validate one policy's settings (an error names the config field)."""
     chosen = method if method in policy.methods else policy.methods[0]
-    given = {s.name: fields.get(field_name(policy.name, s.name), s.default) for s in policy.settings}
+    given = {
+        s.name: fields.get(field_name(policy.name, s.name), s.default) for s in policy.settings
+    }
     try:
         state = policy.init_for(chosen, **given)
     except (TypeError, ValueError) as exc:

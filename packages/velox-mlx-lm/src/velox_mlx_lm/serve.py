@@ -33,12 +33,13 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
+from velox_mlx_lm.flags import add_method_flags, config_from_args
 from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, combine_layers, kv_stats
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
-VELOX_FLAGS: tuple[str, ...] = ("--method", "--budget", "--n-sink", "--signal", "--scope")
-VELOX_FLAGS += ("--prefill", "--window", "--quantized")
+# velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
+VELOX_FLAGS: tuple[str, ...] = ("--quantized",)
 STATS_PATH = "/v1/velox/stats"
 
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action in ours._actions:
         if any(flag in VELOX_FLAGS for flag in action.option_strings):
             parser._add_action(action)
+    add_method_flags(parser)
     return parser
 
 
@@ -402,6 +404,26 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest(f"messages[{i}].content parts must be objects")
 
 
+def _check_options(body: dict[str, Any], options: Any) -> None:
+    """The request's optional fields mlx-lm would read unchecked: 400 on a wrong type."""
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise BadRequest("stop must be a string or a list of strings")
+    if options is not None and not (
+        isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
+    ):
+        raise BadRequest("stream_options must be an object with a boolean include_usage")
+    for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise BadRequest(f"{name} must be an object")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+
+
 class VeloxHandler(mlx_server.APIHandler):
     """mlx-lm's handler plus: 4xx JSON errors for bad requests, one model name, the stats
     endpoint, and ``usage.velox`` (tokens kept, compression ratio, KV bytes)."""
@@ -436,24 +458,7 @@ class VeloxHandler(mlx_server.APIHandler):
         self.requested_draft_model = "default_model"
         if self.adapter is not None:
             raise BadRequest("adapters are not supported by velox-serve")
-        stop = self.body.get("stop")
-        if stop is not None and not (
-            isinstance(stop, str)
-            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-        ):
-            raise BadRequest("stop must be a string or a list of strings")
-        options = self.stream_options
-        if options is not None and not (
-            isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
-        ):
-            raise BadRequest("stream_options must be an object with a boolean include_usage")
-        for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict)):
-            value = self.body.get(name)
-            if value is not None and not isinstance(value, kind):
-                raise BadRequest(f"{name} must be an object")
-        tools = self.body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("tools must be a list")
+        _check_options(self.body, self.stream_options)
         if self.path.endswith("chat/completions"):
             _check_messages(self.body.get("messages"))
         elif not isinstance(self.body.get("prompt"), str) or not self.body["prompt"]:
@@ -600,33 +605,38 @@ def _mode(provider: VeloxModelProvider) -> str:
     return mode
 
 
+def _check_args(args: argparse.Namespace) -> Any:
+    """The config the flags describe, once every flag is checked (``ValueError``)."""
+    config = config_from_args(args)
+    record = config.record
+    if record is not None and record.compressor is not None:
+        raise ValueError(
+            f"--method {config.method} compresses one document with a pass through the model "
+            "(velox-generate); the server does not run it"
+        )
+    if args.kv_bits is not None and record is not None:
+        raise ValueError("--kv-bits quantizes mlx-lm's own caches: use it with --method full")
+    if args.adapter_path is not None:
+        raise ValueError("--adapter-path is not supported by velox-serve")
+    for name in ("max_tokens", "prefill_step_size", "decode_concurrency"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_cache_size < 0:
+        raise ValueError("--prompt-cache-size must be >= 0")
+    if args.draft_model is not None and mx.distributed.init().size() > 1:
+        raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
+    if args.draft_model is not None and record is not None and not config.trim_window:
+        raise ValueError("--draft-model needs a trimmable cache")
+    return config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from velox_mlx_lm.cli import config_from_args, model_ref
+    from velox_mlx_lm.cli import model_ref
 
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        config = config_from_args(args)
-        if config.policy == "kvzip":
-            raise ValueError(
-                "--method kvzip compresses one document with an extra scoring pass "
-                "(velox-generate); the server does not run it"
-            )
-        if args.kv_bits is not None and config.policy is not None:
-            raise ValueError("--kv-bits quantizes mlx-lm's own caches: use it with --method full")
-        if args.adapter_path is not None:
-            raise ValueError("--adapter-path is not supported by velox-serve")
-        for name in ("max_tokens", "prefill_step_size", "decode_concurrency"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if args.prompt_cache_size < 0:
-            raise ValueError("--prompt-cache-size must be >= 0")
-        if args.draft_model is not None and mx.distributed.init().size() > 1:
-            raise ValueError(
-                "--draft-model is not supported under mlx.launch (nor by mlx_lm.server)"
-            )
-        if args.draft_model is not None and config.policy is not None and not config.trim_window:
-            raise ValueError("--draft-model needs a trimmable cache")
+        config = _check_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     # Under mlx.launch every rank runs this; only rank 0 logs below warnings (and serves HTTP).

@@ -93,6 +93,9 @@ H2O = Policy(
     h2o_rule,
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
+    summary={
+        "h2o": "keeps the tokens with the most attention summed so far plus the recent ones (H2O)",
+    },
     help={
         "budget": "tokens kept per KV head",
         "n_sink": "first positions never evicted",

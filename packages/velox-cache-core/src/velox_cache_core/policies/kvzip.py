@@ -113,8 +113,8 @@ def init_kvzip_state(
     TOVA's oneshot cut). ``after="tova"`` continues with TOVA's per-head budget, so it needs
     ``allocation="head"``."""
     check_budget_and_sinks(budget, n_sink)
-    allocation = check_choice("allocation", allocation, ALLOCATIONS)
-    after = check_choice("after", after, AFTERS)
+    check_choice("allocation", allocation, ALLOCATIONS)
+    check_choice("after", after, AFTERS)
     if after == "tova" and allocation != "head":
         raise ValueError(
             f"after='tova' keeps exactly budget rows per KV head: it needs allocation='head' "
@@ -125,8 +125,8 @@ def init_kvzip_state(
         n_sink=n_sink,
         probe=check_choice("probe", probe, PROBES),  # type: ignore[arg-type]
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
-        after=after,  # type: ignore[arg-type]
-        allocation=allocation,  # type: ignore[arg-type]
+        after=after,
+        allocation=allocation,
     )
 
 
@@ -332,6 +332,10 @@ KVZIP = Policy(
         cut=kvzip_compress,
         shares=_shares,
     ),
+    summary={
+        "kvzip": "compresses the document part of the prompt (all but its last line) once, "
+        "by how much reconstructing it attends to each token, then answers (KVzip)",
+    },
     help={
         "budget": "rows kept per KV head (on average, with allocation global or layer)",
         "n_sink": "first positions never evicted",

@@ -98,6 +98,9 @@ MORPHKV = Policy(
     init_morphkv_state,
     morphkv_rule,
     traits=read_settings("signal", "scope", "prefill", "budget"),
+    summary={
+        "morphkv": "drops the token the last few queries attend to least (MorphKV)",
+    },
     help={
         "budget": "tokens kept per KV head",
         "n_sink": "first positions never evicted",

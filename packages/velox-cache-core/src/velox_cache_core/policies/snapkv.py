@@ -51,7 +51,10 @@ def init_snapkv_state(
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (avg_pool1d keeps length), got {kernel}")
     return SnapKVState(
-        budget=budget, window=window, kernel=kernel, signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
+        budget=budget,
+        window=window,
+        kernel=kernel,
+        signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
     )
 
 
@@ -111,6 +114,9 @@ SNAPKV = Policy(
     prompt_end=snapkv_compress,
     grows_after_prompt_end=True,
     traits=read_settings("signal", "budget"),
+    summary={
+        "snapkv": "cuts the prompt once, at its end, by what its last tokens attend to (SnapKV)",
+    },
     help={
         "budget": "tokens kept per KV head by the cut at the prompt's end",
         "window": "latest prompt queries whose attention decides the cut",

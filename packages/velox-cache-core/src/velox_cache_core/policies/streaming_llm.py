@@ -74,6 +74,9 @@ STREAMING_LLM = Policy(
     evict_before=drop_oldest,
     packs_rows=True,
     traits=read_settings("budget"),
+    summary={
+        "streaming_llm": "keeps the first tokens and a sliding window of the latest (StreamingLLM)",
+    },
     help={"budget": "tokens kept: sinks plus the latest", "n_sink": "first positions kept"},
 )
 streaming_llm_update = STREAMING_LLM.update

@@ -8,6 +8,7 @@ included). Nothing is carried between steps: the state holds no scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from velox_cache_core.attention_rule import Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.registry import Policy
@@ -86,6 +87,10 @@ TOVA = Policy(
     presets=PRESETS,
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
+    summary={
+        "tova": "drops the token the newest query attends to least (TOVA)",
+        "tova_adapted": "TOVA scored with the new key in place of the query, per KV head",
+    },
     help={
         "budget": "tokens kept per KV head",
         "n_sink": "first positions never evicted",

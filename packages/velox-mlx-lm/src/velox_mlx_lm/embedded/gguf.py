@@ -91,6 +91,27 @@ def load_gguf_model(
     scales.
     """
     path = Path(path)
+    weights, metadata = _read_weights(path, dtype)
+    model = llama.Model(_model_args(metadata, tied="lm_head.weight" not in weights))
+    quantized = {k[: -len(".weight")] for k, v in weights.items() if v.dtype == mx.uint32}
+    for prefix in quantized:
+        if f"{prefix}.scales" not in weights or f"{prefix}.biases" not in weights:
+            raise ValueError(f"unsupported GGUF tensor type for {prefix!r} in {path}")
+    bits = {prefix: _bits(weights, prefix) for prefix in quantized}
+    if dequantize:
+        _dequantize(weights, bits, dtype)
+    else:
+        nn.quantize(
+            model,
+            class_predicate=lambda p, _: p in bits and {"group_size": _GROUP_SIZE, "bits": bits[p]},
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, metadata
+
+
+def _read_weights(path: Path, dtype: mx.Dtype) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """A llama GGUF's tensors under mlx-lm's names (float ones as ``dtype``) and metadata."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
@@ -101,7 +122,6 @@ def load_gguf_model(
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: only 'llama'")
-
     weights: dict[str, mx.array] = {}
     for name, value in raw.items():
         if not (value.dtype == mx.uint32 or mx.issubdtype(value.dtype, mx.floating)):
@@ -109,27 +129,16 @@ def load_gguf_model(
         # fp16 scales/biases/norms -> dtype: half-precision activations are very slow on CPU.
         floating = mx.issubdtype(value.dtype, mx.floating)
         weights[_module_name(name)] = value.astype(dtype) if floating else value
+    return weights, metadata
 
-    model = llama.Model(_model_args(metadata, tied="lm_head.weight" not in weights))
-    quantized = {k[: -len(".weight")] for k, v in weights.items() if v.dtype == mx.uint32}
-    for prefix in quantized:
-        if f"{prefix}.scales" not in weights or f"{prefix}.biases" not in weights:
-            raise ValueError(f"unsupported GGUF tensor type for {prefix!r} in {path}")
-    bits = {prefix: _bits(weights, prefix) for prefix in quantized}
-    if dequantize:
-        for prefix in quantized:
-            weights[f"{prefix}.weight"] = mx.dequantize(
-                weights[f"{prefix}.weight"],
-                weights.pop(f"{prefix}.scales"),
-                weights.pop(f"{prefix}.biases"),
-                group_size=_GROUP_SIZE,
-                bits=bits[prefix],
-            ).astype(dtype)
-    else:
-        nn.quantize(
-            model,
-            class_predicate=lambda p, _: p in bits and {"group_size": _GROUP_SIZE, "bits": bits[p]},
-        )
-    model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
-    return model, metadata
+
+def _dequantize(weights: dict[str, mx.array], bits: dict[str, int], dtype: mx.Dtype) -> None:
+    """Expand each quantized layer's packed weight, scales and biases to ``dtype``."""
+    for prefix, width in bits.items():
+        weights[f"{prefix}.weight"] = mx.dequantize(
+            weights[f"{prefix}.weight"],
+            weights.pop(f"{prefix}.scales"),
+            weights.pop(f"{prefix}.biases"),
+            group_size=_GROUP_SIZE,
+            bits=width,
+        ).astype(dtype)
