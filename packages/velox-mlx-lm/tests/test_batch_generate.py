@@ -137,7 +137,7 @@ def test_batch_rows_equal_sequences_alone(tiny_model, method):
     def check(gen) -> None:
         for c in gen._generation_batch.prompt_cache:
             if isinstance(c, BatchVeloxKVCache):
-                packed.append(c._packed is not None)
+                packed.append(c.batch.packed is not None)
 
     assert_same_as_alone(model, cfg, items, batched(model, cfg, items, check=check))
     # Policies that pack rows decode packed once every row has evicted (and so the equality
@@ -157,9 +157,9 @@ def test_rows_below_the_budget_decode_padded_then_alone(tiny_model, method):
 
     def check(gen) -> None:
         for c in gen._generation_batch.prompt_cache:
-            if isinstance(c, BatchVeloxKVCache) and c._packed is not None:
-                (padded if c._packed.padded else alike).append(True)
-                assert c.tokens_kept == c._packed.tokens_kept
+            if isinstance(c, BatchVeloxKVCache) and c.batch.packed is not None:
+                (padded if c.batch.packed.padded else alike).append(True)
+                assert c.tokens_kept == c.batch.packed.tokens_kept
 
     assert_same_as_alone(model, cfg, items, batched(model, cfg, items, check=check))
     assert padded and alike
@@ -204,7 +204,7 @@ def test_early_finish_late_insert_and_budget_after_every_step(tiny_model):
             if isinstance(c, BatchVeloxKVCache):
                 assert all(n <= BUDGET for n in c.tokens_kept)
                 seen.append(len(c))
-                packed.append(c._packed is not None)
+                packed.append(c.batch.packed is not None)
 
     results = batched(model, cfg, items, late=late, after=2, check=check)
     assert max(seen) >= 3 and min(seen) == 1  # rows joined and left
@@ -303,7 +303,7 @@ def test_extracted_row_of_packed_rows_holds_only_its_own_bytes():
     k = mx.random.normal((B, H, 1, D))
     batch.update_and_fetch(k, k)
     mx.eval(batch.attend(mx.random.normal((B, 2 * H, 1, D)), D**-0.5, None, None))
-    assert batch._packed is not None
+    assert batch.batch.packed is not None
     kept = batch.extract(0)
     mx.eval(kept.policy_state.slots.arrays())
     del rows, row, batch, k

@@ -381,10 +381,10 @@ def test_keys_setter_on_packed_rows_ties_without_unpacking() -> None:
     kv, q = mx.random.normal((2, 2, 1, 4)), mx.random.normal((2, 4, 1, 4))
     batch.update_and_fetch(kv, kv)
     batch.attend(q, 0.5, None, None)
-    assert batch._packed is not None
+    assert batch.batch.packed is not None
     keys = batch.keys
     batch.keys = mx.depends(batch.keys, mx.ones((1, 3)))
-    assert batch._packed is not None and mx.array_equal(batch.keys, keys)
+    assert batch.batch.packed is not None and mx.array_equal(batch.keys, keys)
     mx.eval(batch.state)
     assert batch.tokens_seen == [11, 11] and batch.size() == 6
     kept = [r.view().positions for r in batch.rows]  # now unpacked

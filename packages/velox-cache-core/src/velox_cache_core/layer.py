@@ -148,16 +148,26 @@ class Layer:
 
     # -- wiring (the builder decides the mode once) --------------------------------------------
     def connect(self, group: Any) -> None:
-        """Decide layer-wide over ``group`` (``None``: alone); leaves ``STEP_SUMS``."""
+        """Decide layer-wide over ``group`` (an ``mx.distributed.Group``; ``None`` or a group
+        of one rank: alone); leaves ``STEP_SUMS``."""
+        if group is not None and not callable(getattr(group, "size", None)):
+            raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
         self.settle()
-        self.group = group
+        self.group = None if group is None or group.size() == 1 else group
         self.sums = None
         if self.mode is Mode.STEP_SUMS:
             self.mode = Mode.QUERIES
 
     def share_step_sums(self, sums: StepSums | None, index: int = 0) -> None:
-        """Mode ``STEP_SUMS`` through ``sums`` as layer ``index`` (``None``: back to
-        ``QUERIES``)."""
+        """Mode ``STEP_SUMS`` through ``sums`` (over this layer's group) as layer ``index``
+        (``None``: back to ``QUERIES``)."""
+        if sums is not None:
+            if not isinstance(sums, StepSums):
+                raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
+            if sums.group is not self.group:
+                raise ValueError("sums must communicate over this cache's group")
+            if not isinstance(index, int) or not 0 <= index < sums.layers:
+                raise ValueError(f"layer must be an int in [0, {sums.layers}), got {index!r}")
         self.settle()
         self.sums, self.index = sums, index
         self.mode = Mode.QUERIES if sums is None else Mode.STEP_SUMS

@@ -1,95 +1,42 @@
 """Batched Velox caches: what ``mlx_lm.generate.BatchGenerator`` (``batch_generate``,
 ``mlx_lm.server``) uses when every layer cache has ``merge``.
 
-A :class:`BatchVeloxKVCache` holds one single-sequence core layer
-(:class:`velox_cache_core.layer.Layer`) per row. Each row keeps its
-own offset, positions, evictions and running state, so row ``b`` of a batch keeps exactly what
-the same sequence keeps alone (row equivalence). Padding is never stored: ``prepare`` says
-which tokens of the coming calls are real (mlx-lm right-pads prompts and passes ``lengths``;
-left padding is supported too), ``update_and_fetch`` hands each row only its span, and
-``attend`` (reached through the attention hook) attends each row over its own keys with its
-own mask, ignoring the mask the model shares between layers (it was built from one layer's
-cache and would be wrong for the others, which evict different tokens).
+A :class:`BatchVeloxKVCache` is mlx-lm's batched cache protocol over one core
+:class:`velox_cache_core.layer_batch.LayerBatch`: one single-sequence layer per row, each
+keeping its own offset, positions, evictions and running state, so row ``b`` of a batch keeps
+exactly what the same sequence keeps alone (row equivalence). Padding is never stored (mlx-lm
+right-pads prompts and passes ``lengths``; left padding works too), and ``attend`` (reached
+through the attention hook) attends each row over its own keys with its own mask, ignoring the
+mask the model shares between layers (built from one layer's cache, it would be wrong for the
+others, which evict different tokens).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.batch import (
-    Packed,
-    can_pack,
-    check_compatible,
-    detach,
-    pack,
-    packed_update,
-    row_signature,
-    scatter,
-    unpack,
-)
 from velox_cache_core.layer import Layer
-from velox_cache_core.validation import check_kv
+from velox_cache_core.layer_batch import LayerBatch, indices
 from velox_mlx_lm.base import VeloxKVCache
 from velox_mlx_lm.prompt_state import encode
 
 
-def _signature(layer: Layer) -> dict[str, Any]:
-    """What rows of one batch share: policy, settings, trim window, group, and once fed,
-    KV heads, head dim and dtype."""
-    state = layer.view()
-    return {
-        **row_signature(state),
-        "policy state": layer.policy.name,
-        "trim_window": 0 if layer.log is None else layer.log.window,
-        "group": id(layer.group) if layer.group is not None else None,
-    }
-
-
-def _single_row(cache: Any, where: str) -> Layer:
-    """An independent copy of a single-sequence Velox cache's layer."""
+def _layers(cache: Any, where: str) -> tuple[list[Layer], Any, Any]:
+    """Independent copies of a Velox cache's layers (a batched one gives all its rows), its
+    pending padding and the single-sequence cache class rows are extracted as."""
+    if isinstance(cache, BatchVeloxKVCache):
+        return cache.batch.copy_rows(), cache.batch.padding, cache.row_type
     layer = getattr(cache, "layer", None)
     if not isinstance(cache, VeloxKVCache) or not isinstance(layer, Layer):
         raise TypeError(
             f"{where} must be a Velox cache, got {type(cache).__name__}: every layer of "
             "a batch must use the same kind of cache"
         )
-    if layer.phase is not None:
-        raise ValueError(f"{where} is in its policy's scoring phase; finish it first")
-    state = layer.view()
-    if state.slots is not None and state.slots.keys.shape[0] != 1:
-        raise ValueError(
-            f"{where} holds {state.slots.keys.shape[0]} sequences in lockstep; "
-            "merge takes single-sequence caches (or batched Velox caches)"
-        )
-    return copy.copy(layer)
-
-
-def _row_copies(caches: Sequence[Any], what: str) -> tuple[list[Layer], type]:
-    """Independent single-sequence copies of ``caches``' layers (batched ones give all their
-    rows), checked to be able to share a batch, and the single-sequence cache class; the
-    inputs are not changed."""
-    rows: list[Layer] = []
-    row_type: type | None = None
-    for i, cache in enumerate(caches):
-        if isinstance(cache, BatchVeloxKVCache):
-            rows.extend(cache._copy_rows())
-            row_type = row_type or cache.row_type
-        else:
-            rows.append(_single_row(cache, f"{what}[{i}]"))
-            row_type = row_type or type(cache)
-    if not rows or row_type is None:
-        raise ValueError(f"{what} must hold at least one cache")
-    first = _signature(rows[0])
-    for i, row in enumerate(rows[1:], 1):
-        check_compatible(first, _signature(row), f"row 0 and row {i}")
-        first = {**_signature(row), **first}
-    return rows, row_type
+    return [copy.copy(layer)], None, type(cache)
 
 
 def merge(caches: Sequence[Any]) -> BatchVeloxKVCache:
@@ -101,261 +48,101 @@ def merge(caches: Sequence[Any]) -> BatchVeloxKVCache:
     """
     if not isinstance(caches, Sequence) or isinstance(caches, (str, bytes)):
         raise TypeError(f"caches must be a list of caches, got {type(caches).__name__}")
-    rows, row_type = _row_copies(caches, "caches")
-    return BatchVeloxKVCache(rows, row_type)
-
-
-def _indices(batch_indices: Any, size: int) -> list[int]:
-    if isinstance(batch_indices, mx.array):
-        batch_indices = batch_indices.tolist()
-    if isinstance(batch_indices, int):
-        batch_indices = [batch_indices]
-    out = []
-    for i in batch_indices:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"batch_indices must be ints, got {type(i).__name__}")
-        if not -size <= i < size:
-            raise IndexError(f"batch index {i} out of range for a batch of {size}")
-        out.append(i % size)
-    return out
-
-
-def _counts(name: str, value: Any, size: int) -> list[int]:
-    if isinstance(value, mx.array):
-        value = value.tolist()
-    values = list(value)
-    if len(values) != size:
-        raise ValueError(f"{name} must have one entry per row ({size}), got {len(values)}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be ints >= 0, got {values}")
-    return values
+    rows: list[Layer] = []
+    row_type = None
+    for i, cache in enumerate(caches):
+        layers, _, kind = _layers(cache, f"caches[{i}]")
+        rows += layers
+        row_type = row_type or kind
+    if not rows:
+        raise ValueError("caches must hold at least one cache")
+    return BatchVeloxKVCache(LayerBatch(rows), row_type)
 
 
 class BatchVeloxKVCache(VeloxKVCache):
-    """``B`` sequences of one Velox policy in one layer; ``rows[b]`` is row ``b``'s
-    single-sequence layer, ``row_type`` the single-sequence cache class rows are extracted as.
-    Needs the attention hook (``KVCacheBuilder.for_model``)."""
+    """``B`` sequences of one Velox policy in one layer (``batch``: the core's rows);
+    ``row_type``: the single-sequence cache class rows are extracted as. Needs the attention
+    hook (``KVCacheBuilder.for_model``)."""
 
-    def __init__(self, rows: list[Layer], row_type: Any) -> None:
-        self._rows = rows
+    def __init__(self, batch: LayerBatch, row_type: Any) -> None:
+        self.batch = batch
         self.row_type = row_type
-        self._packed: Packed | None = None  # the rows while they decode packed (see below)
-        self._packed_call: tuple[mx.array, mx.array] | None = None  # packed step awaiting attend
-        self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
-        self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
-        self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
-
-    # -- packed rows -------------------------------------------------------------------------
-    # While every row decodes one token per step and their slots are laid out alike (a bounded
-    # policy's rows once each has evicted) or can be padded alike (rows below their budget),
-    # the rows are held as one B-row core state (velox_cache_core.batch.pack) and each step is
-    # one engine call, not B. Anything else (a prefill, a row joining or leaving, a trim,
-    # reading a row, padded rows about to reach their budget) unpacks them first: each row gets
-    # back exactly the state and undo log it would have had alone.
-    @property
-    def rows(self) -> list[Layer]:
-        """The rows' single-sequence layers (unpacked first when packed)."""
-        self._unpack()
-        return self._rows
-
-    def _unpack(self) -> None:
-        if self._packed_call is not None:
-            raise RuntimeError("a packed decode step is waiting for attend()")
-        if self._packed is None:
-            return
-        states, logs = unpack(self._packed)
-        self._packed = None
-        for row, state, log in zip(self._rows, states, logs, strict=True):
-            row.restore(state, log)
-
-    def _try_pack(self) -> bool:
-        """Pack the rows for a decode step when they can be (see above)."""
-        if self._packed is not None:
-            if self._packed.can_step():
-                return True
-            self._unpack()  # padded rows about to evict: each decides alone again
-        rows = self._rows
-        policy = rows[0].policy
-        if not policy.packs_rows:  # most of what can_pack checks costs a loop
-            return False
-        group = rows[0].group
-        if any(not row.quiet or row.group is not group for row in rows):
-            return False
-        states = [row.state for row in rows]
-        if not can_pack(policy, states):
-            return False
-        self._packed = pack(policy, states, [row.log for row in rows])
-        return True
-
-    def row_stats(self) -> list[dict[str, int]]:
-        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` (keys and values held, as
-        ``nbytes``) and ``cache_bytes`` (every byte the row holds, undo log included), read
-        without unpacking packed rows (which share the packed arrays evenly)."""
-        packed = self._packed
-        if packed is None:
-            return [_row_stats(row) for row in self._rows]
-        B = len(self._rows)
-        state = packed.state
-        shared = int(state.held_nbytes) + (0 if packed.log is None else packed.log.nbytes)
-        return [
-            {
-                "tokens_seen": offset,
-                "tokens_kept": kept,
-                "kv_bytes": int(state.nbytes) // B,
-                "cache_bytes": shared // B + (0 if log is None else log.nbytes),
-            }
-            for offset, kept, log in zip(
-                packed.offsets, packed.tokens_kept, packed.logs, strict=True
-            )
-        ]
 
     # -- what BatchGenerator reads ---------------------------------------------------------
     @property
+    def rows(self) -> list[Layer]:
+        """The rows' single-sequence layers (unpacked first when packed)."""
+        return self.batch.rows
+
+    @property
     def policy_name(self) -> str:
-        return self._rows[0].policy.name
+        return self.batch.rows_policy.name
 
     @property
     def offset(self) -> mx.array:
-        """int32 ``[B]``: each row's position of its next real token (less pending left
-        padding, so that the padding's real successor is rotated to the right position)."""
-        seen = self.tokens_seen
-        return mx.array(
-            [o - pad for o, pad in zip(seen, self._pad_left, strict=True)], dtype=mx.int32
-        )
+        """int32 ``[B]``: each row's position of its next real token."""
+        return mx.array(self.batch.offsets, dtype=mx.int32)
 
     @property
     def tokens_kept(self) -> list[int]:
         """Retained tokens per row (per KV head)."""
-        if self._packed is not None:
-            return self._packed.tokens_kept
-        return [int(row.view().tokens_kept) for row in self._rows]
+        return self.batch.tokens_kept
 
     @property
     def tokens_seen(self) -> list[int]:
-        if self._packed is not None:
-            return list(self._packed.offsets)
-        return [row.offset for row in self._rows]
+        return self.batch.tokens_seen
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values the rows hold (as ``nbytes`` of each row; rows packed
-        below their budget also hold the padding slots that align them)."""
-        if self._packed is not None:
-            return int(self._packed.state.nbytes)
-        return sum(int(row.view().nbytes) for row in self._rows)
+        """Bytes of the keys and values the rows hold (rows packed below their budget also
+        hold the padding slots that align them)."""
+        return self.batch.nbytes
 
     @property
     def undo_nbytes(self) -> int:
-        return sum(0 if row.log is None else row.log.nbytes for row in self.rows)
+        return self.batch.undo_nbytes
+
+    def row_stats(self) -> list[dict[str, int]]:
+        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` and ``cache_bytes``."""
+        return self.batch.row_stats()
 
     def size(self) -> int:
         """The longest row's retained tokens."""
-        if self._packed is not None:
-            return int(self._packed.state.n_kept)
-        return max(int(row.view().n_kept) for row in self._rows)
+        return self.batch.size()
 
     def empty(self) -> bool:
-        return self._packed is None and all(row.empty() for row in self._rows)
+        return self.batch.empty()
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.batch)
 
     @property
     def keys(self) -> mx.array | None:
         """Row 0's retained keys, or the packed rows' keys (what pipeline-parallel models tie
         their send to, every forward pass: reading them does not unpack)."""
-        if self._packed is not None:
-            return self._packed.state.slots.keys
-        return self._rows[0].view().keys
+        return self.batch.keys
 
     @keys.setter
     def keys(self, value: Any) -> None:
         """Tie ``value`` to the stored keys (see ``PolicyKVCache.keys``) without changing them."""
-        packed = self._packed
-        if not isinstance(value, mx.array):
-            return
-        if packed is None:
-            self._rows[0].tie(value)
-            return
-        slots = packed.state.slots
-        tied = replace(slots, keys=mx.depends([slots.keys], [value])[0])
-        self._packed = replace(packed, state=replace(packed.state, slots=tied))
+        if isinstance(value, mx.array):
+            self.batch.tie(value)
 
-    # -- padding -----------------------------------------------------------------------------
     def prepare(
-        self,
-        *,
-        left_padding: Any = None,
-        lengths: Any = None,
-        right_padding: Any = None,
+        self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None
     ) -> None:
-        """Say which tokens of the coming calls are padding: ``left_padding[b]`` tokens before
-        row ``b``'s next real ones, and (mlx-lm's right padding) ``lengths[b]`` real tokens
-        after which row ``b``'s tokens are padding until :meth:`finalize`."""
-        self._unpack()
-        B = len(self._rows)
-        pads = None if left_padding is None else _counts("left_padding", left_padding, B)
-        real = None if lengths is None else _counts("lengths", lengths, B)
-        if right_padding is not None:
-            right = _counts("right_padding", right_padding, B)
-            if real is None and any(right):
-                raise ValueError("prepare(right_padding=...) needs lengths=... (real tokens)")
-        if pads is not None:
-            self._pad_left = [a + b for a, b in zip(self._pad_left, pads, strict=True)]
-        if real is not None:
-            self._real_left = list(real)
+        """Say which tokens of the coming calls are padding (see ``LayerBatch.prepare``)."""
+        self.batch.prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
 
     def finalize(self) -> None:
         """End of a padded prompt: later calls are all real tokens again."""
-        self._real_left = [None] * len(self._rows)
-
-    def _take_spans(self, length: int) -> list[tuple[int, int]]:
-        spans = []
-        for b in range(len(self._rows)):
-            skip = min(self._pad_left[b], length)
-            self._pad_left[b] -= skip
-            count = length - skip
-            left = self._real_left[b]
-            if left is not None:
-                count = min(count, left)
-                self._real_left[b] = left - count
-            spans.append((skip, count))
-        return spans
+        self.batch.finalize()
 
     # -- the model's calls -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Give each row its real tokens of ``[B, H_kv, L, D]`` keys/values. The return value
         is the input: attention happens in :meth:`attend`, per row."""
-        if self._spans is not None:
-            raise RuntimeError(
-                "a batched Velox cache needs the attention hook (KVCacheBuilder.for_model "
-                "installs it): update_and_fetch() was called twice without attention"
-            )
-        if self._decode_call(keys) and self._try_pack():
-            assert self._packed is not None
-            slots = self._packed.state.slots
-            _, H, _, D = slots.keys.shape
-            check_kv(keys, values, expect=(len(self._rows), H, D), dtype=slots.keys.dtype)
-            self._packed_call = (keys, values)
-            self._spans = [(0, 1)] * len(self._rows)
-            return keys, values
-        self._unpack()
-        fed = next((r.view() for r in self._rows if r.view().slots is not None), None)
-        expect = None
-        dtype = None
-        if fed is not None:
-            _, H, _, D = fed.slots.keys.shape
-            expect, dtype = (len(self._rows), H, D), fed.slots.keys.dtype
-        check_kv(keys, values, expect=expect, dtype=dtype)
-        if keys.shape[0] != len(self._rows):
-            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self._rows)} rows")
-        spans = self._take_spans(keys.shape[2])
-        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
-            if count:
-                part = slice(first, first + count)
-                row.lay_out(keys[b : b + 1, :, part], values[b : b + 1, :, part])
-        self._spans = spans
+        self.batch.lay_out(keys, values)
         return keys, values
 
     def attend(
@@ -363,35 +150,7 @@ class BatchVeloxKVCache(VeloxKVCache):
     ) -> mx.array:
         """``[B, H_q, L, D]``: each row's real queries over its own candidates and mask (the
         model's shared ``mask`` is not used); zero at padded queries."""
-        if self._spans is None:
-            raise RuntimeError("attend() called before update_and_fetch()")
-        spans, self._spans = self._spans, None
-        if self._packed_call is not None:
-            assert self._packed is not None
-            (keys, values), self._packed_call = self._packed_call, None
-            row = self._rows[0]
-            step, self._packed = packed_update(
-                row.policy, self._packed, keys, values, queries, scale, group=row.group
-            )
-            return attend_step(queries, step, scale, sinks)
-        parts: list[mx.array | None] = []
-        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
-            if count == 0:
-                parts.append(None)
-                continue
-            q = queries[b : b + 1, :, first : first + count]
-            parts.append(row.attend(q, scale, sinks))
-        return scatter(parts, spans, queries)
-
-    def _decode_call(self, keys: mx.array) -> bool:
-        """Whether a call is one real token for every row (no padding pending)."""
-        return (
-            keys.ndim == 4
-            and keys.shape[2] == 1
-            and keys.shape[0] == len(self._rows)
-            and not any(self._pad_left)
-            and all(r is None for r in self._real_left)
-        )
+        return self.batch.attend(queries, scale, sinks)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """What the model shares between layers; the hook ignores it (every layer's rows
@@ -409,89 +168,47 @@ class BatchVeloxKVCache(VeloxKVCache):
         return mx.arange(n + N)[None, :] <= (mx.arange(N) + n)[:, None]
 
     # -- batch membership ----------------------------------------------------------------------
-    def _copy_rows(self) -> list[Layer]:
-        self._unpack()
-        if (
-            self._spans is not None
-            or any(self._pad_left)
-            or any(r is not None for r in self._real_left)
-        ):
-            raise ValueError("cannot take rows out of a batched cache in the middle of a call")
-        return [copy.copy(row) for row in self._rows]
-
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchVeloxKVCache:
         return merge(caches)
 
     def filter(self, batch_indices: Any) -> None:
         """Keep rows ``batch_indices`` (list or ``mx.array`` of ints), in that order."""
-        self._unpack()
-        keep = _indices(batch_indices, len(self._rows))
-        if not keep:
-            raise ValueError("filter() must keep at least one row (drop the cache instead)")
-        seen: set[int] = set()
-        rows = []
-        for i in keep:
-            rows.append(copy.copy(self._rows[i]) if i in seen else self._rows[i])
-            seen.add(i)
-        self._rows = rows
-        self._pad_left = [self._pad_left[i] for i in keep]
-        self._real_left = [self._real_left[i] for i in keep]
+        if isinstance(batch_indices, mx.array):
+            batch_indices = batch_indices.tolist()
+        self.batch.filter(batch_indices)
 
     def extend(self, other: Any) -> None:
         """Append ``other``'s rows (a batched or single-sequence Velox cache of the same policy
         and settings); ``ValueError`` naming what differs, and nothing changes, otherwise."""
-        if self._spans is not None:
+        if self.batch.pending:
             raise ValueError("cannot extend a batched cache in the middle of a call")
-        self._unpack()
-        if isinstance(other, BatchVeloxKVCache):
-            pads, real = list(other._pad_left), list(other._real_left)
-        else:
-            pads, real = [0], [None]
-        new, _ = _row_copies([other], "other")
-        check_compatible(_signature(self._rows[0]), _signature(new[0]), "this batch and other")
-        for row in self._rows[1:]:
-            check_compatible(_signature(row), _signature(new[0]), "this batch and other")
-        self._rows = [*self._rows, *new]
-        self._pad_left += pads
-        self._real_left += real
+        new, padding, _ = _layers(other, "other")
+        self.batch.extend(new, padding)
 
     def extract(self, idx: int) -> Any:
         """Row ``idx`` as an independent single-sequence Velox cache (merge it again, save it
-        with ``save_prompt_cache``, reuse it). Its arrays are its own: a row of packed rows
-        would otherwise keep every row's buffers alive (``nbytes`` would then under-count what
-        a prompt cache holds)."""
-        (i,) = _indices([idx], len(self._rows))
-        if self._spans is not None:
-            raise ValueError("cannot extract a row in the middle of a call")
-        self._unpack()
-        row = copy.copy(self._rows[i])
-        row.settle()
-        row.restore(detach(row.state), row.log)
-        return self.row_type.from_layer(row)
+        with ``save_prompt_cache``, reuse it), owning its arrays."""
+        (i,) = indices([idx], len(self.batch))
+        return self.row_type.from_layer(self.batch.take(i))
 
-    # -- trims (speculative decoding is one sequence at a time in mlx-lm; kept for symmetry) ----
     def is_trimmable(self) -> bool:
         return all(row.log is not None for row in self.rows)
 
     def trim(self, n: int) -> int:
         """Trim ``n`` tokens from every row exactly; all or nothing."""
-        trimmed = [copy.copy(row) for row in self.rows]
-        for row in trimmed:
-            row.trim(n)
-        self._rows = trimmed
+        self.batch.trim(n)
         return n
 
     # -- what mx.eval and copy.deepcopy see ------------------------------------------------------
     @property
-    def state(self) -> list[dict[str, Any]]:
+    def state(self) -> list[Any]:
         """Every row's arrays (``mx.eval``-ed by mlx-lm after every prefill chunk); packed
         rows give the packed arrays."""
-        packed = self._packed
+        packed = self.batch.packed_arrays()
         if packed is not None:
-            logs = [] if packed.log is None else packed.log.arrays()
-            return [{"slots": packed.state.slots.arrays(), "log": logs}]
-        return [encode(row.view(), row.log) for row in self._rows]
+            return [packed]
+        return [encode(row.view(), row.log) for row in self.batch.layers]
 
     @state.setter
     def state(self, v: Any) -> None:
@@ -499,15 +216,3 @@ class BatchVeloxKVCache(VeloxKVCache):
             "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
             "save those (each is a single-sequence cache)"
         )
-
-
-def _row_stats(row: Layer) -> dict[str, int]:
-    """One unpacked row's stats (as ``BatchVeloxKVCache.row_stats`` gives them)."""
-    state = row.view()
-    undo = 0 if row.log is None else row.log.nbytes
-    return {
-        "tokens_seen": row.offset,
-        "tokens_kept": int(state.tokens_kept),
-        "kv_bytes": int(state.nbytes),
-        "cache_bytes": int(state.held_nbytes) + undo,
-    }

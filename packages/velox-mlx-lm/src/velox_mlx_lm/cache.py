@@ -88,9 +88,7 @@ class PolicyKVCache(VeloxKVCache):
 
     @group.setter
     def group(self, group: Any) -> None:
-        if group is not None and not callable(getattr(group, "size", None)):
-            raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
-        self._layer.connect(None if group is None or group.size() == 1 else group)
+        self._layer.connect(group)
 
     @property
     def step_sums(self) -> StepSums | None:
@@ -101,13 +99,6 @@ class PolicyKVCache(VeloxKVCache):
     def share_step_sums(self, sums: StepSums | None, layer: int = 0) -> None:
         """Send this cache's decode-step sums through ``sums`` as layer ``layer`` of the model
         (``None``: one ``all_sum`` per layer again). ``sums.group`` must be this cache's."""
-        if sums is not None:
-            if not isinstance(sums, StepSums):
-                raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
-            if sums.group is not self.group:
-                raise ValueError("sums must communicate over this cache's group")
-            if not isinstance(layer, int) or not 0 <= layer < sums.layers:
-                raise ValueError(f"layer must be an int in [0, {sums.layers}), got {layer!r}")
         self._layer.share_step_sums(sums, layer)
 
     # -- what users read (never a collective) ---------------------------------------------------
