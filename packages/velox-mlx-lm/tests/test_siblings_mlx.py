@@ -16,8 +16,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, save_prompt_cache
 from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
 
-import velox_mlx_lm
 import velox_cache_core.layer as vcache
+import velox_mlx_lm
 from velox_mlx_lm import (
     H2OKVCache,
     KVCacheBuilder,

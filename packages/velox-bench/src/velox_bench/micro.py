@@ -52,13 +52,13 @@ def _velox(
     policy: Policy, state: Any, k: mx.array, q: mx.array, prompt: tuple[mx.array, ...]
 ) -> Subject:
     pk, pq = prompt
-    step = policy.update(state, pk, pk, pq, check_finite=False)
+    step = policy.update(state, keys=pk, values=pk, queries=pq, check_finite=False)
     box = [policy.end_prompt(step.state)]  # SnapKV cuts its prompt here; a no-op elsewhere
     del step
     mx.eval(*state_arrays(box[0]))
 
     def run() -> None:
-        s = policy.update(box[0], k, k, q, check_finite=False)
+        s = policy.update(box[0], keys=k, values=k, queries=q, check_finite=False)
         box[0] = s.state  # the old state is dropped before eval: in-place slot writes
         arrays = [s.keys, s.values, *state_arrays(box[0])]
         if s.mask is not None:

@@ -228,7 +228,16 @@ def update(
         if count == 0:
             steps.append(None)
             continue
-        step = policy.update(rows[b], k, v, q, scale, check_finite, logs[b], group)
+        step = policy.update(
+            rows[b],
+            keys=k,
+            values=v,
+            queries=q,
+            scale=scale,
+            check_finite=check_finite,
+            log=logs[b],
+            group=group,
+        )
         steps.append(step)
         rows[b], logs[b] = step.state, step.log
     return BatchStep(tuple(steps), tuple(row_spans), BatchState(tuple(rows), tuple(logs)))
@@ -440,7 +449,15 @@ def packed_update(
             "padded packed rows would reach their budget in this step: unpack them first"
         )
     step = policy.update(
-        packed.state, keys, values, queries, scale, False, packed.log, group, packed.offsets
+        packed.state,
+        keys=keys,
+        values=values,
+        queries=queries,
+        scale=scale,
+        check_finite=False,
+        log=packed.log,
+        group=group,
+        row_start=packed.offsets,
     )
     if packed.padded:  # attention over the candidates, minus each row's padding
         step = replace(step, mask=packed.mask(int(step.keys.shape[2])), probs=None)

@@ -297,10 +297,10 @@ class Layer:
         laid = prepare(
             self.policy,
             self.state,
-            pending.keys,
-            pending.values,
-            queries,
-            scale,
+            keys=pending.keys,
+            values=pending.values,
+            queries=queries,
+            scale=scale,
             check_finite=False,
             group=recorder,
         )

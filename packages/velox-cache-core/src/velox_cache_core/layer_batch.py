@@ -351,7 +351,13 @@ class LayerBatch:
             (keys, values), self._packed_call = self._packed_call, None
             row = self._rows[0]
             step, self._packed = packed_update(
-                row.policy, self._packed, keys, values, queries, scale, group=row.group
+                row.policy,
+                self._packed,
+                keys=keys,
+                values=values,
+                queries=queries,
+                scale=scale,
+                group=row.group,
             )
             return attend_step(queries, step, scale, sinks)
         parts: list[mx.array | None] = []
