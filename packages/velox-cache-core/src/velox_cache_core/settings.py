@@ -59,8 +59,20 @@ def _settings(init: Callable[..., Any]) -> tuple[Setting, ...]:
     return tuple(out)
 
 
+# Help lines of the settings many policies share; a policy's own ``help`` overrides them.
+COMMON_HELP = {
+    "budget": "tokens kept per KV head",
+    "n_sink": "first positions never evicted",
+    "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
+    "scope": "one eviction per layer (every head drops the same token) or per KV head",
+    "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
+}
+
+
 def policy_settings(init: Callable[..., Any], help: Mapping[str, str]) -> tuple[Setting, ...]:
-    """Every setting ``init`` takes (``preset`` excepted), with ``help`` lines attached."""
+    """Every setting ``init`` takes (``preset`` excepted), with ``help`` lines attached (the
+    policy's own, else :data:`COMMON_HELP`'s)."""
     return tuple(
-        Setting(s.name, s.kind, s.default, s.choices, help.get(s.name, "")) for s in _settings(init)
+        Setting(s.name, s.kind, s.default, s.choices, help.get(s.name, COMMON_HELP.get(s.name, "")))
+        for s in _settings(init)
     )

@@ -97,11 +97,6 @@ H2O = Policy(
         "h2o": "keeps the tokens with the most attention summed so far plus the recent ones (H2O)",
     },
     help={
-        "budget": "tokens kept per KV head",
-        "n_sink": "first positions never evicted",
-        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
-        "scope": "one eviction per layer (every head drops the same token) or per KV head",
-        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
         "recent": "latest tokens always kept (default: budget // 2)",
     },
 )

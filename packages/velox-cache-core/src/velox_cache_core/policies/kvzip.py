@@ -338,9 +338,7 @@ KVZIP = Policy(
     },
     help={
         "budget": "rows kept per KV head (on average, with allocation global or layer)",
-        "n_sink": "first positions never evicted",
         "probe": "what scores the context: a reconstruction pass, or its last query",
-        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
         "after": "after the cut, keep every new token (append) or evict by TOVA (tova)",
         "allocation": "how the rows are shared out: over every layer's heads, each layer's, "
         "or exactly budget per head",

@@ -102,11 +102,6 @@ MORPHKV = Policy(
         "morphkv": "drops the token the last few queries attend to least (MorphKV)",
     },
     help={
-        "budget": "tokens kept per KV head",
-        "n_sink": "first positions never evicted",
-        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
-        "scope": "one eviction per layer (every head drops the same token) or per KV head",
-        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
         "window": "latest queries whose weights are fused",
         "fusion": "how the window's weights are fused",
     },

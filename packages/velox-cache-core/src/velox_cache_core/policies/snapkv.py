@@ -121,7 +121,6 @@ SNAPKV = Policy(
         "budget": "tokens kept per KV head by the cut at the prompt's end",
         "window": "latest prompt queries whose attention decides the cut",
         "kernel": "width of the moving average over the scores (odd)",
-        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
     },
 )
 snapkv_update = SNAPKV.update

@@ -91,12 +91,5 @@ TOVA = Policy(
         "tova": "drops the token the newest query attends to least (TOVA)",
         "tova_adapted": "TOVA scored with the new key in place of the query, per KV head",
     },
-    help={
-        "budget": "tokens kept per KV head",
-        "n_sink": "first positions never evicted",
-        "signal": "what scores the tokens: the true queries, or the new keys as a stand-in",
-        "scope": "one eviction per layer (every head drops the same token) or per KV head",
-        "prefill": "during the prompt, evict token by token (sequential) or once per chunk",
-    },
 )
 tova_update = TOVA.update
