@@ -93,8 +93,8 @@ def test_api_key_on_every_route(servers: tuple[Server, Server]) -> None:
             status, _, error = raw(keyed, method, path, body, headers)
             assert status == 401, (path, headers)
             assert error["error"]["code"] == "invalid_api_key"
-        body = {"max_tokens": 4, "messages": CHAT}
-        status, _, error = raw(keyed, "POST", "/v1/messages", body, headers)
+        request = {"max_tokens": 4, "messages": CHAT}
+        status, _, error = raw(keyed, "POST", "/v1/messages", request, headers)
         assert status == 401 and error["type"] == "error"
         assert error["error"]["type"] == "authentication_error"
     for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
