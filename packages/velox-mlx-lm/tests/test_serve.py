@@ -38,12 +38,18 @@ def free_port() -> int:
 
 
 class Server:
-    """``velox-serve`` in a subprocess, its log in a temporary file."""
+    """``velox-serve`` in a subprocess, its log in a temporary file. ``key``: the API key it
+    requires and the helpers send; ``code``: Python run instead of ``-m velox_mlx_lm.serve``
+    (it gets the flags as ``sys.argv[1:]``)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, key: str | None = None, code: str | None = None) -> None:
         self.port = free_port()
+        self.key = key
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        argv = [sys.executable, "-m", "velox_mlx_lm.serve", "--port", str(self.port), *flags]
+        entry = ["-m", "velox_mlx_lm.serve"] if code is None else ["-c", code]
+        argv = [sys.executable, *entry, "--port", str(self.port), *flags]
+        if key is not None:
+            argv += ["--api-key", key]
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -73,11 +79,15 @@ class Server:
         self.log.close()
         os.unlink(self.log.name)
 
-    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """(status, parsed JSON body); ``body`` bytes are sent as they are."""
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """(status, parsed JSON body); ``body`` bytes are sent as they are; ``headers``
+        replace the API key header the helper sends by default."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
+        auth = {} if self.key is None else {"Authorization": f"Bearer {self.key}"}
+        headers = {"Content-Type": "application/json", **(auth if headers is None else headers)}
         conn.request(method, path, body=data, headers=headers)
         response = conn.getresponse()
         raw = response.read()
@@ -90,7 +100,8 @@ class Server:
     def client(self) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        key = self.key or "unused"
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(scope="module")

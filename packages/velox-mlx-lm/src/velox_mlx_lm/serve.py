@@ -15,6 +15,7 @@ one-at-a-time path and the prompt cache; this module plugs into it and forks non
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -32,9 +33,12 @@ import mlx_lm.server as mlx_server
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from velox_mlx_lm import serve_auth, serve_memory
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.flags import add_method_flags, config_from_args
-from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, combine_layers, kv_stats
+from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats
+from velox_mlx_lm.serve_errors import ANTHROPIC_KINDS, BadRequest
+from velox_mlx_lm.serve_messages import MESSAGES_PATH, error_body, parse_request, serve_messages
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
@@ -92,7 +96,37 @@ def build_parser() -> argparse.ArgumentParser:
         if any(flag in VELOX_FLAGS for flag in action.option_strings):
             parser._add_action(action)
     add_method_flags(parser)
+    add_serving_flags(parser)
     return parser
+
+
+def add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags for long agent sessions (docs/serving.md#agents)."""
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require this key on every route but /health ('Authorization: Bearer KEY' or "
+        f"'x-api-key: KEY'); default: ${serve_auth.ENV_VAR}, else no key",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=serve_memory.parse_max_memory,
+        default=None,
+        help="bound on the KV bytes of live sequences and the prompt cache together: a size "
+        "(6GB, 512MB, bytes) or a fraction in (0, 1) of the RAM left after the weights "
+        f"(default {serve_memory.DEFAULT_FRACTION}); printed at start",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for memory; past it they get 503 (default 64)",
+    )
+    parser.add_argument(
+        "--beyond-context",
+        action="store_true",
+        help="let prompts and generations go past the model's context (bounded methods only)",
+    )
 
 
 class VeloxModelProvider(mlx_server.ModelProvider):
@@ -148,6 +182,8 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             draft.make_cache = lambda: KVCacheBuilder.for_model(draft, config)
         args = getattr(model, "args", None)
         self.context_length = getattr(args, "max_position_embeddings", None)
+        self.kv_geometry = serve_memory.probe_geometry(model)  # every rank: a forward pass
+        self.weight_bytes = serve_memory.weight_bytes(model)
         self.model_key: Any = (self.name, None, self.cli_args.draft_model)
         self.model = model
         self.tokenizer = tokenizer
@@ -181,6 +217,7 @@ class Monitor:
         self.order: deque[tuple[int, ...]] = deque()
         self.completed = 0
         self.started = time.time()
+        self.on_live: Any = None  # called with the live sequences' bytes after every step
 
     # -- generation thread -----------------------------------------------------------------
     def set_live(self, rows: list[dict[str, Any]]) -> None:
@@ -188,6 +225,8 @@ class Monitor:
             self.live = rows
             for row in rows:
                 self.max_tokens_kept = max(self.max_tokens_kept, row["tokens_kept"])
+        if self.on_live is not None:
+            self.on_live(sum(row["cache_bytes"] for row in rows))
 
     def finish(self, tokens: list[int], caches: list[Any]) -> None:
         stats = kv_stats(caches)
@@ -367,8 +406,16 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
 
     local = threading.local()
 
-    def __init__(self, provider: Any, prompt_cache: Any, monitor: Monitor) -> None:
+    def __init__(
+        self,
+        provider: Any,
+        prompt_cache: Any,
+        monitor: Monitor,
+        governor: serve_memory.MemoryGovernor | None = None,
+    ) -> None:
         self.monitor = monitor
+        self.governor = governor
+        self.api_key: str | None = None
         super().__init__(provider, prompt_cache)
 
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
@@ -378,15 +425,6 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         self.local.cached = ctx.prompt_cache_count
         self.local.stats = None
         return ctx, responses
-
-
-class BadRequest(Exception):  # not a ValueError: mlx-lm's handler turns those into 400s
-    """A request to refuse with ``status`` and an OpenAI-style JSON error body."""
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 def _check_messages(messages: Any) -> None:
@@ -436,10 +474,25 @@ class VeloxHandler(mlx_server.APIHandler):
         assert isinstance(provider, VeloxModelProvider)
         return provider
 
-    def _error(self, status: int, message: str, code: str | None = None) -> None:
+    def _error(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+        if self.path.split("?", 1)[0] == MESSAGES_PATH:
+            body = error_body(ANTHROPIC_KINDS.get(status, "invalid_request_error"), message)
+        self._send_json(status, body, headers)
+
+    def _send_json(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         data = json.dumps(body).encode()
         self._set_completion_headers(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -464,35 +517,98 @@ class VeloxHandler(mlx_server.APIHandler):
         elif not isinstance(self.body.get("prompt"), str) or not self.body["prompt"]:
             raise BadRequest("prompt must be a non-empty string")
 
+    def _authorized(self) -> bool:
+        """Whether the request may go on; answers 401 (and reads a small body) if not."""
+        key = self.response_generator.api_key
+        if not serve_auth.needs_key(self.path) or serve_auth.is_authorized(self.headers, key):
+            return True
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) <= 1 << 20:
+            self.rfile.read(int(length))  # so the client reads the 401, not a reset
+        body = serve_auth.unauthorized_body(
+            self.path, serve_auth.presented_key(self.headers) is not None
+        )
+        self._send_json(401, body, {"WWW-Authenticate": "Bearer"})
+        return False
+
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         try:
+            if self.path.split("?", 1)[0] == MESSAGES_PATH:
+                return self.handle_messages()
             super().do_POST()
         except BadRequest as exc:  # raised before anything was sent
-            self._error(exc.status, str(exc), exc.code)
+            self._error(exc.status, str(exc), exc.code, exc.headers)
 
-    def handle_completion(self, request: Any, stop_words: list[str]) -> None:
-        # Tokenize here too, so that a prompt the model cannot take is a 400, not a failure
-        # in the generation thread.
-        provider = self.provider
+    def handle_messages(self) -> None:
+        """``POST /v1/messages`` (serve_messages), with this handler's checks and admission."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise BadRequest("a Content-Length header is required", 411 if length is None else 400)
         try:
-            if provider.tokenizer is None:
-                raise BadRequest("the model is still loading", 503, "not_ready")
-            args = argparse.Namespace(chat_template_kwargs=self.chat_template_kwargs)
-            prompt = self.response_generator._tokenize(provider.tokenizer, request, args)[0]
-        except BadRequest as exc:
-            return self._error(exc.status, str(exc), exc.code)
-        except Exception as exc:  # a template or tokenizer that rejects the messages
-            return self._error(400, f"cannot tokenize the request: {exc}")
-        limit = provider.context_length
-        if limit is not None and len(prompt) > limit:
-            return self._error(
+            body = json.loads(self.rfile.read(int(length)).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"invalid JSON in the request body: {exc}") from None
+        request = parse_request(body)
+        if request.model not in self.provider.names:
+            raise BadRequest(
+                f"model {request.model!r} is not served here; this server serves "
+                f"{self.provider.name!r} (GET /v1/models)",
+                404,
+            )
+        request.model = self.provider.name
+        self.stream = request.stream
+        prompt = self._checked_prompt(request.completion_request(), None)
+        with self._admitted(len(prompt), request.max_tokens):
+            serve_messages(self, request, len(prompt))
+
+    def _checked_prompt(self, request: Any, template_kwargs: Any) -> list[int]:
+        """The request's prompt tokens, tokenized here too so that a prompt the model cannot
+        take is a 400, not a failure in the generation thread."""
+        provider = self.provider
+        if provider.tokenizer is None:
+            raise BadRequest("the model is still loading", 503, "not_ready")
+        if request.request_type == "chat" and not provider.tokenizer.has_chat_template:
+            raise BadRequest(
+                "the model has no chat template, so the chat endpoints cannot format messages: "
+                "use /v1/completions, or start the server with --chat-template",
                 400,
-                f"the prompt has {len(prompt)} tokens; the model's context is {limit}",
+                "no_chat_template",
+            )
+        try:
+            args = argparse.Namespace(chat_template_kwargs=template_kwargs)
+            prompt = self.response_generator._tokenize(provider.tokenizer, request, args)[0]
+        except Exception as exc:  # a template or tokenizer that rejects the messages
+            raise BadRequest(f"cannot tokenize the request: {exc}") from None
+        limit = provider.context_length
+        if limit is not None and len(prompt) > limit and not provider.cli_args.beyond_context:
+            raise BadRequest(
+                f"the prompt has {len(prompt)} tokens; the model's context is {limit} "
+                "(a bounded method can go past it with --beyond-context)",
+                400,
                 "context_length_exceeded",
             )
         if not prompt:
-            return self._error(400, "the prompt is empty")
-        return super().handle_completion(request, stop_words)
+            raise BadRequest("the prompt is empty")
+        return list(prompt)
+
+    def _admitted(self, prompt_tokens: int, max_tokens: int) -> Any:
+        """Hold the request's admission cost against --max-memory while it runs."""
+        rg = self.response_generator
+        if rg.governor is None:
+            return contextlib.nullcontext()
+        cost = serve_memory.AdmissionCost(self.provider.kv_geometry, self.provider.config)
+        return rg.governor.admitted(cost(prompt_tokens, max_tokens))
+
+    def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        with contextlib.ExitStack() as stack:
+            try:
+                prompt = self._checked_prompt(request, self.chat_template_kwargs)
+                stack.enter_context(self._admitted(len(prompt), self.max_tokens or 0))
+            except BadRequest as exc:
+                return self._error(exc.status, str(exc), exc.code, exc.headers)
+            return super().handle_completion(request, stop_words)
 
     def _velox_usage(self) -> dict[str, Any] | None:
         local = self.response_generator.local
@@ -545,9 +661,13 @@ class VeloxHandler(mlx_server.APIHandler):
         )
 
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path.rstrip("/") == STATS_PATH:
             rg = self.response_generator
             body = rg.monitor.snapshot(rg.prompt_cache, self.provider)
+            if rg.governor is not None:
+                body["memory_bound"] = rg.governor.snapshot(rg.prompt_cache.nbytes)
             data = json.dumps(body).encode()
             self._set_completion_headers(200)
             self.send_header("Content-Length", str(len(data)))
@@ -575,22 +695,56 @@ def serve(args: argparse.Namespace, config: Any) -> None:
     provider = VeloxModelProvider(args, config)
     provider.load_default()
     max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else 1 << 63
-    prompt_cache = VeloxPromptCache(
+    governor = memory_governor(args, provider)
+    prompt_cache = serve_memory.BoundedPromptCache(
         args.prompt_cache_size,
         max_bytes,
+        room=governor.room,
+        on_change=lambda nbytes: governor.observe(None, nbytes),
         on_insert=lambda tokens, caches, kind: (
             monitor.finish(tokens, caches) if kind == "assistant" else None
         ),
     )
+    monitor.on_live = lambda live: governor.observe(live, prompt_cache.nbytes)
     # mlx-lm's server looks these up as module globals at each use.
     mlx_server.BatchGenerator = watched_batch_generator(monitor)  # type: ignore[misc,assignment]
     mlx_server.stream_generate = watched_stream_generate(monitor)
-    generator = VeloxResponseGenerator(provider, prompt_cache, monitor)
+    generator = VeloxResponseGenerator(provider, prompt_cache, monitor, governor)
+    generator.api_key = serve_auth.resolve_api_key(args.api_key)
+    if generator.api_key is not None:
+        LOG.info("requests need the API key (every route but /health)")
     LOG.info("velox-serve: %s with %s caches, %s", provider.name, describe(config), _mode(provider))
     if mx.distributed.init().rank() == 0:
         mlx_server._run_http_server(args.host, args.port, generator, handler_class=VeloxHandler)
     else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
         generator.join()
+
+
+def memory_governor(args: argparse.Namespace, provider: Any) -> serve_memory.MemoryGovernor:
+    """The --max-memory bound (per rank under mlx.launch), logged with how it was derived."""
+    spec = args.max_memory
+    machine = serve_memory.machine_memory() if not isinstance(spec, int) else 0
+    bound = serve_memory.resolve_bound(spec, machine, provider.weight_bytes)
+    how = (
+        "--max-memory"
+        if isinstance(spec, int)
+        else (
+            f"{spec or serve_memory.DEFAULT_FRACTION} x (RAM {machine / 1e9:.2f} GB - weights "
+            f"{provider.weight_bytes / 1e9:.2f} GB)"
+        )
+    )
+    cost = serve_memory.AdmissionCost(provider.kv_geometry, provider.config)
+    LOG.info(
+        "memory bound: %.2f GB of KV (live sequences + prompt cache), from %s; a request of "
+        "%d prompt tokens and --max-tokens %d is admitted at %.2f MB; queue up to %d",
+        bound / 1e9,
+        how,
+        512,
+        args.max_tokens,
+        cost(512, args.max_tokens) / 1e6,
+        args.max_queue,
+    )
+    return serve_memory.MemoryGovernor(bound, args.max_queue)
 
 
 def _mode(provider: VeloxModelProvider) -> str:
@@ -627,7 +781,19 @@ def _check_args(args: argparse.Namespace) -> Any:
         raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
     if args.draft_model is not None and record is not None and not config.trim_window:
         raise ValueError("--draft-model needs a trimmable cache")
+    check_serving_flags(args, config)
     return config
+
+
+def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.beyond_context and config.policy is None:
+        raise ValueError(
+            "--beyond-context needs a bounded cache: --method full keeps every token and the "
+            "model is not trained past its context"
+        )
+    serve_auth.resolve_api_key(args.api_key)  # a blank key is an error, not "no key"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
