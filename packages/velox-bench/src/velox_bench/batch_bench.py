@@ -268,6 +268,79 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
+# A row of the batch suite by (model, context, method, batch).
+_RowKey = tuple[str, int, str, int]
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """Row ``a``'s step time over row ``b``'s: of the medians, and paired (see :func:`_paired`)."""
+    return {
+        "of_medians": a["seconds_per_step"] / b["seconds_per_step"],
+        "paired": _paired(a["rounds"], b["rounds"]),
+    }
+
+
+def _context_ratios(
+    by: dict[_RowKey, dict[str, Any]], model: str, *, ctx: int, batch: int
+) -> dict[str, Any]:
+    """One context of ``model`` in :func:`batch_summary`: B=``batch`` over B=1 aggregate
+    tokens/s per method, TOVA against the full cache at both sizes, peak bytes at B=``batch``."""
+    tb, t1 = by[(model, ctx, TOVA, batch)], by[(model, ctx, TOVA, 1)]
+    fb, f1 = by[(model, ctx, FULL, batch)], by[(model, ctx, FULL, 1)]
+    return {
+        "batch_speedup": {  # aggregate tokens/s, B over 1
+            m: {
+                "of_medians": batch * one["seconds_per_step"] / b["seconds_per_step"],
+                "paired": batch * _paired(one["rounds"], b["rounds"]),
+            }
+            for m, b, one in ((TOVA, tb, t1), (FULL, fb, f1))
+        },
+        "tova_vs_full_tokens_per_s": {
+            f"B={b}": _ratio(f, t) for b, t, f in ((1, t1, f1), (batch, tb, fb))
+        },
+        "tova_over_full_step_time_b4": _ratio(tb, fb),
+        "peak_bytes_b4": {TOVA: tb["peak_bytes"], FULL: fb["peak_bytes"]},
+    }
+
+
+def _peak_growth(
+    by: dict[_RowKey, dict[str, Any]], model: str, *, contexts: list[int], budget: int, batch: int
+) -> dict[str, Any]:
+    """Per method at B=``batch``: peak and KV bytes at the longest context over those at the
+    shortest context past ``budget`` (else the shortest); empty under two contexts."""
+    growth: dict[str, Any] = {}
+    if len(contexts) < 2:
+        return growth
+    lo, hi = [c for c in contexts if c > budget][:1] or contexts[:1], contexts[-1:]
+    for m in METHODS:
+        a, b = by[(model, lo[0], m, batch)], by[(model, hi[0], m, batch)]
+        growth[m] = {
+            "from": lo[0],
+            "to": hi[0],
+            "peak_ratio": b["peak_bytes"] / a["peak_bytes"] if a["peak_bytes"] else None,
+            "kv_ratio": b["kv_bytes"] / a["kv_bytes"] if a["kv_bytes"] else None,
+        }
+    return growth
+
+
+def _targets(
+    per: dict[str, Any], *, contexts: list[int], budget: int, batch: int
+) -> dict[str, dict[str, Any]]:
+    """The issue's targets (:data:`TARGETS`) that the contexts ``per`` of one model measure."""
+    targets = {}
+    for ctx in contexts:
+        if ctx > budget:
+            v = per[str(ctx)]["batch_speedup"][TOVA]["of_medians"]
+            targets[f"batch_speedup_tova_{ctx}"] = _check("batch_speedup_tova", v)
+    if "8192" in per:
+        v = per["8192"]["tova_vs_full_tokens_per_s"][f"B={batch}"]["of_medians"]
+        targets["tova_vs_full_b4_8192"] = _check("tova_vs_full_b4_8192", v)
+    if str(budget) in per:
+        v = per[str(budget)]["tova_over_full_step_time_b4"]["of_medians"]
+        targets[f"eviction_overhead_b4_{budget}"] = _check("eviction_overhead_b4_512", v)
+    return targets
+
+
 def batch_summary(rows: list[dict[str, Any]], budget: int, batch: int = BATCH) -> dict[str, Any]:
     """Ratios per model and context, memory growth with context, the issue's targets.
 
@@ -276,54 +349,14 @@ def batch_summary(rows: list[dict[str, Any]], budget: int, batch: int = BATCH) -
     out: dict[str, Any] = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         contexts = sorted({r["context"] for r in rows if r["model"] == model})
-        per: dict[str, Any] = {}
-        for ctx in contexts:
-            tb, t1 = by[(model, ctx, TOVA, batch)], by[(model, ctx, TOVA, 1)]
-            fb, f1 = by[(model, ctx, FULL, batch)], by[(model, ctx, FULL, 1)]
-            per[str(ctx)] = {
-                "batch_speedup": {  # aggregate tokens/s, B over 1
-                    m: {
-                        "of_medians": batch * one["seconds_per_step"] / b["seconds_per_step"],
-                        "paired": batch * _paired(one["rounds"], b["rounds"]),
-                    }
-                    for m, b, one in ((TOVA, tb, t1), (FULL, fb, f1))
-                },
-                "tova_vs_full_tokens_per_s": {
-                    f"B={b}": {
-                        "of_medians": f["seconds_per_step"] / t["seconds_per_step"],
-                        "paired": _paired(f["rounds"], t["rounds"]),
-                    }
-                    for b, t, f in ((1, t1, f1), (batch, tb, fb))
-                },
-                "tova_over_full_step_time_b4": {
-                    "of_medians": tb["seconds_per_step"] / fb["seconds_per_step"],
-                    "paired": _paired(tb["rounds"], fb["rounds"]),
-                },
-                "peak_bytes_b4": {TOVA: tb["peak_bytes"], FULL: fb["peak_bytes"]},
-            }
-        growth = {}
-        if len(contexts) >= 2:
-            lo, hi = [c for c in contexts if c > budget][:1] or contexts[:1], contexts[-1:]
-            for m in METHODS:
-                a, b = by[(model, lo[0], m, batch)], by[(model, hi[0], m, batch)]
-                growth[m] = {
-                    "from": lo[0],
-                    "to": hi[0],
-                    "peak_ratio": b["peak_bytes"] / a["peak_bytes"] if a["peak_bytes"] else None,
-                    "kv_ratio": b["kv_bytes"] / a["kv_bytes"] if a["kv_bytes"] else None,
-                }
-        targets = {}
-        for ctx in contexts:
-            if ctx > budget:
-                v = per[str(ctx)]["batch_speedup"][TOVA]["of_medians"]
-                targets[f"batch_speedup_tova_{ctx}"] = _check("batch_speedup_tova", v)
-        if "8192" in per:
-            v = per["8192"]["tova_vs_full_tokens_per_s"][f"B={batch}"]["of_medians"]
-            targets["tova_vs_full_b4_8192"] = _check("tova_vs_full_b4_8192", v)
-        if str(budget) in per:
-            v = per[str(budget)]["tova_over_full_step_time_b4"]["of_medians"]
-            targets[f"eviction_overhead_b4_{budget}"] = _check("eviction_overhead_b4_512", v)
-        out[model] = {"contexts": per, "peak_growth_b4": growth, "targets": targets}
+        per = {str(ctx): _context_ratios(by, model, ctx=ctx, batch=batch) for ctx in contexts}
+        out[model] = {
+            "contexts": per,
+            "peak_growth_b4": _peak_growth(
+                by, model, contexts=contexts, budget=budget, batch=batch
+            ),
+            "targets": _targets(per, contexts=contexts, budget=budget, batch=batch),
+        }
     return out
 
 

@@ -44,6 +44,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -156,23 +157,26 @@ def _kept_fingerprint(caches: list[Any]) -> list[float]:
     return rows
 
 
-def worker(out: Path, settings: dict[str, Any]) -> None:
+def _bar(items: Iterable[Any], *, desc: str, show: bool) -> Iterable[Any]:
+    """``items`` behind a tqdm progress bar, shown only if ``show``."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    from velox_mlx_lm.distributed import shard_model, tensor_group
+    return tqdm(items, desc=desc, disable=not show)
 
-    world = mx.distributed.init()
-    rank, size = world.rank(), world.size()
-    model = shard_model(_model(settings["model"]), world)
-    assert tensor_group(model) is not None, "model.shard did not split the attention"
+
+# Per variant: its caches and the last token fed (``[1, 1]``).
+_State = dict[str, tuple[list[Any], mx.array]]
+
+
+def _prefill(
+    model: Any, world: Any, *, prompt: mx.array, settings: dict[str, Any], show: bool
+) -> tuple[_State, dict[str, float]]:
+    """Fresh caches per variant filled with ``prompt`` (``[1, prompt]`` token ids) in chunks of
+    ``prefill_step``, then ``warmup_steps`` decode steps; (the state, seconds per variant)."""
     budget, prompt_len, chunk = settings["budget"], settings["prompt"], settings["prefill_step"]
-    vocab = settings["model"]["vocab_size"]
-    prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(1))
-    show = rank == 0 and not os.environ.get("VELOX_BENCH_SMOKE")
-
-    state: dict[str, tuple[list[Any], mx.array]] = {}
+    state: _State = {}
     prefill_s: dict[str, float] = {}
-    for variant in tqdm(VARIANTS, desc="prefill", disable=not show):
+    for variant in _bar(VARIANTS, desc="prefill", show=show):
         caches = _caches(model, variant, budget)
         _barrier(world)
         start = time.perf_counter()
@@ -184,10 +188,17 @@ def worker(out: Path, settings: dict[str, Any]) -> None:
             y = _step(model, caches, y)
         prefill_s[variant] = time.perf_counter() - start
         state[variant] = (caches, y)
+    return state, prefill_s
 
+
+def _decode_rounds(
+    model: Any, world: Any, state: _State, *, settings: dict[str, Any], show: bool
+) -> dict[str, list[float]]:
+    """Seconds per decode step, per variant and round: each round runs ``steps_per_round`` steps
+    of every variant, in an order rotated by one per round; ``state`` moves on with them."""
     steps, rounds = settings["steps_per_round"], settings["rounds"]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in tqdm(range(rounds), desc="decode rounds", disable=not show):
+    for r in _bar(range(rounds), desc="decode rounds", show=show):
         order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
             caches, y = state[variant]
@@ -197,18 +208,33 @@ def worker(out: Path, settings: dict[str, Any]) -> None:
                 y = _step(model, caches, y)
             times[variant].append((time.perf_counter() - start) / steps)
             state[variant] = (caches, y)
+    return times
 
-    # Every rank's round times, and its kept rows (do the ranks agree on layer scope?).
+
+def _gather(world: Any, times: dict[str, list[float]], state: _State) -> tuple[Any, dict[str, Any]]:
+    """Every rank's round times (``[ranks][variants][rounds]``) and, per layer-scope variant,
+    every rank's kept rows (do the ranks agree?). Every rank must take part."""
     local = mx.array([times[v] for v in VARIANTS])  # [variants, rounds]
     gathered = mx.distributed.all_gather(local[None], group=world)  # [ranks, variants, rounds]
     fingerprints = {}
     for variant in LAYER_VARIANTS:
         fp = mx.array(_kept_fingerprint(state[variant][0]))[None]
         fingerprints[variant] = _as_list(mx.distributed.all_gather(fp, group=world))
-    per_rank = _as_list(gathered)
-    if rank != 0:
-        return
+    return _as_list(gathered), fingerprints
 
+
+def _variant_results(
+    per_rank: Any,
+    fingerprints: dict[str, Any],
+    *,
+    state: _State,
+    prefill_s: dict[str, float],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON's ``results``: per variant, step times (a round's time is its slowest rank's),
+    prefill time, rows kept and whether the ranks agree on them (layer scope only)."""
+    size, rounds = len(per_rank), settings["rounds"]
+    context = settings["prompt"] + settings["warmup_steps"] + rounds * settings["steps_per_round"]
     results: dict[str, Any] = {}
     for i, variant in enumerate(VARIANTS):
         rounds_s = [max(per_rank[k][i][j] for k in range(size)) for j in range(rounds)]
@@ -221,12 +247,17 @@ def worker(out: Path, settings: dict[str, Any]) -> None:
             ],
             "prefill_s": prefill_s[variant],
             "kept_rows_layer0": int(caches[0].size()),
-            "context": prompt_len + settings["warmup_steps"] + rounds * steps,
+            "context": context,
         }
         if variant in fingerprints:
             fps = fingerprints[variant]
             results[variant]["ranks_agree"] = all(fp == fps[0] for fp in fps)
-    payload = {
+    return results
+
+
+def _payload(settings: dict[str, Any], size: int, results: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 writes: the settings as run on ``size`` ranks, ``results`` and their summary."""
+    return {
         "suite": "distributed",
         "smoke": bool(os.environ.get("VELOX_BENCH_SMOKE")),
         "settings": {
@@ -244,8 +275,30 @@ def worker(out: Path, settings: dict[str, Any]) -> None:
         "machine": _machine(),
         "blas": _blas(),
     }
+
+
+def worker(out: Path, settings: dict[str, Any]) -> None:
+    """One rank: build and shard the model, prefill every variant, time the decode rounds,
+    gather every rank's times; rank 0 writes the JSON to ``out``."""
+    from velox_mlx_lm.distributed import shard_model, tensor_group
+
+    world = mx.distributed.init()
+    rank, size = world.rank(), world.size()
+    model = shard_model(_model(settings["model"]), world)
+    assert tensor_group(model) is not None, "model.shard did not split the attention"
+    vocab = settings["model"]["vocab_size"]
+    prompt = mx.random.randint(0, vocab, (1, settings["prompt"]), key=mx.random.key(1))
+    show = rank == 0 and not os.environ.get("VELOX_BENCH_SMOKE")
+    state, prefill_s = _prefill(model, world, prompt=prompt, settings=settings, show=show)
+    times = _decode_rounds(model, world, state, settings=settings, show=show)
+    per_rank, fingerprints = _gather(world, times, state)
+    if rank != 0:
+        return
+    results = _variant_results(
+        per_rank, fingerprints, state=state, prefill_s=prefill_s, settings=settings
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(_payload(settings, size, results), indent=2) + "\n")
 
 
 def _machine() -> dict[str, Any]:

@@ -104,6 +104,58 @@ def _real_shape_plot(data: dict[str, Any], path: Path) -> Path:
     return path
 
 
+# The model suite's decode figures: (row key, scale, title, y label, file name).
+_MODEL_FIGURES = (
+    ("seconds", 1e3, "Decode step latency vs context", "median decode step (ms)", "decode_latency"),
+    ("tokens_per_s", 1.0, "Decode tokens/s vs context", "decode tokens/s", "decode_tokens_per_s"),
+    (
+        "kv_bytes",
+        1 / 2**20,
+        "KV cache memory vs context (after decode)",
+        "KV bytes (MiB)",
+        "kv_memory",
+    ),
+)
+
+
+def _model_plots(model: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Decode step latency, decode tokens/s and KV memory vs context, from the model suite."""
+    rows = model["rows"]
+    note = f"\n{model['settings'].get('model', '')}, budget {model['settings'].get('budget')}"
+    written = []
+    for key, scale, title, ylabel, name in _MODEL_FIGURES:
+        series = {
+            m: [(c, v * scale) for c, v in points]
+            for m, points in _series(rows, "decode", key).items()
+        }
+        written.append(
+            _line_plot(
+                series,
+                title=title + note,
+                xlabel="context (tokens)",
+                ylabel=ylabel,
+                path=out_dir / f"{name}.png",
+            )
+        )
+    return written
+
+
+def _prefill_plot(prefill: dict[str, Any], out_dir: Path) -> Path:
+    """TOVA's prefill time vs prompt length (n_sink 4), one line per mode and budget, log-log."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in prefill["rows"]:
+        if r.get("kind") == "sweep" and r["n_sink"] == 4:
+            series[f"{r['mode']} budget {r['budget']}"].append((r["seq_len"], r["seconds"]))
+    return _line_plot(
+        {k: sorted(v) for k, v in sorted(series.items())},
+        title="TOVA prefill time vs prompt length (n_sink 4, log-log)",
+        xlabel="prompt length (tokens)",
+        ylabel="seconds",
+        path=out_dir / "prefill_loglog.png",
+        loglog=True,
+    )
+
+
 def plot_all(directory: Path | None = None) -> list[Path]:
     """Write every figure the available results allow; returns the paths written."""
     directory = directory or results_dir()
@@ -113,57 +165,10 @@ def plot_all(directory: Path | None = None) -> list[Path]:
     written: list[Path] = []
     model = _load("model", directory)
     if model and model["rows"]:
-        rows = model["rows"]
-        note = f"\n{model['settings'].get('model', '')}, budget {model['settings'].get('budget')}"
-        seconds = _series(rows, "decode", "seconds")
-        latency = {m: [(c, s * 1e3) for c, s in pts] for m, pts in seconds.items()}
-        written.append(
-            _line_plot(
-                latency,
-                "Decode step latency vs context" + note,
-                "context (tokens)",
-                "median decode step (ms)",
-                out_dir / "decode_latency.png",
-            )
-        )
-        written.append(
-            _line_plot(
-                _series(rows, "decode", "tokens_per_s"),
-                "Decode tokens/s vs context" + note,
-                "context (tokens)",
-                "decode tokens/s",
-                out_dir / "decode_tokens_per_s.png",
-            )
-        )
-        kv = {
-            m: [(c, b / 2**20) for c, b in pts]
-            for m, pts in _series(rows, "decode", "kv_bytes").items()
-        }
-        written.append(
-            _line_plot(
-                kv,
-                "KV cache memory vs context (after decode)" + note,
-                "context (tokens)",
-                "KV bytes (MiB)",
-                out_dir / "kv_memory.png",
-            )
-        )
+        written += _model_plots(model, out_dir)
     prefill = _load("prefill", directory)
     if prefill and prefill["rows"]:
-        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for r in prefill["rows"]:
-            if r.get("kind") == "sweep" and r["n_sink"] == 4:
-                series[f"{r['mode']} budget {r['budget']}"].append((r["seq_len"], r["seconds"]))
-        written.append(
-            _line_plot(
-                {k: sorted(v) for k, v in sorted(series.items())},
-                "TOVA prefill time vs prompt length (n_sink 4, log-log)",
-                "prompt length (tokens)",
-                "seconds",
-                out_dir / "prefill_loglog.png",
-                loglog=True,
-            )
-        )
+        written.append(_prefill_plot(prefill, out_dir))
     real = _load("real_shape", directory)
     if real and real["rows"]:
         written.append(_real_shape_plot(real, out_dir / "real_shape.png"))

@@ -258,6 +258,36 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[k]
 
 
+def _decode_tokens_per_s(done: list[dict[str, Any]]) -> float | None:
+    """Aggregate decode tokens/s of the requests ``done`` (those that streamed a chunk): the
+    chunks after each first one, over the span from the first first-token to the last token."""
+    decoded = sum(r["chunks"] - 1 for r in done)
+    span = max(r["end_s"] for r in done) - min(r["first_token_s"] for r in done) if done else 0
+    return decoded / span if span > 0 else None
+
+
+def _turn_row(turn: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of :func:`summarize`'s ``per_turn``: ``rows`` are the requests of turn ``turn``."""
+    done = [r for r in rows if r["chunks"]]
+    itls = [x for r in done for x in r["itl_s"]]
+    ttfts = [r["ttft_s"] for r in done]
+    return {
+        "turn": turn,
+        "prompt_tokens_mean": round(sum(r["prompt_tokens"] or 0 for r in rows) / len(rows)),
+        "decode_tokens_per_s": _decode_tokens_per_s(done),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p95_s": _pct(ttfts, 0.95),
+        "itl_p50_s": _pct(itls, 0.5),
+        "itl_p95_s": _pct(itls, 0.95),
+        "tokens_kept_max": max((r["tokens_kept"] or 0 for r in rows), default=0),
+    }
+
+
+def _peak(timeline: list[dict[str, Any]], key: str) -> Any:
+    """The largest ``key`` over the stats samples of ``timeline`` (``None`` if none)."""
+    return max((s[key] for s in timeline), default=None)
+
+
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     """Per turn: mean prompt tokens, aggregate decode tokens/s (chunks after the first over the
     span from the first first-token to the last token), TTFT and inter-token latency p50/p95;
@@ -265,34 +295,15 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     turns: dict[int, list[dict[str, Any]]] = {}
     for r in run["requests"]:
         turns.setdefault(r["turn"], []).append(r)
-    per_turn = []
-    for turn, rows in sorted(turns.items()):
-        done = [r for r in rows if r["chunks"]]
-        decoded = sum(r["chunks"] - 1 for r in done)
-        span = max(r["end_s"] for r in done) - min(r["first_token_s"] for r in done) if done else 0
-        itls = [x for r in done for x in r["itl_s"]]
-        ttfts = [r["ttft_s"] for r in done]
-        per_turn.append(
-            {
-                "turn": turn,
-                "prompt_tokens_mean": round(sum(r["prompt_tokens"] or 0 for r in rows) / len(rows)),
-                "decode_tokens_per_s": decoded / span if span > 0 else None,
-                "ttft_p50_s": _pct(ttfts, 0.5),
-                "ttft_p95_s": _pct(ttfts, 0.95),
-                "itl_p50_s": _pct(itls, 0.5),
-                "itl_p95_s": _pct(itls, 0.95),
-                "tokens_kept_max": max((r["tokens_kept"] or 0 for r in rows), default=0),
-            }
-        )
     generated = sum(r["chunks"] for r in run["requests"])
     timeline = run["timeline"]
     return {
-        "per_turn": per_turn,
+        "per_turn": [_turn_row(turn, rows) for turn, rows in sorted(turns.items())],
         "generated_tokens_per_s": generated / run["wall_s"] if run["wall_s"] else None,
         "wall_s": run["wall_s"],
-        "peak_rss_bytes": max((s["rss_bytes"] for s in timeline), default=None),
-        "peak_mlx_active_bytes": max((s["mlx_active_bytes"] for s in timeline), default=None),
-        "mlx_peak_bytes": max((s["mlx_peak_bytes"] for s in timeline), default=None),
+        "peak_rss_bytes": _peak(timeline, "rss_bytes"),
+        "peak_mlx_active_bytes": _peak(timeline, "mlx_active_bytes"),
+        "mlx_peak_bytes": _peak(timeline, "mlx_peak_bytes"),
         "max_tokens_kept": run["max_tokens_kept"],
     }
 
@@ -317,6 +328,23 @@ def goals(summaries: dict[str, dict[str, Any]], velox: str, full: str) -> dict[s
     }
 
 
+def _tokens_per_s_over_time(requests: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Generated tokens/s over time: the arrival of every token of every request, counted in
+    bins of a 40th of the run (at least 1 s); (bin centres, rates), both empty if none arrived."""
+    times = sorted(
+        r["first_token_s"] + sum(r["itl_s"][:i])
+        for r in requests
+        if r["chunks"]
+        for i in range(r["chunks"])
+    )
+    if not times:
+        return [], []
+    width = max(1.0, (times[-1] - times[0]) / 40)
+    edges = [times[0] + i * width for i in range(int((times[-1] - times[0]) / width) + 2)]
+    counts = [sum(1 for x in times if lo <= x < lo + width) / width for lo in edges[:-1]]
+    return [lo + width / 2 for lo in edges[:-1]], counts
+
+
 def plot_serve(data: dict[str, Any], paths: list[Path]) -> list[Path]:
     """Memory (RSS, MLX active) and aggregate decode throughput over time, both methods."""
     import matplotlib
@@ -331,18 +359,9 @@ def plot_serve(data: dict[str, Any], paths: list[Path]) -> list[Path]:
         axes[0].plot(t, [s["rss_bytes"] / 1e9 for s in tl], label=f"{label} RSS")
         axes[0].plot(t, [s["mlx_active_bytes"] / 1e9 for s in tl], "--", label=f"{label} MLX")
         axes[1].plot(t, [s["live_kv_bytes"] / 1e6 for s in tl], label=label)
-        # Tokens/s over time: arrivals of every request, in 5 s bins.
-        times = sorted(
-            r["first_token_s"] + sum(r["itl_s"][:i])
-            for r in run["requests"]
-            if r["chunks"]
-            for i in range(r["chunks"])
-        )
-        if times:
-            width = max(1.0, (times[-1] - times[0]) / 40)
-            edges = [times[0] + i * width for i in range(int((times[-1] - times[0]) / width) + 2)]
-            counts = [sum(1 for x in times if lo <= x < lo + width) / width for lo in edges[:-1]]
-            axes[2].plot([lo + width / 2 for lo in edges[:-1]], counts, label=label)
+        centres, rates = _tokens_per_s_over_time(run["requests"])
+        if centres:
+            axes[2].plot(centres, rates, label=label)
     axes[0].set(title="server memory", xlabel="time (s)", ylabel="GB")
     axes[1].set(title="KV bytes of live sequences", xlabel="time (s)", ylabel="MB")
     axes[2].set(title="generated tokens/s (all conversations)", xlabel="time (s)", ylabel="tok/s")

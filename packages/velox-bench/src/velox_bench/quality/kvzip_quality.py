@@ -187,42 +187,54 @@ def _by_depth(
     for depth in sorted(set(nominal)):
         idx = [i for i, d in enumerate(nominal) if d == depth]
         rows[f"{depth:.1f}"] = {
-            "accuracy": float(np.mean([got[i].correct for i in idx])),
-            "logprob": float(np.mean([got[i].logprob for i in idx])),
-            "logprob_vs_full": float(np.mean([got[i].logprob - ref[i].logprob for i in idx])),
+            **retrieval.answer_stats([got[i] for i in idx], [ref[i] for i in idx]),
             "measured_depth": round(float(np.mean([measured[i] for i in idx])), 3),
             "correct": [got[i].correct for i in idx],
         }
     return rows
 
 
-def evaluate(
-    settings: KVzipQualitySettings, loaded: tuple[Any, Any] | None = None
-) -> dict[str, Any]:
-    """Run ``settings``; return the JSON-ready results (see the module docstring)."""
-    started = time.perf_counter()
-    model, tokenizer = load_default() if loaded is None else loaded
-    encode = tokenizer.encode
-    source = corpus.most_recent(1, settings.document_tokens, encode)[0]
-    prompt, nominal = build_document(tokenizer, source.text(), settings)
-    doc = prompt.document
-    n = len(doc)
-    known = [v for v in methods.retrieval_variants() if v is not KVZIP]  # KVzip runs above
+# A variant compressed once: its caches and what ``compress`` reported (see ``_compressed``).
+_Compressed = tuple[Variant, list[Any], dict[str, Any]]
+
+
+def _compare(settings: KVzipQualitySettings) -> list[Variant]:
+    """The retrieval-table rows ``settings.compare`` names (all if ``None``; KVzip itself runs
+    apart); ``KeyError`` on a name the table does not have."""
+    known = [v for v in methods.retrieval_variants() if v is not KVZIP]
     compare = (
         known if settings.compare is None else [v for v in known if v.name in settings.compare]
     )
     if settings.compare is not None and len(compare) != len(settings.compare):
         names = ", ".join(v.name for v in known)
         raise KeyError(f"unknown row in compare={settings.compare}; known: {names}")
+    return compare
+
+
+def _progress(settings: KVzipQualitySettings, prompt: retrieval.Prompt, n_compare: int) -> Progress:
+    """The bar of the whole run, in prefill-token equivalents (a scoring pass feeds about one
+    document)."""
+    n = len(prompt.document)
     asked = sum(map(len, prompt.questions)) + sum(map(len, prompt.answers))
-    # Work in prefill-token equivalents: a scoring pass feeds about one document.
-    total = settings.timing_rounds * 3 * n + 5 * n + (1 + len(compare)) * n
-    total += (5 + len(compare)) * asked
+    total = settings.timing_rounds * 3 * n + 5 * n + (1 + n_compare) * n
+    total += (5 + n_compare) * asked
     progress = Progress(total)
     progress.bar.set_description("kvzip quality")
+    return progress
 
-    # Cost, side by side: a plain prefill vs KVzip's prefill and scoring pass, order alternating,
-    # after an untimed warm-up of both on the document's first chunk.
+
+def _timed_kvzip(
+    model: Any,
+    tokenizer: Any,
+    doc: list[int],
+    *,
+    settings: KVzipQualitySettings,
+    progress: Progress,
+) -> tuple[list[dict[str, float]], _Compressed]:
+    """The cost, side by side: per round a plain prefill vs KVzip's prefill and scoring pass,
+    order alternating, after an untimed warm-up of both on the document's first chunk.
+    (Seconds per round, KVzip compressed by the last round; compressed once anyway if none.)"""
+    n = len(doc)
     head = doc[: min(n, settings.chunk)]
     _timed_full_prefill(model, head, settings)
     _compressed(model, tokenizer, KVZIP, head, settings)
@@ -244,35 +256,63 @@ def evaluate(
         mx.clear_cache()
     if not zipped:  # timing_rounds=0: compress once anyway
         zipped, info, _, _ = _compressed(model, tokenizer, KVZIP, doc, settings)
-    latest, latest_info, _, _ = _compressed(model, tokenizer, KVZIP_LATEST, doc, settings)
-    progress.advance(n)
-    others = [(KVZIP, zipped, info), (KVZIP_LATEST, latest, latest_info)]
-    for variant in (KVZIP_LAYER, KVZIP_HEAD):
-        caches, variant_info, _, _ = _compressed(model, tokenizer, variant, doc, settings)
-        others.append((variant, caches, variant_info))
-        progress.advance(2 * n)
+    return rounds, (KVZIP, zipped, info)
 
+
+def _other_compressions(
+    model: Any,
+    tokenizer: Any,
+    doc: list[int],
+    *,
+    settings: KVzipQualitySettings,
+    progress: Progress,
+) -> list[_Compressed]:
+    """KVzip's other variants (the last context query's cut, per layer, per head), each
+    compressed once."""
+    out = []
+    for variant, passes in ((KVZIP_LATEST, 1), (KVZIP_LAYER, 2), (KVZIP_HEAD, 2)):
+        caches, info, _, _ = _compressed(model, tokenizer, variant, doc, settings)
+        out.append((variant, caches, info))
+        progress.advance(passes * len(doc))
+    return out
+
+
+def _answers_from_saved(
+    model: Any, prompt: retrieval.Prompt, compressed: Sequence[_Compressed], *, progress: Progress
+) -> dict[str, list[retrieval.Answer]]:
+    """Each compressed variant's answers: its caches saved once, every question answered from
+    a fresh load of that file."""
     answers: dict[str, list[retrieval.Answer]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant, caches, _ in others:
+        for variant, caches, _ in compressed:
             path = str(Path(tmp) / f"{variant.method}-{len(answers)}.safetensors")
             save_prompt_cache(path, caches)  # compressed once; every question loads it afresh
             answers[variant.name] = _ask_all(model, partial(_load, path), prompt, progress.advance)
-    kept = {
-        v.name: {k: i[k] for k in ("kept_rows", "kept_rows_max_layer", "kv_bytes")}
-        for v, _, i in others
-    }
-    del zipped, latest, others
-    for variant in (FULL, *compare):
+    return answers
+
+
+def _table_answers(
+    model: Any,
+    prompt: retrieval.Prompt,
+    variants: Sequence[Variant],
+    *,
+    settings: KVzipQualitySettings,
+    progress: Progress,
+) -> dict[str, list[retrieval.Answer]]:
+    """``variants`` answered as in the retrieval table (``retrieval.run_trials``: the document
+    prefilled once, each question from a copy of its cache)."""
+    answers = {}
+    for variant in variants:
         config = variant.config(settings.budget)
         answers[variant.name] = retrieval.run_trials(
-            model, config, [prompt], settings.chunk, 1, progress.advance
+            model, config, [prompt], chunk=settings.chunk, batch=1, on_tokens=progress.advance
         )[0]
         mx.clear_cache()
-    progress.close()
+    return answers
 
-    full = answers[FULL.name]
-    results = {name: _by_depth(got, full, nominal, prompt.depths) for name, got in answers.items()}
+
+def _goal(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per depth: KVzip's accuracy against :data:`GOAL` times the full cache's."""
     goal = {}
     for depth, row in results[KVZIP.name].items():
         ref = results[FULL.name][depth]["accuracy"]
@@ -282,7 +322,54 @@ def evaluate(
             "ratio": row["accuracy"] / ref if ref > 0 else None,
             "met": row["accuracy"] >= GOAL * ref,
         }
+    return goal
+
+
+def _cost(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """The timing rounds, their medians and the median per-round scoring / prefill ratio."""
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]} if rounds else {}
+    return {
+        "rounds": rounds,
+        "median_s": medians,
+        "scoring_over_prefill": (
+            statistics.median(r["kvzip_scoring_s"] / r["full_prefill_s"] for r in rounds)
+            if rounds
+            else None
+        ),
+    }
+
+
+def evaluate(
+    settings: KVzipQualitySettings, loaded: tuple[Any, Any] | None = None
+) -> dict[str, Any]:
+    """Run ``settings``; return the JSON-ready results (see the module docstring)."""
+    started = time.perf_counter()
+    model, tokenizer = load_default() if loaded is None else loaded
+    source = corpus.most_recent(1, settings.document_tokens, tokenizer.encode)[0]
+    prompt, nominal = build_document(tokenizer, source.text(), settings)
+    doc = prompt.document
+    compare = _compare(settings)
+    progress = _progress(settings, prompt, n_compare=len(compare))
+    rounds, zipped = _timed_kvzip(model, tokenizer, doc, settings=settings, progress=progress)
+    others = [
+        zipped,
+        *_other_compressions(model, tokenizer, doc, settings=settings, progress=progress),
+    ]
+    answers = _answers_from_saved(model, prompt, others, progress=progress)
+    kept = {
+        v.name: {k: i[k] for k in ("kept_rows", "kept_rows_max_layer", "kv_bytes")}
+        for v, _, i in others
+    }
+    info, latest_info = zipped[2], others[1][2]
+    del zipped, others  # the compressed caches: free before the table's rows run
+    answers.update(
+        _table_answers(model, prompt, (FULL, *compare), settings=settings, progress=progress)
+    )
+    progress.close()
+
+    full = answers[FULL.name]
+    results = {name: _by_depth(got, full, nominal, prompt.depths) for name, got in answers.items()}
+    goal = _goal(results)
     return {
         "suite": RESULTS_NAME,
         "smoke": settings.smoke,
@@ -291,7 +378,7 @@ def evaluate(
         "runtime_s": round(time.perf_counter() - started, 1),
         "document": {
             "source": source.name,
-            "tokens": n,
+            "tokens": len(doc),
             "questions": len(prompt.questions),
             "questions_per_depth": settings.facts_per_depth,
             "fact_depths": [round(d, 3) for d in prompt.depths],
@@ -299,15 +386,7 @@ def evaluate(
         "kvzip": {**info, "budget": settings.budget, "chunk_size": settings.kvzip_chunk},
         "kvzip_latest": {**latest_info, "budget": settings.budget},
         "kept": kept,  # per compressed variant: real rows per head (mean, fullest layer), bytes
-        "cost": {
-            "rounds": rounds,
-            "median_s": medians,
-            "scoring_over_prefill": (
-                statistics.median(r["kvzip_scoring_s"] / r["full_prefill_s"] for r in rounds)
-                if rounds
-                else None
-            ),
-        },
+        "cost": _cost(rounds),
         "results": results,
         "goal": {"threshold": GOAL, "per_depth": goal, "met": all(g["met"] for g in goal.values())},
     }

@@ -151,6 +151,18 @@ class Answer:
     logprob: float  # log p(answer tokens | document, question), natural log
 
 
+def answer_stats(got: Sequence[Answer], ref: Sequence[Answer]) -> dict[str, float]:
+    """Exact-match accuracy and mean log-probability of ``got``, and its mean log-probability
+    over that of ``ref`` (the full cache's answers to the same questions, in the same order)."""
+    return {
+        "accuracy": float(np.mean([a.correct for a in got])),
+        "logprob": float(np.mean([a.logprob for a in got])),
+        "logprob_vs_full": float(
+            np.mean([a.logprob - r.logprob for a, r in zip(got, ref, strict=True)])
+        ),
+    }
+
+
 def ask(
     model: nn.Module, caches: list[Any], questions: mx.array, answers: mx.array
 ) -> list[Answer]:
@@ -181,6 +193,44 @@ def _reconstructs(config: KVCacheConfig) -> bool:
     return config.policy == "kvzip" and config.settings().get("probe", "reconstruct") != "latest"
 
 
+def _prefill_batch(
+    model: nn.Module,
+    caches: list[Any],
+    prompts: Sequence[Prompt],
+    *,
+    chunk: int,
+    on_tokens: Callable[[int], Any] | None,
+) -> None:
+    """Feed the documents of ``prompts`` (one shape) into ``caches`` as ``[B, chunk]`` steps,
+    each evaluated; ``on_tokens`` counts the tokens of every row."""
+    ids = mx.array([p.document for p in prompts], dtype=mx.int32)  # [B, document]
+    for start in range(0, ids.shape[1], chunk):
+        model(ids[:, start : start + chunk], cache=caches)
+        mx.eval([c.state for c in caches])
+        if on_tokens is not None:
+            on_tokens(len(prompts) * min(chunk, ids.shape[1] - start))
+
+
+def _ask_batch(
+    model: nn.Module,
+    caches: list[Any],
+    prompts: Sequence[Prompt],
+    *,
+    on_tokens: Callable[[int], Any] | None,
+) -> list[list[Answer]]:
+    """Each question of ``prompts`` (one shape) asked of every row at once (``[B, Q]``), from a
+    copy of the filled ``caches``; per prompt, its answers in order."""
+    out: list[list[Answer]] = [[] for _ in prompts]
+    for q in range(len(prompts[0].questions)):
+        questions = mx.array([p.questions[q] for p in prompts], dtype=mx.int32)
+        answers = mx.array([p.answers[q] for p in prompts], dtype=mx.int32)
+        for row, answer in zip(out, ask(model, clone(caches), questions, answers), strict=True):
+            row.append(answer)
+        if on_tokens is not None:
+            on_tokens(len(prompts) * (questions.shape[1] + answers.shape[1]))
+    return out
+
+
 def run_batch(
     model: nn.Module,
     config: KVCacheConfig,
@@ -201,27 +251,19 @@ def run_batch(
         if tokenizer is None:
             raise ValueError("KVzip's reconstruction pass needs the tokenizer (tokenizer=...)")
         if len(prompts) > 1:
-            return [run_batch(model, config, [p], chunk, on_tokens, tokenizer)[0] for p in prompts]
+            return [
+                run_batch(
+                    model, config, [p], chunk=chunk, on_tokens=on_tokens, tokenizer=tokenizer
+                )[0]
+                for p in prompts
+            ]
     caches = KVCacheBuilder.for_model(model, config)
-    ids = mx.array([p.document for p in prompts], dtype=mx.int32)
-    for start in range(0, ids.shape[1], chunk):
-        model(ids[:, start : start + chunk], cache=caches)
-        mx.eval([c.state for c in caches])
-        if on_tokens is not None:
-            on_tokens(len(prompts) * min(chunk, ids.shape[1] - start))
+    _prefill_batch(model, caches, prompts, chunk=chunk, on_tokens=on_tokens)
     if _reconstructs(config):
         from velox_mlx_lm.kvzip import compress
 
         compress(model, tokenizer, caches, prompts[0].document)
-    out: list[list[Answer]] = [[] for _ in prompts]
-    for q in range(len(prompts[0].questions)):
-        questions = mx.array([p.questions[q] for p in prompts], dtype=mx.int32)
-        answers = mx.array([p.answers[q] for p in prompts], dtype=mx.int32)
-        for row, answer in zip(out, ask(model, clone(caches), questions, answers), strict=True):
-            row.append(answer)
-        if on_tokens is not None:
-            on_tokens(len(prompts) * (questions.shape[1] + answers.shape[1]))
-    return out
+    return _ask_batch(model, caches, prompts, on_tokens=on_tokens)
 
 
 def run_trials(
@@ -248,6 +290,8 @@ def run_trials(
         for start in range(0, len(indices), batch):
             part = indices[start : start + batch]
             chosen = [prompts[i] for i in part]
-            answers = run_batch(model, config, chosen, chunk, on_tokens, tokenizer)
+            answers = run_batch(
+                model, config, chosen, chunk=chunk, on_tokens=on_tokens, tokenizer=tokenizer
+            )
             out.update(zip(part, answers, strict=True))
     return [out[i] for i in range(len(prompts))]

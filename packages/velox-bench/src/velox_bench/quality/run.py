@@ -53,14 +53,165 @@ class Progress:
         self.bar.close()
 
 
+# By variant name, then budget (``"full"`` for the full cache).
+_ByRow = dict[str, dict[str, Any]]
+
+
+def _ppl_budgets(settings: Settings) -> list[int]:
+    """The perplexity budgets below T (a budget >= T would equal the full cache)."""
+    return [b for b in settings.budgets if b < settings.n_tokens]
+
+
+def _runs(variants: Sequence[Variant], budgets: Sequence[int]) -> list[tuple[Variant, int]]:
+    """The full cache first, then every variant at every budget."""
+    return [(FULL, 0)] + [(v, b) for v in variants for b in budgets]
+
+
+def _budget_key(variant: Variant, budget: int) -> str:
+    """A result's key under its variant: ``"full"`` for the full cache, else the budget."""
+    return "full" if variant is FULL else str(budget)
+
+
 def _work(
     settings: Settings, n_ppl: int, n_retrieval: int, prompt_tokens: int, answer_tokens: int
 ) -> int:
-    budgets = [b for b in settings.budgets if b < settings.n_tokens]
+    budgets = _ppl_budgets(settings)
     ppl = settings.n_documents * settings.n_tokens * (1 + n_ppl * len(budgets))
     configs = 1 + n_retrieval * len(settings.retrieval_budgets)
     per_trial = prompt_tokens + answer_tokens
     return ppl + configs * settings.n_trials * per_trial
+
+
+def _progress(
+    settings: Settings, prompts: Sequence[retrieval.Prompt], n_ppl: int, n_retrieval: int
+) -> Progress:
+    """The bar of a run of ``n_ppl`` perplexity and ``n_retrieval`` retrieval variants."""
+    n_prompt = sum(len(p.document) + sum(map(len, p.questions)) for p in prompts) // len(prompts)
+    n_answer = sum(sum(map(len, p.answers)) for p in prompts) // len(prompts)
+    return Progress(
+        _work(
+            settings,
+            n_ppl=n_ppl,
+            n_retrieval=n_retrieval,
+            prompt_tokens=n_prompt,
+            answer_tokens=n_answer,
+        )
+    )
+
+
+def _retrieval_prompts(
+    tokenizer: Any, settings: Settings
+) -> tuple[corpus.Speech, list[retrieval.Prompt]]:
+    """The retrieval document (the most recent address, cut to ``retrieval_tokens``) and one
+    prompt per trial, that trial's facts planted in it."""
+    encode = tokenizer.encode
+    source = corpus.most_recent(1, settings.retrieval_tokens, encode)[0]
+    base = retrieval.cut_document(source.text(), settings.retrieval_tokens, encode)
+    prompts = [
+        retrieval.build_prompt(tokenizer, base, retrieval.facts(trial))
+        for trial in range(settings.n_trials)
+    ]
+    return source, prompts
+
+
+def _perplexities(
+    model: Any,
+    encode: Callable[[str], list[int]],
+    documents: Sequence[corpus.Speech],
+    *,
+    variants: Sequence[Variant],
+    settings: Settings,
+    step: Callable[[int], Any],
+) -> tuple[_ByRow, _ByRow]:
+    """Streaming perplexity, every variant on the same first T + 1 tokens of each document:
+    (over all documents, per document), by variant and budget."""
+    budgets = _ppl_budgets(settings)
+    nll: dict[str, dict[str, list[np.ndarray]]] = {}
+    for doc in documents:
+        tokens = encode(doc.text())[: settings.n_tokens + 1]
+        for variant, budget in _runs(variants, budgets):
+            key = _budget_key(variant, budget)
+            scores = token_nll(
+                model, variant.config(budget), tokens, chunk=settings.chunk, on_chunk=step
+            )
+            nll.setdefault(variant.name, {}).setdefault(key, []).append(scores)
+    ppl = {
+        name: {key: perplexity(np.concatenate(runs)) for key, runs in by_budget.items()}
+        for name, by_budget in nll.items()
+    }
+    per_document = {
+        name: {key: [perplexity(r) for r in runs] for key, runs in by_budget.items()}
+        for name, by_budget in nll.items()
+    }
+    return ppl, per_document
+
+
+def _retrieval_answers(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[retrieval.Prompt],
+    *,
+    variants: Sequence[Variant],
+    settings: Settings,
+    step: Callable[[int], Any],
+) -> dict[str, dict[str, list[list[retrieval.Answer]]]]:
+    """Every trial's answers, by variant and budget: the full cache first (it decides the
+    measure), then every variant at every retrieval budget."""
+    answers: dict[str, dict[str, list[list[retrieval.Answer]]]] = {}
+    for variant, budget in _runs(variants, settings.retrieval_budgets):
+        answers.setdefault(variant.name, {})[_budget_key(variant, budget)] = retrieval.run_trials(
+            model,
+            variant.config(budget),
+            prompts,
+            chunk=settings.chunk,
+            batch=settings.retrieval_batch,
+            on_tokens=step,
+            tokenizer=tokenizer,
+        )
+    return answers
+
+
+def _depth_rows(
+    trials: Sequence[Sequence[retrieval.Answer]], full: Sequence[Sequence[retrieval.Answer]]
+) -> dict[str, dict[str, Any]]:
+    """Per depth, the answers of ``trials`` (one per depth each) against the full cache's."""
+    rows = {}
+    for d, depth in enumerate(retrieval.DEPTHS):
+        got = [trial[d] for trial in trials]
+        ref = [trial[d] for trial in full]
+        rows[f"{depth:.1f}"] = {
+            **retrieval.answer_stats(got, ref),
+            "correct": [a.correct for a in got],
+        }
+    return rows
+
+
+def _retrieval_section(
+    source: corpus.Speech,
+    prompts: Sequence[retrieval.Prompt],
+    answers: dict[str, dict[str, list[list[retrieval.Answer]]]],
+    *,
+    settings: Settings,
+) -> dict[str, Any]:
+    """The results' ``retrieval``: per row and budget, accuracy and log-probability per depth;
+    the measure is exact match if the full cache gets at least 80% right, else likelihood."""
+    full_answers = answers[FULL.name]["full"]
+    full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
+    by_depth: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, by_budget in answers.items():
+        for key, trials in by_budget.items():
+            by_depth.setdefault(name, {})[key] = _depth_rows(trials, full_answers)
+    return {
+        "document": source.name,
+        "document_tokens": len(prompts[0].document) if prompts else 0,
+        "depths": list(retrieval.DEPTHS),
+        "measured_depths": [round(x, 3) for x in np.mean([p.depths for p in prompts], 0)],
+        "budgets": list(settings.retrieval_budgets),
+        "questions_per_depth": settings.n_trials,
+        "full_exact_match": full_accuracy,
+        "measure": "exact_match" if full_accuracy >= 0.8 else "likelihood",
+        "results": by_depth,
+    }
 
 
 def evaluate(
@@ -85,74 +236,16 @@ def evaluate(
     model, tokenizer = load_default() if loaded is None else loaded
     encode = tokenizer.encode
     documents = corpus.most_recent(settings.n_documents, settings.n_tokens + 1, encode)
-    source = corpus.most_recent(1, settings.retrieval_tokens, encode)[0]
-    base = retrieval.cut_document(source.text(), settings.retrieval_tokens, encode)
-    prompts = [
-        retrieval.build_prompt(tokenizer, base, retrieval.facts(trial))
-        for trial in range(settings.n_trials)
-    ]
-    n_prompt = sum(len(p.document) + sum(map(len, p.questions)) for p in prompts) // len(prompts)
-    n_answer = sum(sum(map(len, p.answers)) for p in prompts) // len(prompts)
-    progress = Progress(_work(settings, len(ppl_variants), len(ret_variants), n_prompt, n_answer))
-
-    def step(n: int) -> None:
-        progress.advance(n)
-
-    # Perplexity: every variant on the same tokens; budget >= T would equal the full cache.
-    budgets = [b for b in settings.budgets if b < settings.n_tokens]
-    nll: dict[str, dict[str, list[np.ndarray]]] = {}
-    for doc in documents:
-        tokens = encode(doc.text())[: settings.n_tokens + 1]
-        runs = [(FULL, 0)] + [(v, b) for v in ppl_variants for b in budgets]
-        for variant, budget in runs:
-            key = "full" if variant is FULL else str(budget)
-            scores = token_nll(model, variant.config(budget), tokens, settings.chunk, step)
-            nll.setdefault(variant.name, {}).setdefault(key, []).append(scores)
-    ppl = {
-        name: {key: perplexity(np.concatenate(runs)) for key, runs in by_budget.items()}
-        for name, by_budget in nll.items()
-    }
-    per_document = {
-        name: {key: [perplexity(r) for r in runs] for key, runs in by_budget.items()}
-        for name, by_budget in nll.items()
-    }
-
-    # Retrieval: the full cache first (it decides the measure), then every variant.
-    answers: dict[str, dict[str, list[list[retrieval.Answer]]]] = {}
-    runs_r = [(FULL, 0)] + [(v, b) for v in ret_variants for b in settings.retrieval_budgets]
-    for variant, budget in runs_r:
-        key = "full" if variant is FULL else str(budget)
-
-        answers.setdefault(variant.name, {})[key] = retrieval.run_trials(
-            model,
-            variant.config(budget),
-            prompts,
-            settings.chunk,
-            settings.retrieval_batch,
-            step,
-            tokenizer=tokenizer,
-        )
+    source, prompts = _retrieval_prompts(tokenizer, settings)
+    progress = _progress(settings, prompts, n_ppl=len(ppl_variants), n_retrieval=len(ret_variants))
+    ppl, per_document = _perplexities(
+        model, encode, documents, variants=ppl_variants, settings=settings, step=progress.advance
+    )
+    answers = _retrieval_answers(
+        model, tokenizer, prompts, variants=ret_variants, settings=settings, step=progress.advance
+    )
     progress.close()
-    full_answers = answers[FULL.name]["full"]
-    full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
-    measure = "exact_match" if full_accuracy >= 0.8 else "likelihood"
-    by_depth: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, by_budget in answers.items():
-        for key, trials in by_budget.items():
-            rows = {}
-            for d, depth in enumerate(retrieval.DEPTHS):
-                got = [trial[d] for trial in trials]
-                ref = [trial[d] for trial in full_answers]
-                rows[f"{depth:.1f}"] = {
-                    "accuracy": float(np.mean([a.correct for a in got])),
-                    "logprob": float(np.mean([a.logprob for a in got])),
-                    "logprob_vs_full": float(
-                        np.mean([a.logprob - r.logprob for a, r in zip(got, ref, strict=True)])
-                    ),
-                    "correct": [a.correct for a in got],
-                }
-            by_depth.setdefault(name, {})[key] = rows
-
+    retrieval_results = _retrieval_section(source, prompts, answers, settings=settings)
     return {
         "settings": asdict(settings),
         "environment": environment(),
@@ -162,22 +255,12 @@ def evaluate(
                 {"name": d.name, "year": d.year, "president": d.president} for d in documents
             ],
             "tokens_per_document": settings.n_tokens,
-            "budgets": budgets,
+            "budgets": _ppl_budgets(settings),
             "ppl": ppl,
             "ppl_per_document": per_document,
             "excluded": methods.excluded_from_perplexity(),
         },
-        "retrieval": {
-            "document": source.name,
-            "document_tokens": len(prompts[0].document) if prompts else 0,
-            "depths": list(retrieval.DEPTHS),
-            "measured_depths": [round(x, 3) for x in np.mean([p.depths for p in prompts], 0)],
-            "budgets": list(settings.retrieval_budgets),
-            "questions_per_depth": settings.n_trials,
-            "full_exact_match": full_accuracy,
-            "measure": measure,
-            "results": by_depth,
-        },
+        "retrieval": retrieval_results,
     }
 
 
@@ -253,7 +336,8 @@ def repo_root(start: Path | None = None) -> Path:
     raise FileNotFoundError(f"no noxfile.py at or above {here}: pass --out")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m velox_bench.quality``."""
     parser = argparse.ArgumentParser(
         prog="python -m velox_bench.quality", description="Velox quality evaluation."
     )
@@ -284,37 +368,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "run's settings, check that the full cache answers exactly as in --from-json, add the "
         "rows to it and rebuild the report from it",
     )
-    args = parser.parse_args(argv)
-    if args.add_retrieval_rows and args.from_json is None:
-        parser.error("--add-retrieval-rows needs --from-json (the saved run to add them to)")
-    if args.add_retrieval_rows:
-        saved = json.loads(args.from_json.read_text())
-        saved.pop("findings", None)
-        added = add_retrieval_rows(saved, [methods.variant(n) for n in args.add_retrieval_rows])
-        print(report.summary(added))
-        target = args.out if args.out is not None else repo_root()
-        for path in report.write(added, target):
-            print(f"wrote {path}")
-        return 0
-    if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        saved.pop("findings", None)
-        print(report.summary(saved))
-        for path in report.write(saved, args.out if args.out is not None else repo_root()):
-            print(f"wrote {path}")
-        return 0
+    return parser
+
+
+def _load_saved(path: Path) -> dict[str, Any]:
+    """A saved quality.json, its findings left out (the report computes them again)."""
+    saved: dict[str, Any] = json.loads(path.read_text())
+    saved.pop("findings", None)
+    return saved
+
+
+def _report(results: dict[str, Any], out: Path | None) -> int:
+    """Print the summary of ``results`` and write its report into ``out`` (``None``: this
+    repository). Returns the exit status."""
+    print(report.summary(results))
+    for path in report.write(results, out if out is not None else repo_root()):
+        print(f"wrote {path}")
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> int:
+    """A run with the size and changes given; a quick run writes only where ``--out`` says."""
     settings = (
         Settings.quick_run() if args.quick else Settings.full_run() if args.full else Settings()
     )
     changes = {"n_trials": args.trials, "n_documents": args.documents, "n_tokens": args.tokens}
-    settings = Settings(
-        **{**asdict(settings), **{k: v for k, v in changes.items() if v is not None}}
-    )
-    print(f"BLAS: {velox_blas.blas_in_use()}")
-    results = evaluate(settings)
-    print(report.summary(results))
-    out = args.out if args.out is not None else (None if settings.quick else repo_root())
-    if out is not None:
-        for path in report.write(results, out):
-            print(f"wrote {path}")
-    return 0
+
+    def write(results: dict[str, Any]) -> list[Path]:
+        out = args.out if args.out is not None else (None if settings.quick else repo_root())
+        return [] if out is None else report.write(results, out)
+
+    return run_settings(settings, changes, evaluate, report.summary, write)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.add_retrieval_rows and args.from_json is None:
+        parser.error("--add-retrieval-rows needs --from-json (the saved run to add them to)")
+    if args.add_retrieval_rows:
+        saved = _load_saved(args.from_json)
+        rows = [methods.variant(n) for n in args.add_retrieval_rows]
+        return _report(add_retrieval_rows(saved, rows), args.out)
+    if args.from_json is not None:
+        return _report(_load_saved(args.from_json), args.out)
+    return _measure(args)
