@@ -42,6 +42,8 @@ class Server:
     requires and the helpers send; ``code``: Python run instead of ``-m velox_mlx_lm.serve``
     (it gets the flags as ``sys.argv[1:]``)."""
 
+    key: str | None = None  # subclasses that start the server their own way send no key
+
     def __init__(self, *flags: str, key: str | None = None, code: str | None = None) -> None:
         self.port = free_port()
         self.key = key
