@@ -226,7 +226,13 @@ class Layer:
     def _wait(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         slots = self.state.slots
         expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
-        check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
+        check_kv(
+            keys,
+            values,
+            expect=expect,
+            dtype=None if slots is None else slots.keys.dtype,
+            value_dim=None if slots is None else int(slots.values.shape[3]),
+        )
         self.pending = Waiting(keys, values)
         if slots is None:
             return keys, values
@@ -493,7 +499,13 @@ class Layer:
         assert self.phase is not None
         live = self._live()
         B, H, _, D = live.keys.shape
-        check_kv(keys, values, expect=(B, H, D), dtype=live.keys.dtype)
+        check_kv(
+            keys,
+            values,
+            expect=(B, H, D),
+            dtype=live.keys.dtype,
+            value_dim=int(live.values.shape[3]),
+        )
         self.phase.recon = (keys, values)
         return (
             mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
