@@ -438,8 +438,10 @@ def test_cache_rejects_other_head_dim_or_dtype_unchanged(monkeypatch, signal):
     k, v = _kv(1, seed=2)
     with pytest.raises(TypeError, match="dtype"):
         cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
-    with pytest.raises(ValueError, match="values must have the shape of keys"):
+    with pytest.raises(ValueError, match=r"values must be \[B, H_kv, L, D_v\]"):
         cache.update_and_fetch(k, v[:, :1])
+    with pytest.raises(ValueError, match=r"values D_v \(4\) differs from the state's D_v \(8\)"):
+        cache.update_and_fetch(k, v[..., :4])
     _assert_same_state(before, _snapshot(cache))
     assert cache.offset == 6
 

@@ -64,11 +64,6 @@ def check_kv(
             f"values must be [B, H_kv, L, D_v] with the B, H_kv, L of keys {tuple(keys.shape)}, "
             f"got {tuple(values.shape)}"
         )
-    if value_dim is not None and values.shape[3] != value_dim:
-        raise ValueError(
-            f"values D_v ({values.shape[3]}) differs from the state's D_v ({value_dim}); "
-            "a state serves one layer of one batch"
-        )
     if keys.dtype != values.dtype:
         raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
     if expect is not None:
@@ -79,6 +74,11 @@ def check_kv(
                     f"keys {label} ({got}) differs from the state's {label} ({want}); "
                     "a state serves one layer of one batch"
                 )
+    if value_dim is not None and values.shape[3] != value_dim:
+        raise ValueError(
+            f"values D_v ({values.shape[3]}) differs from the state's D_v ({value_dim}); "
+            "a state serves one layer of one batch"
+        )
     if dtype is not None and keys.dtype != dtype:
         raise TypeError(f"keys dtype {keys.dtype} differs from the state's dtype {dtype}")
 
