@@ -605,10 +605,11 @@ class Layer:
             value_dim=int(live.values.shape[3]),
         )
         self.phase.recon = (keys, values)
-        return (
+        self.fetched = (
             mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
             mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
         )
+        return self.fetched
 
     def _attend_phase(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         phase = self.phase
