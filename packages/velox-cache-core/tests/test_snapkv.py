@@ -72,3 +72,16 @@ def test_decode_without_compress_never_evicts() -> None:
             mx.array(queries[:, :, part]),
         ).state
     assert state.n_kept == 12
+
+
+@pytest.mark.parametrize(("budget", "window"), [(2, 1), (8, 7), (32, 31), (33, 32), (512, 32)])
+def test_default_window_fits_the_budget(budget: int, window: int) -> None:
+    # The default window is the paper's 32 where the budget leaves room for it, else budget - 1.
+    assert init_snapkv_state(budget=budget).window == window
+
+
+def test_explicit_window_is_still_checked() -> None:
+    with pytest.raises(ValueError, match="window must be < budget"):
+        init_snapkv_state(budget=8, window=8)
+    with pytest.raises(TypeError, match="window"):
+        init_snapkv_state(budget=8, window=2.0)  # type: ignore[arg-type]

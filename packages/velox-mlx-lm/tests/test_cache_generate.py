@@ -21,8 +21,8 @@ def sizes(monkeypatch):
     seen = []
     attend = TOVAKVCache.attend
 
-    def record(cache, queries, scale, mask, sinks):
-        out = attend(cache, queries, scale, mask, sinks)
+    def record(cache, queries, scale, mask, sinks, **passed):
+        out = attend(cache, queries, scale, mask, sinks, **passed)
         seen.append((cache.settings["budget"], cache.tova_state.n_kept))
         return out
 

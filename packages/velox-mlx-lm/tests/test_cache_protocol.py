@@ -438,8 +438,10 @@ def test_cache_rejects_other_head_dim_or_dtype_unchanged(monkeypatch, signal):
     k, v = _kv(1, seed=2)
     with pytest.raises(TypeError, match="dtype"):
         cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
-    with pytest.raises(ValueError, match="values must have the shape of keys"):
+    with pytest.raises(ValueError, match=r"values must be \[B, H_kv, L, D_v\]"):
         cache.update_and_fetch(k, v[:, :1])
+    with pytest.raises(ValueError, match=r"values D_v \(4\) differs from the state's D_v \(8\)"):
+        cache.update_and_fetch(k, v[..., :4])
     _assert_same_state(before, _snapshot(cache))
     assert cache.offset == 6
 
@@ -494,6 +496,46 @@ def test_hook_passes_other_caches_through_unchanged():
         got = velox_scaled_dot_product_attention(q, k, v, cache=cache, scale=0.3, mask=None)
         want = base.scaled_dot_product_attention(q, k, v, cache=cache, scale=0.3, mask=None)
         assert mx.array_equal(got, want)
+
+
+def test_hook_honours_the_models_own_keys_and_scores():
+    # Absorbed latent attention attends over keys derived from the cached rows and adds RoPE
+    # scores through the mask: served exactly, the call scored with signal key and a warning.
+    cache = TOVAKVCache(budget=64, n_sink=1, signal="query", trim_window=0)
+    cache.layer.serves = "toy_mla (layer 0)"
+    k, v = cache.update_and_fetch(*_kv(5, seed=3))
+    q = mx.random.normal((1, 4, 5, 8), key=mx.random.key(1))
+    own_keys, own_values = k * 2.0, v[..., :6] + 1.0
+    scores = mx.random.normal((1, 4, 5, 5), key=mx.random.key(2))
+    causal = mx.arange(5)[None, :] <= mx.arange(5)[:, None]
+    want = mx.fast.scaled_dot_product_attention(
+        q, own_keys, own_values, scale=0.3, mask=mx.where(causal, scores, -1e30)
+    )
+    with pytest.warns(RuntimeWarning, match=r"toy_mla.*signal 'key'"):
+        got = velox_scaled_dot_product_attention(
+            q, own_keys, own_values, cache=cache, scale=0.3, mask=scores
+        )
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    with pytest.raises(ValueError, match=r"toy_mla.*attends over 4 rows"):
+        k, v = cache.update_and_fetch(*_kv(1, seed=4))
+        velox_scaled_dot_product_attention(
+            q[:, :, :1], k[:, :, :4], v[:, :, :4], cache=cache, scale=0.3, mask=None
+        )
+
+
+def test_shared_kv_layers_attend_over_the_owners_last_call():
+    # gemma3n's KV-shared layers read keys_and_values() and attend with the owner's cache.
+    cache = TOVAKVCache(budget=4, n_sink=1)
+    k, v = cache.update_and_fetch(*_kv(6, seed=5))
+    q = mx.random.normal((1, 4, 6, 8), key=mx.random.key(6))
+    first = velox_scaled_dot_product_attention(q, k, v, cache=cache, scale=0.3, mask="causal")
+    shared_k, shared_v = cache.keys_and_values()
+    assert shared_k is k and shared_v is v
+    again = velox_scaled_dot_product_attention(
+        q, shared_k, shared_v, cache=cache, scale=0.3, mask="causal"
+    )
+    assert mx.array_equal(first, again)
+    assert cache.size() == 4
 
 
 # -- gemma3: sliding layers keep mlx-lm's RotatingKVCache ---------------------------------------

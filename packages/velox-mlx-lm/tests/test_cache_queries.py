@@ -39,8 +39,8 @@ class Recorder:
             self.updates.append((state, keys, values, queries, scale, step))
             return step
 
-        def record_attend(cache, queries, scale, mask, sinks):
-            out = attend(cache, queries, scale, mask, sinks)
+        def record_attend(cache, queries, scale, mask, sinks, **passed):
+            out = attend(cache, queries, scale, mask, sinks, **passed)
             self.outputs.append(out)
             return out
 

@@ -167,8 +167,10 @@ def scatter(
     parts: Sequence[mx.array | None], row_spans: Sequence[Span], like: mx.array
 ) -> mx.array:
     """Per-row outputs ``[1, H, n_b, D]`` (``None`` for a row without real tokens) placed at
-    their spans of a zero ``[B, H, L, D]`` array shaped like ``like``."""
+    their spans of a zero ``[B, H, L, D]`` array shaped like ``like`` (``D``: the parts' own,
+    which is the values' width)."""
     _B, H, L, D = like.shape
+    D = next((int(p.shape[3]) for p in parts if p is not None), D)
     rows = []
     for part, (first, count) in zip(parts, row_spans, strict=True):
         if part is None or count == 0:
@@ -389,9 +391,10 @@ def _padded(slots: KVSlots, pad: int) -> KVSlots:
         return slots
     B, H, _, D = slots.keys.shape
     zeros = mx.zeros((B, H, pad, D), dtype=slots.keys.dtype)
+    zero_values = mx.zeros((B, H, pad, int(slots.values.shape[3])), dtype=slots.values.dtype)
     return KVSlots(
         mx.concatenate([zeros, slots.keys], axis=2),
-        mx.concatenate([zeros, slots.values], axis=2),
+        mx.concatenate([zero_values, slots.values], axis=2),
         mx.concatenate([mx.full((B, H, pad), -1, dtype=mx.int32), slots.positions], axis=2),
     )
 

@@ -156,7 +156,13 @@ def open_call(
     if slots is not None:
         B0, H0, _, D0 = slots.keys.shape
         expect = (B0, H0, D0)
-    check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
+    check_kv(
+        keys,
+        values,
+        expect=expect,
+        dtype=None if slots is None else slots.keys.dtype,
+        value_dim=None if slots is None else int(slots.values.shape[3]),
+    )
     if queries is not None:
         check_queries(queries, keys)
     elif signal == "query":

@@ -51,6 +51,7 @@ from velox_cache_core.validation import check_kv
 SUBCHUNK = 256
 
 _warned_no_hook: set[str] = set()
+_warned_rows: set[str] = set()
 
 
 class Mode(enum.Enum):
@@ -132,6 +133,15 @@ class Layer:
         self.index = 0
         self.pending: Pending = None
         self.phase: Phase | None = None
+        # what the last lay_out returned, and the step its attention used: a layer sharing
+        # this one's keys and values (KV sharing) attends over them again
+        self.fetched: tuple[mx.array, mx.array] | None = None
+        self.last: Step | None = None
+        # the model layer this one serves, named in errors (set by whoever builds it)
+        self.serves: str | None = None
+        # every call must come back through attend (a cache the builder nested in a model's
+        # cache list: used outside attention, it could not evict consistently)
+        self.must_attend = False
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
@@ -209,12 +219,15 @@ class Layer:
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
         self.settle()
+        self.last = None
         if self._waits(int(keys.shape[2])):
-            return self._wait(keys, values)
+            self.fetched = self._wait(keys, values)
+            return self.fetched
         step = self._feed(self.state, keys=keys, values=values)
         self.pending = Decided(step, int(keys.shape[2]))
         self.state = step.state
-        return step.keys, step.values
+        self.fetched = (step.keys, step.values)
+        return self.fetched
 
     def _waits(self, length: int) -> bool:
         """Whether a call waits for ``attend``: a chunk (which ``attend`` may split and mask
@@ -226,7 +239,13 @@ class Layer:
     def _wait(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         slots = self.state.slots
         expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
-        check_kv(keys, values, expect=expect, dtype=None if slots is None else slots.keys.dtype)
+        check_kv(
+            keys,
+            values,
+            expect=expect,
+            dtype=None if slots is None else slots.keys.dtype,
+            value_dim=None if slots is None else int(slots.values.shape[3]),
+        )
         self.pending = Waiting(keys, values)
         if slots is None:
             return keys, values
@@ -250,9 +269,84 @@ class Layer:
             return self._decide_waiting(pending, queries, scale, sinks)
         if isinstance(pending, Decided):
             self.state = self._after_call(pending.step.state, int(queries.shape[2]))
+            self.last = pending.step
             return attend_step(queries, pending.step, scale, sinks)
         self.pending = pending
+        if self.last is not None:  # a layer sharing this one's keys and values
+            return attend_step(queries, replace(self.last, probs=None), scale, sinks)
         raise RuntimeError("attend() called before update_and_fetch()")
+
+    def attend_rows(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        scores: mx.array | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention of ``queries [B, H_q, L, D_q]`` over the model's own ``keys``/``values``
+        ``[B, H, n, *]``, derived row by row from what :meth:`lay_out` returned (the same
+        ``n`` rows in the same order, e.g. latent attention's up-projections), plus the
+        model's additive ``scores`` ``[B?, H?, L, n]`` (latent attention's RoPE part). The
+        call is decided with signal ``key`` (the policy's scoring cannot read these queries),
+        with a warning once; the policy's mask hides what it evicted."""
+        step = self._decide_for_rows()
+        n = int(step.keys.shape[2])
+        if keys.shape[2] != n or values.shape[2] != n:
+            raise ValueError(
+                f"{self.serves or 'the model'} attends over {keys.shape[2]} rows, but this "
+                f"cache returned {n}: Velox cannot tell which rows it evicted there"
+            )
+        visible = step.mask
+        if visible is not None and visible.shape[1] not in (1, queries.shape[1]):
+            if keys.shape[1] != step.keys.shape[1]:
+                raise ValueError(
+                    f"{self.serves or 'the model'} regroups the cache's {step.keys.shape[1]} KV "
+                    f"heads into {keys.shape[1]} before attention, and this "
+                    f"{self.policy.name} cache evicts per head: use scope='layer'"
+                )
+            visible = mx.repeat(visible, queries.shape[1] // visible.shape[1], axis=1)
+        mask = scores
+        if visible is not None:
+            floor = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
+            mask = mx.where(visible, 0.0 if mask is None else mask, floor)
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+
+    def _decide_for_rows(self) -> Step:
+        """Settle the call in flight for :meth:`attend_rows` (signal ``key`` for ``query``)."""
+        pending, self.pending = self.pending, None
+        if isinstance(pending, Decided):
+            self.state = self._after_call(pending.step.state, pending.length)
+            self.last = pending.step
+            return pending.step
+        if not isinstance(pending, Waiting):
+            self.pending = pending
+            if self.last is not None:  # a layer sharing this one's keys and values
+                return self.last
+            raise RuntimeError("attend() called before update_and_fetch()")
+        state = self.state
+        query = self.policy.traits.signal(state) == "query"
+        if query:
+            who = self.serves or self.policy.name
+            if who not in _warned_rows:
+                _warned_rows.add(who)
+                warnings.warn(
+                    f"{who} attends over keys, values or scores of its own, not the cache's: "
+                    f"the {self.policy.name} cache scores with signal 'key' there.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            state = replace(state, signal="key")
+        L = int(pending.keys.shape[2])
+        step = self._feed(state, keys=pending.keys, values=pending.values)
+        after = replace(step.state, signal="query") if query else step.state
+        self.state = self._after_call(after, L)
+        self.last = replace(step, state=self.state)
+        return step
 
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -265,6 +359,7 @@ class Layer:
             return self._attend_deferring(pending, queries, scale, sinks)
         step = self._feed(self.state, keys=keys, values=values, queries=queries, scale=scale)
         self.state = self._after_call(step.state, L)
+        self.last = step
         return attend_step(queries, step, scale, sinks)
 
     def _attend_subchunks(
@@ -341,6 +436,14 @@ class Layer:
         if pending is None:
             return
         self.pending = None
+        if self.must_attend:
+            self.pending = pending
+            raise RuntimeError(
+                f"{self.serves or 'the model'} uses this {self.policy.name} cache outside its "
+                "attention call (the attention hook never saw the call), so Velox cannot "
+                "evict it consistently with the model's other uses of it; serve this model "
+                "with method='full'"
+            )
         if self.policy.traits.hides_rows(self.state):
             # The model attended by itself, over rows only the hook's masks hide.
             raise RuntimeError(
@@ -430,6 +533,7 @@ class Layer:
         self.state, self.log = state, log
         self.pending = None
         self.phase = None
+        self.fetched = self.last = None
 
     def tie(self, value: mx.array) -> None:
         """Tie ``value`` to the stored keys without changing them (pipeline-parallel sends)."""
@@ -493,12 +597,19 @@ class Layer:
         assert self.phase is not None
         live = self._live()
         B, H, _, D = live.keys.shape
-        check_kv(keys, values, expect=(B, H, D), dtype=live.keys.dtype)
+        check_kv(
+            keys,
+            values,
+            expect=(B, H, D),
+            dtype=live.keys.dtype,
+            value_dim=int(live.values.shape[3]),
+        )
         self.phase.recon = (keys, values)
-        return (
+        self.fetched = (
             mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
             mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
         )
+        return self.fetched
 
     def _attend_phase(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         phase = self.phase

@@ -319,7 +319,13 @@ class LayerBatch:
             assert self._packed is not None
             slots = self._packed.state.slots
             _, H, _, D = slots.keys.shape
-            check_kv(keys, values, expect=(len(self._rows), H, D), dtype=slots.keys.dtype)
+            check_kv(
+                keys,
+                values,
+                expect=(len(self._rows), H, D),
+                dtype=slots.keys.dtype,
+                value_dim=int(slots.values.shape[3]),
+            )
             self._packed_call = (keys, values)
             self._spans = [(0, 1)] * len(self._rows)
             return
@@ -327,10 +333,12 @@ class LayerBatch:
         fed = next((r.view() for r in self._rows if r.view().slots is not None), None)
         expect = None
         dtype = None
+        value_dim = None
         if fed is not None:
             _, H, _, D = fed.slots.keys.shape
             expect, dtype = (len(self._rows), H, D), fed.slots.keys.dtype
-        check_kv(keys, values, expect=expect, dtype=dtype)
+            value_dim = int(fed.slots.values.shape[3])
+        check_kv(keys, values, expect=expect, dtype=dtype, value_dim=value_dim)
         if keys.shape[0] != len(self._rows):
             raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self._rows)} rows")
         spans = self._take_spans(keys.shape[2])

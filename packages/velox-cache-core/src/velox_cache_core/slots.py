@@ -161,11 +161,11 @@ class KVSlots:
                 values=mx.concatenate([live.values, values], axis=2),
                 positions=mx.concatenate([live.positions, positions], axis=2),
             )
-        D = int(live.keys.shape[3])
-        spare = mx.zeros((B, H, reserve, D), dtype=live.keys.dtype)
+        spare_keys = mx.zeros((B, H, reserve, int(live.keys.shape[3])), dtype=live.keys.dtype)
+        spare_values = mx.zeros((B, H, reserve, int(live.values.shape[3])), dtype=live.values.dtype)
         room = Reserve(
-            mx.concatenate([live.keys, keys, spare], axis=2),
-            mx.concatenate([live.values, values, spare], axis=2),
+            mx.concatenate([live.keys, keys, spare_keys], axis=2),
+            mx.concatenate([live.values, values, spare_values], axis=2),
             mx.concatenate(
                 [live.positions, positions, mx.zeros((B, H, reserve), dtype=mx.int32)], axis=2
             ),
@@ -174,19 +174,18 @@ class KVSlots:
         return _view(room, n)
 
     def write_free(self, keys: mx.array, values: mx.array, position: int | mx.array) -> KVSlots:
-        """Write one new token (keys/values ``[B, H_kv, 1, D]``) into the dead slot, in place;
-        ``position``: its position, or int ``[B]`` one per row."""
+        """Write one new token (keys ``[B, H_kv, 1, D]``, values ``[B, H_kv, 1, D_v]``) into the
+        dead slot, in place; ``position``: its position, or int ``[B]`` one per row."""
         assert self.free is not None
-        B, H, _, D = self.keys.shape
+        B, H = self.positions.shape[:2]
         row = self.free[:, :, None]
-        feat = mx.broadcast_to(row[..., None], (B, H, 1, D))
         if isinstance(position, mx.array):
             pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1, 1), (B, H, 1))
         else:
             pos = mx.full((B, H, 1), position, dtype=mx.int32)
         return KVSlots(
-            keys=mx.put_along_axis(self.keys, feat, keys, axis=2),
-            values=mx.put_along_axis(self.values, feat, values, axis=2),
+            keys=mx.put_along_axis(self.keys, feature_rows(row, self.keys), keys, axis=2),
+            values=mx.put_along_axis(self.values, feature_rows(row, self.values), values, axis=2),
             positions=mx.put_along_axis(self.positions, row, pos, axis=2),
         )
 
@@ -195,6 +194,13 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         free = mx.broadcast_to(free.astype(mx.int32), (B, H))
         return KVSlots(self.keys, self.values, self.positions, free)
+
+
+def feature_rows(row: mx.array, like: mx.array) -> mx.array:
+    """int ``[B, H, 1]`` slot indices broadcast over the feature axis of ``like``
+    (``[B, H, S, D]``: keys and values may differ in width)."""
+    B, H, _, D = like.shape
+    return mx.broadcast_to(row[..., None], (B, H, 1, D))
 
 
 def _view(room: Reserve, n: int) -> KVSlots:

@@ -84,13 +84,14 @@ class PolicyState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values the state holds: ``B * H_kv * n_held * D * 2 *
+        """Bytes of the keys and values the state holds: ``B * H_kv * n_held * (D + D_v) *
         itemsize``, where ``n_held`` (:attr:`KVSlots.n_held`) is the kept rows plus the dead
         slot a decode step leaves and the rows a growing store reserves."""
         if self.slots is None:
             return 0
         B, H, _, D = self.slots.keys.shape
-        return B * H * self.slots.n_held * D * 2 * self.slots.keys.dtype.size
+        width = D + int(self.slots.values.shape[3])  # values may differ in width (latent attention)
+        return B * H * self.slots.n_held * width * self.slots.keys.dtype.size
 
     @property
     def held_nbytes(self) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.slots import KVSlots, feature_rows
 from velox_cache_core.state import PolicyState, running_fields
 from velox_cache_core.validation import check_int
 
@@ -207,12 +207,14 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         row = entry.row or (previous.victim if previous is not None else None)
         slots = KVSlots(candidates.keys, candidates.values, candidates.positions, entry.free)
         if row is not None:  # else the slot was dead and stays dead: its content is moot
-            B, H, _, D = candidates.keys.shape
             slot = entry.written[..., None]
-            feat = mx.broadcast_to(slot[..., None], (B, H, 1, D))
             slots = KVSlots(
-                mx.put_along_axis(candidates.keys, feat, row.keys, axis=2),
-                mx.put_along_axis(candidates.values, feat, row.values, axis=2),
+                mx.put_along_axis(
+                    candidates.keys, feature_rows(slot, candidates.keys), row.keys, axis=2
+                ),
+                mx.put_along_axis(
+                    candidates.values, feature_rows(slot, candidates.values), row.values, axis=2
+                ),
                 mx.put_along_axis(candidates.positions, slot, row.positions, axis=2),
                 entry.free,
             )

@@ -52,13 +52,17 @@ def check_kv(
     *,
     expect: tuple[int, int, int] | None,
     dtype: mx.Dtype | None,
+    value_dim: int | None = None,
 ) -> None:
-    """keys/values ``[B, H_kv, L, D]``, one dtype; ``expect`` = (B, H_kv, D) fixed by the state."""
+    """keys ``[B, H_kv, L, D]`` and values ``[B, H_kv, L, D_v]``, one dtype; ``expect`` =
+    (B, H_kv, D) and ``value_dim`` = D_v, fixed by the state. Values may be narrower or wider
+    than keys (latent attention caches a latent and a RoPE part of different widths)."""
     check_tensor("keys", keys, ndim=4, layout="[B, H_kv, L, D]")
-    check_tensor("values", values, ndim=4, layout="[B, H_kv, L, D]")
-    if keys.shape != values.shape:
+    check_tensor("values", values, ndim=4, layout="[B, H_kv, L, D_v]")
+    if keys.shape[:3] != values.shape[:3]:
         raise ValueError(
-            f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}"
+            f"values must be [B, H_kv, L, D_v] with the B, H_kv, L of keys {tuple(keys.shape)}, "
+            f"got {tuple(values.shape)}"
         )
     if keys.dtype != values.dtype:
         raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
@@ -70,6 +74,11 @@ def check_kv(
                     f"keys {label} ({got}) differs from the state's {label} ({want}); "
                     "a state serves one layer of one batch"
                 )
+    if value_dim is not None and values.shape[3] != value_dim:
+        raise ValueError(
+            f"values D_v ({values.shape[3]}) differs from the state's D_v ({value_dim}); "
+            "a state serves one layer of one batch"
+        )
     if dtype is not None and keys.dtype != dtype:
         raise TypeError(f"keys dtype {keys.dtype} differs from the state's dtype {dtype}")
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from velox_cache_core.layer import Layer
 from velox_cache_core.layer_batch import LayerBatch, indices
-from velox_mlx_lm.base import VeloxKVCache
+from velox_mlx_lm.base import VeloxKVCache, fetched_as_is
 from velox_mlx_lm.prompt_state import encode
 
 
@@ -63,6 +63,8 @@ class BatchVeloxKVCache(VeloxKVCache):
     """``B`` sequences of one Velox policy in one layer (``batch``: the core's rows);
     ``row_type``: the single-sequence cache class rows are extracted as. Needs the attention
     hook (``KVCacheBuilder.for_model``)."""
+
+    _fetched: tuple[mx.array, mx.array] | None = None  # what update_and_fetch returned last
 
     def __init__(self, batch: LayerBatch, row_type: Any) -> None:
         self.batch = batch
@@ -143,13 +145,27 @@ class BatchVeloxKVCache(VeloxKVCache):
         """Give each row its real tokens of ``[B, H_kv, L, D]`` keys/values. The return value
         is the input: attention happens in :meth:`attend`, per row."""
         self.batch.lay_out(keys, values)
+        self._fetched = (keys, values)
         return keys, values
 
     def attend(
-        self, queries: mx.array, scale: float, mask: Any, sinks: mx.array | None
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+        keys: mx.array | None = None,
+        values: mx.array | None = None,
     ) -> mx.array:
         """``[B, H_q, L, D]``: each row's real queries over its own candidates and mask (the
-        model's shared ``mask`` is not used); zero at padded queries."""
+        model's shared ``mask`` is not used); zero at padded queries. A model attending over
+        keys, values or scores of its own is refused."""
+        if not fetched_as_is(self._fetched, keys, values, mask):
+            raise ValueError(
+                "this model attends over keys, values or scores of its own (not what "
+                "update_and_fetch returned): a batched Velox cache cannot serve it; "
+                "generate one sequence at a time"
+            )
         return self.batch.attend(queries, scale, sinks)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:

@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from velox_cache_core.distributed import StepSums
 from velox_cache_core.layer import Mode
@@ -77,8 +77,9 @@ class KVCacheBuilder:
         go out in one ``all_sum`` after the last layer's attention (``docs/distributed.md``).
         """
         _check_model(model, config)
-        if config.method == "full":
-            return _base_caches(model)
+        bases = _base_caches(model)
+        if config.method == "full" or not any(_unbounded(b) for b in bases):
+            return bases  # nothing to evict: no hook, no warning
         reached = install_attention_hook(model)
         if not reached:
             config = _without_queries(model, config)
@@ -87,14 +88,53 @@ class KVCacheBuilder:
         mode = Mode.QUERIES if reached else Mode.AT_ONCE
         if isinstance(group, str) and group == AUTO:
             group = tensor_group(model)
-        caches = []
-        for base in _base_caches(model):
-            if type(base) is KVCache:
-                caches.append(KVCacheFactory.create(config, group, mode))
-            else:  # sliding windows, recurrent state: already bounded, keep
-                caches.append(base)
-        _share_step_sums(caches)
+        name = model_type(model)
+
+        def make(label: str, nested: bool) -> PolicyKVCache:
+            cache = KVCacheFactory.create(config, group, mode)
+            cache.layer.serves = f"{name} ({label})"
+            # a nested cache the model might use outside attention: refuse such a use
+            cache.layer.must_attend = nested and reached > 0
+            return cache
+
+        caches = [_convert(base, make, f"layer {i}") for i, base in enumerate(bases)]
+        _share_step_sums([c for base in caches for c in _members(base)])
         return caches
+
+
+def model_type(model: nn.Module) -> str:
+    """The model's mlx-lm type (``"deepseek_v3"``), for messages."""
+    for owner in (model, getattr(model, "args", None), getattr(model, "config", None)):
+        value = getattr(owner, "model_type", None)
+        if isinstance(value, str):
+            return value
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _unbounded(cache: Any) -> bool:
+    """Whether ``cache`` is, or nests, an unbounded full-attention ``KVCache``."""
+    if type(cache) is CacheList:
+        return any(_unbounded(c) for c in cache.caches)
+    return type(cache) is KVCache
+
+
+def _members(cache: Any) -> list[Any]:
+    return list(cache.caches) if type(cache) is CacheList else [cache]
+
+
+def _convert(base: Any, make: Any, label: str) -> Any:
+    """A full-attention ``KVCache`` becomes a Velox cache, at the top level or inside a
+    ``CacheList`` (hybrid layers: recurrent state beside attention, two attention blocks);
+    sliding windows and recurrent state are already bounded and stay."""
+    if type(base) is KVCache:
+        return make(label, False)
+    if type(base) is CacheList:
+        members = [
+            make(f"{label}, CacheList member {j}", True) if type(c) is KVCache else c
+            for j, c in enumerate(base.caches)
+        ]
+        return CacheList(*members)
+    return base
 
 
 def _check_model(model: nn.Module, config: KVCacheConfig) -> None:

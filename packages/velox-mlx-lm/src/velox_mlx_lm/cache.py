@@ -23,7 +23,7 @@ from velox_cache_core.distributed import StepSums
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES, Policy
 from velox_cache_core.undo import new_log
-from velox_mlx_lm.base import VeloxKVCache
+from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
 from velox_mlx_lm.prompt_state import decode, encode
 
@@ -189,10 +189,39 @@ class PolicyKVCache(VeloxKVCache):
         return self._layer.lay_out(keys, values)
 
     def attend(
-        self, queries: mx.array, scale: float, mask: Any, sinks: mx.array | None
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+        keys: mx.array | None = None,
+        values: mx.array | None = None,
     ) -> mx.array:
-        """Attention of ``queries [B, H_q, L, D]`` over this call's candidates, policy mask."""
-        return self._layer.attend(queries, scale, sinks)
+        """Attention of ``queries [B, H_q, L, D]`` over this call's candidates, policy mask.
+
+        When the model passes keys/values of its own (derived row by row from what
+        ``update_and_fetch`` returned, as absorbed latent attention does) or adds scores
+        through ``mask``, the cache attends over those, the model's scores added and its
+        evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`)."""
+        if fetched_as_is(self._layer.fetched, keys, values, mask):
+            return self._layer.attend(queries, scale, sinks)
+        assert keys is not None and values is not None
+        scores = mask if additive(mask) else None
+        return self._layer.attend_rows(
+            queries, keys, values, scale=scale, scores=scores, sinks=sinks
+        )
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last call attended over (``retained + new``), for layers that share this
+        layer's keys and values (mlx-lm's KV sharing: gemma3n, afm7)."""
+        fetched = self._layer.fetched
+        if fetched is not None:
+            return fetched
+        live = self.policy_state.slots
+        if live is None:
+            raise ValueError(f"{type(self).__name__} holds no keys yet")
+        live = live.compact()
+        return live.keys, live.values
 
     def finish_prefill(self) -> None:
         """End the prompt now (for callers that do not end it with a 1-token call)."""
@@ -202,7 +231,8 @@ class PolicyKVCache(VeloxKVCache):
         """Causal mask over ``retained + N`` (what the model sees without the hook)."""
         if window_size is not None:
             raise ValueError(
-                f"{type(self).__name__} cannot serve a sliding-window layer "
+                f"{self._layer.serves or 'this model'}: {type(self).__name__} cannot serve a "
+                "sliding-window layer "
                 f"(window_size={window_size}); keep mlx-lm's RotatingKVCache there "
                 "(KVCacheBuilder.for_model does)."
             )

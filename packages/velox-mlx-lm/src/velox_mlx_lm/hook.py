@@ -31,7 +31,7 @@ def velox_scaled_dot_product_attention(
 ) -> mx.array:
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``."""
     if isinstance(cache, VeloxKVCache):
-        return cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
+        return cache.attend(queries, scale=scale, mask=mask, sinks=sinks, keys=keys, values=values)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

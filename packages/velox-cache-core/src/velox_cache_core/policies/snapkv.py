@@ -39,11 +39,17 @@ class SnapKVState(PolicyState):
     compressed: bool = running(False)
 
 
+WINDOW = 32  # the paper's observation window, where the budget leaves room for it
+
+
 def init_snapkv_state(
-    budget: int = 512, window: int = 32, kernel: int = 5, signal: Signal = "query"
+    budget: int = 512, window: int | None = None, kernel: int = 5, signal: Signal = "query"
 ) -> SnapKVState:
-    """Empty SnapKV state: ``1 <= window < budget``, odd ``kernel >= 1``."""
+    """Empty SnapKV state: ``1 <= window < budget`` (``None``: ``min(32, budget - 1)``, so a
+    small budget needs no window of its own), odd ``kernel >= 1``."""
     check_int("budget", budget, minimum=2)
+    if window is None:
+        window = min(WINDOW, budget - 1)
     check_int("window", window, minimum=1)
     if window >= budget:
         raise ValueError(f"window must be < budget ({budget}), got {window}")
@@ -119,7 +125,8 @@ SNAPKV = Policy(
     },
     help={
         "budget": "tokens kept per KV head by the cut at the prompt's end",
-        "window": "latest prompt queries whose attention decides the cut",
+        "window": "latest prompt queries whose attention decides the cut "
+        f"(default: min({WINDOW}, budget - 1))",
         "kernel": "width of the moving average over the scores (odd)",
     },
 )
