@@ -92,7 +92,9 @@ def test_variant_configs_match_the_former_lists() -> None:
         == KVCacheConfig("tova_adapted", tova_budget=64, tova_prefill="sequential").settings()
     )
     assert methods.variant("morphkv").config(64).settings()["prefill"] == "sequential"
-    assert variants.Variant("snapkv", "snapkv").config(32, snapkv_window=8).value("snapkv_window") == 8
+    assert (
+        variants.Variant("snapkv", "snapkv").config(32, snapkv_window=8).value("snapkv_window") == 8
+    )
 
 
 # -- a policy registered later joins every list ------------------------------------------------

@@ -475,6 +475,17 @@ class Layer:
         step = self._feed(keyed, keys=pending.keys, values=pending.values)
         self.state = self._after_call(replace(step.state, signal="query"), L)
 
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last call attended over (``retained + new``; the retained rows between
+        calls), for layers that share this layer's keys and values."""
+        if self.fetched is not None:
+            return self.fetched
+        self.settle()
+        if self.state.slots is None:
+            raise ValueError(f"the {self.policy.name} cache holds no keys yet")
+        live = self.state.slots.compact()
+        return live.keys, live.values
+
     # -- the prompt's end, trims, restores ---------------------------------------------------------
     def _feed(
         self,

@@ -214,14 +214,7 @@ class PolicyKVCache(VeloxKVCache):
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """What the last call attended over (``retained + new``), for layers that share this
         layer's keys and values (mlx-lm's KV sharing: gemma3n, afm7)."""
-        fetched = self._layer.fetched
-        if fetched is not None:
-            return fetched
-        live = self.policy_state.slots
-        if live is None:
-            raise ValueError(f"{type(self).__name__} holds no keys yet")
-        live = live.compact()
-        return live.keys, live.values
+        return self._layer.keys_and_values()
 
     def finish_prefill(self) -> None:
         """End the prompt now (for callers that do not end it with a 1-token call)."""
