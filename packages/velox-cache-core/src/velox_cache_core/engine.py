@@ -132,6 +132,23 @@ class Policy(Protocol):
     def traits(self) -> Traits: ...
 
 
+def check_fits(slots: KVSlots | None, keys: Any, values: Any) -> None:
+    """``keys``/``values`` ``[B, H_kv, L, D]`` (values ``D_v`` wide) match the slots' batch,
+    heads, widths and dtype (anything goes for an empty state); ``ValueError``/``TypeError``
+    naming what differs."""
+    if slots is None:
+        check_kv(keys, values, expect=None, dtype=None)
+        return
+    B, H, _, D = slots.keys.shape
+    check_kv(
+        keys,
+        values,
+        expect=(B, H, D),
+        dtype=slots.keys.dtype,
+        value_dim=int(slots.values.shape[3]),
+    )
+
+
 def open_call(
     state: PolicyState,
     state_type: type,
@@ -152,17 +169,7 @@ def open_call(
         raise TypeError(f"state must be a {state_type.__name__}, got {type(state).__name__}")
     signal = (traits or Traits()).signal(state)
     slots = state.slots
-    expect = None
-    if slots is not None:
-        B0, H0, _, D0 = slots.keys.shape
-        expect = (B0, H0, D0)
-    check_kv(
-        keys,
-        values,
-        expect=expect,
-        dtype=None if slots is None else slots.keys.dtype,
-        value_dim=None if slots is None else int(slots.values.shape[3]),
-    )
+    check_fits(slots, keys, values)
     if queries is not None:
         check_queries(queries, keys)
     elif signal == "query":

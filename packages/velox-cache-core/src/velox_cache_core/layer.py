@@ -37,13 +37,12 @@ import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.distributed import Recorder, Replay, StepSums
-from velox_cache_core.engine import Laid, Step, decide, prepare
+from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.traits import Compressor
 from velox_cache_core.undo import UndoLog
-from velox_cache_core.validation import check_kv
 
 # Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
 # sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
@@ -238,14 +237,7 @@ class Layer:
 
     def _wait(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         slots = self.state.slots
-        expect = None if slots is None else (*slots.keys.shape[:2], slots.keys.shape[3])
-        check_kv(
-            keys,
-            values,
-            expect=expect,
-            dtype=None if slots is None else slots.keys.dtype,
-            value_dim=None if slots is None else int(slots.values.shape[3]),
-        )
+        check_fits(slots, keys, values)
         self.pending = Waiting(keys, values)
         if slots is None:
             return keys, values
@@ -607,14 +599,7 @@ class Layer:
     def _lay_out_phase(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         assert self.phase is not None
         live = self._live()
-        B, H, _, D = live.keys.shape
-        check_kv(
-            keys,
-            values,
-            expect=(B, H, D),
-            dtype=live.keys.dtype,
-            value_dim=int(live.values.shape[3]),
-        )
+        check_fits(live, keys, values)
         self.phase.recon = (keys, values)
         self.fetched = (
             mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),

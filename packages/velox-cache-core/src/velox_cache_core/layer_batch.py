@@ -35,6 +35,7 @@ from velox_cache_core.batch import (
     scatter,
     unpack,
 )
+from velox_cache_core.engine import check_fits
 from velox_cache_core.layer import Layer
 from velox_cache_core.validation import check_kv
 
@@ -317,15 +318,7 @@ class LayerBatch:
             )
         if self._decode_call(keys) and self._try_pack():
             assert self._packed is not None
-            slots = self._packed.state.slots
-            _, H, _, D = slots.keys.shape
-            check_kv(
-                keys,
-                values,
-                expect=(len(self._rows), H, D),
-                dtype=slots.keys.dtype,
-                value_dim=int(slots.values.shape[3]),
-            )
+            check_fits(self._packed.state.slots, keys, values)
             self._packed_call = (keys, values)
             self._spans = [(0, 1)] * len(self._rows)
             return
