@@ -25,6 +25,31 @@ class VeloxKVCache(_BaseCache):
         passed (``None``: what ``update_and_fetch`` returned), ``mask`` its own."""
         raise NotImplementedError
 
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """Causal mask over ``retained + N`` (what the model sees without the hook, and what it
+        shares between layers; the hook lets every layer build its own). A sliding window is
+        refused: such layers keep mlx-lm's ``RotatingKVCache`` (``KVCacheBuilder.for_model``)."""
+        if window_size is not None:
+            raise ValueError(
+                f"{self.serves or 'this model'}: {type(self).__name__} cannot serve a "
+                f"sliding-window layer (window_size={window_size}); keep mlx-lm's "
+                "RotatingKVCache there (KVCacheBuilder.for_model does)."
+            )
+        if N == 1:
+            return None
+        if not return_array:
+            return "causal"
+        n = self.size()
+        return mx.arange(n + N)[None, :] <= (mx.arange(N) + n)[:, None]
+
+    @property
+    def serves(self) -> str | None:
+        """The model type this cache serves, when the builder recorded it (for errors)."""
+        return None
+
 
 def additive(mask: Any) -> bool:
     """Whether a model's attention mask adds scores of its own (latent attention's RoPE part),

@@ -168,21 +168,6 @@ class BatchVeloxKVCache(VeloxKVCache):
             )
         return self.batch.attend(queries, scale, sinks)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """What the model shares between layers; the hook ignores it (every layer's rows
-        build their own masks), so this is only the plain causal mask."""
-        if window_size is not None:
-            raise ValueError(
-                f"{type(self).__name__} cannot serve a sliding-window layer "
-                f"(window_size={window_size})"
-            )
-        if N == 1:
-            return None
-        if not return_array:
-            return "causal"
-        n = self.size()
-        return mx.arange(n + N)[None, :] <= (mx.arange(N) + n)[:, None]
-
     # -- batch membership ----------------------------------------------------------------------
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchVeloxKVCache:

@@ -220,21 +220,9 @@ class PolicyKVCache(VeloxKVCache):
         """End the prompt now (for callers that do not end it with a 1-token call)."""
         self._layer.end_prompt()
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """Causal mask over ``retained + N`` (what the model sees without the hook)."""
-        if window_size is not None:
-            raise ValueError(
-                f"{self._layer.serves or 'this model'}: {type(self).__name__} cannot serve a "
-                "sliding-window layer "
-                f"(window_size={window_size}); keep mlx-lm's RotatingKVCache there "
-                "(KVCacheBuilder.for_model does)."
-            )
-        if N == 1:
-            return None
-        if not return_array:
-            return "causal"
-        n_kept = self.policy_state.n_kept
-        return mx.arange(n_kept + N)[None, :] <= (mx.arange(N) + n_kept)[:, None]
+    @property
+    def serves(self) -> str | None:
+        return self._layer.serves
 
     def is_trimmable(self) -> bool:
         """True when the cache keeps an undo log: ``trim(n)`` then works for up to the last
