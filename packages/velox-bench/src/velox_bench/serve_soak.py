@@ -90,8 +90,6 @@ def stream_turn(port: int, messages: list[dict[str, str]], max_tokens: int) -> d
         "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
-    arrivals: list[float] = []
-    text, usage, done = "", None, False
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
@@ -101,33 +99,35 @@ def stream_turn(port: int, messages: list[dict[str, str]], max_tokens: int) -> d
             refused = response.status == 503 and response.getheader("Retry-After") is not None
             outcome = "refused" if refused else "lost"
             return {"outcome": outcome, "status": response.status, "detail": detail}
-        for line in iter(response.readline, b""):
-            data = line[6:].strip() if line.startswith(b"data: ") else None
-            if data == b"[DONE]":
-                done = True
-                break
-            if not data:
-                continue
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    arrivals.append(time.perf_counter())
-                    text += piece
+        read = read_stream(response)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"outcome": "lost", "status": None, "detail": repr(exc)}
     finally:
         conn.close()
-    outcome = "completed" if done and usage is not None else "lost"
-    return {
-        "outcome": outcome,
-        "status": 200,
-        "start": started,
-        "arrivals": arrivals,
-        "text": text,
-        "usage": usage or {},
-    }
+    outcome = "completed" if read["done"] and read["usage"] is not None else "lost"
+    return {"outcome": outcome, "status": 200, "start": started, **read}
+
+
+def read_stream(response: Any) -> dict[str, Any]:
+    """An SSE chat stream: its text, each content chunk's arrival time, the usage chunk and
+    whether it ended with ``[DONE]``."""
+    arrivals: list[float] = []
+    text, usage, done = "", None, False
+    for line in iter(response.readline, b""):
+        data = line[6:].strip() if line.startswith(b"data: ") else None
+        if data == b"[DONE]":
+            done = True
+            break
+        if not data:
+            continue
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                arrivals.append(time.perf_counter())
+                text += piece
+    return {"arrivals": arrivals, "text": text, "usage": usage, "done": done}
 
 
 def _turn_row(index: int, turn: int, result: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -267,33 +267,48 @@ def summarize_soak(run: dict[str, Any], spec: SoakSpec) -> dict[str, Any]:
     stayed within the context, to compare with the full cache) and RSS after warm-up."""
     rows = run["requests"]
     done = [r for r in rows if r["outcome"] == "completed"]
-    itls = [x for r in done for x in r["itl_s"]]
-    in_context = [x for r in done if (r["prompt_tokens"] or 0) <= spec.context for x in r["itl_s"]]
-    reached: dict[int, int] = {}
-    for r in done:
-        reached[r["conversation"]] = max(reached.get(r["conversation"], 0), r["prompt_tokens"])
     return {
-        "requests": len(rows),
-        "completed": len(done),
-        "refused": sum(r["outcome"] == "refused" for r in rows),
-        "lost": sum(r["outcome"] == "lost" for r in rows),
-        "turns_per_conversation": [
-            sum(r["conversation"] == i for r in rows) for i in range(spec.conversations)
-        ],
-        "max_prompt_tokens_per_conversation": [
-            reached.get(i, 0) for i in range(spec.conversations)
-        ],
+        **outcomes(rows, spec.conversations),
         "generated_tokens": sum(r["completion_tokens"] or 0 for r in done),
-        "itl_p50_s": _pct(itls, 0.5),
-        "itl_p99_s": _pct(itls, 0.99),
-        "itl_within_context_p50_s": _pct(in_context, 0.5),
-        "itl_within_context_p99_s": _pct(in_context, 0.99),
-        "ttft_p50_s": _pct([r["ttft_s"] for r in done], 0.5),
-        "ttft_p99_s": _pct([r["ttft_s"] for r in done], 0.99),
+        **latencies(done, spec.context),
         "max_tokens_kept": run["max_tokens_kept"],
         "peak_rss_bytes": max((s["rss_bytes"] for s in run["timeline"]), default=None),
         "rss": rss_after_warmup(run, spec.warmup_turns),
         "wall_s": run["wall_s"],
+    }
+
+
+def outcomes(rows: list[dict[str, Any]], conversations: int) -> dict[str, Any]:
+    """Requests by outcome, turns and the longest completed prompt per conversation."""
+    reached = [0] * conversations
+    for r in rows:
+        if r["outcome"] == "completed":
+            reached[r["conversation"]] = max(reached[r["conversation"]], r["prompt_tokens"])
+    count = {k: sum(r["outcome"] == k for r in rows) for k in ("completed", "refused", "lost")}
+    return {
+        "requests": len(rows),
+        **count,
+        "turns_per_conversation": [
+            sum(r["conversation"] == i for r in rows) for i in range(conversations)
+        ],
+        "max_prompt_tokens_per_conversation": reached,
+    }
+
+
+def latencies(done: list[dict[str, Any]], context: int) -> dict[str, Any]:
+    """Inter-token latency p50/p99 over every turn and over the turns within ``context``;
+    time to first token p50/p99."""
+    itls = [x for r in done for x in r["itl_s"]]
+    within = [x for r in done if (r["prompt_tokens"] or 0) <= context for x in r["itl_s"]]
+    ttfts = [r["ttft_s"] for r in done]
+    return {
+        "itl_samples": len(itls),
+        "itl_p50_s": _pct(itls, 0.5),
+        "itl_p99_s": _pct(itls, 0.99),
+        "itl_within_context_p50_s": _pct(within, 0.5),
+        "itl_within_context_p99_s": _pct(within, 0.99),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p99_s": _pct(ttfts, 0.99),
     }
 
 
