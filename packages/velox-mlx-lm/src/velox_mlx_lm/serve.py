@@ -432,6 +432,7 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         self.abandoned = False  # the drain timed out: streams in flight end at their next token
         self.in_flight = 0
         self._flights = threading.Condition()
+        self._handlers: set[threading.Thread] = set()  # threads that served a request
         super().__init__(provider, prompt_cache)
 
     @contextlib.contextmanager
@@ -439,6 +440,8 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         """Count one request in flight (the drain waits for them)."""
         with self._flights:
             self.in_flight += 1
+            self._handlers = {t for t in self._handlers if t.is_alive()}
+            self._handlers.add(threading.current_thread())
         try:
             yield
         finally:
@@ -470,6 +473,11 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
                 LOG.warning("drain timed out: ending %d streams in flight", self.in_flight)
                 self.abandoned = True
                 self._flights.wait_for(lambda: not self.in_flight, timeout=10.0)
+            handlers = list(self._handlers)
+        # The handler threads are daemons: one still freeing its request's arrays when the
+        # interpreter exits aborts the process, so they end first.
+        for thread in handlers:
+            thread.join(timeout=10.0)
         super().stop_and_join()
 
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
@@ -778,6 +786,14 @@ def serve(args: argparse.Namespace, config: Any) -> None:
         mlx_server._run_http_server(
             args.host, args.port, generator, server_class=_HTTPServer, handler_class=VeloxHandler
         )
+        # Shut down: the requests are drained and generation has stopped. Exit now, without the
+        # interpreter's teardown, during which MLX's native threads at times abort the process
+        # ("terminate called without an active exception", exit -6) after a batch has run.
+        LOG.info("velox-serve: stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
         generator.join()
 
