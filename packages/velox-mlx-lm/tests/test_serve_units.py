@@ -309,6 +309,7 @@ def test_full_cost_counts_prompt_and_max_tokens(tiny_model: Any) -> None:
     [
         ["--method", "full", "--beyond-context"],
         ["--max-queue", "-1"],
+        ["--drain-timeout", "-1"],
         ["--max-memory", "0"],
         ["--max-memory", "lots"],
         ["--api-key", " "],

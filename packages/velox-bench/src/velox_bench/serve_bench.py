@@ -69,8 +69,8 @@ def _get(port: int, path: str) -> Any:
 class ServerProcess:
     """``velox-serve`` in a subprocess on a free port; ``stop()`` always."""
 
-    def __init__(self, flags: list[str]) -> None:
-        self.port = _free_port()
+    def __init__(self, flags: list[str], port: int | None = None) -> None:
+        self.port = _free_port() if port is None else port
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         argv = [sys.executable, "-m", "velox_mlx_lm.serve", "--port", str(self.port), *flags]
         argv += ["--log-level", "WARNING"]

@@ -21,11 +21,14 @@ import json
 import logging
 import os
 import resource
+import signal
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from http.server import ThreadingHTTPServer
+from queue import Empty
 from typing import Any
 
 import mlx.core as mx
@@ -45,6 +48,7 @@ LOG = logging.getLogger("velox-serve")
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
 VELOX_FLAGS: tuple[str, ...] = ("--quantized",)
 STATS_PATH = "/v1/velox/stats"
+SHUTDOWN_HEADERS = {"Retry-After": "2", "Connection": "close"}
 
 
 class _Parser(Exception):
@@ -126,6 +130,13 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "--beyond-context",
         action="store_true",
         help="let prompts and generations go past the model's context (bounded methods only)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish before "
+        "their streams are ended; new requests get 503 meanwhile (default 60)",
     )
 
 
@@ -416,7 +427,58 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         self.monitor = monitor
         self.governor = governor
         self.api_key: str | None = None
+        self.drain_timeout = 60.0
+        self.draining = False  # shutting down: new requests get 503
+        self.abandoned = False  # the drain timed out: streams in flight end at their next token
+        self.in_flight = 0
+        self._flights = threading.Condition()
+        self._handlers: set[threading.Thread] = set()  # threads that served a request
         super().__init__(provider, prompt_cache)
+
+    @contextlib.contextmanager
+    def flight(self) -> Iterator[None]:
+        """Count one request in flight (the drain waits for them)."""
+        with self._flights:
+            self.in_flight += 1
+            self._handlers = {t for t in self._handlers if t.is_alive()}
+            self._handlers.add(threading.current_thread())
+        try:
+            yield
+        finally:
+            with self._flights:
+                self.in_flight -= 1
+                self._flights.notify_all()
+
+    def _await_response(self, response_queue: Any) -> Any:
+        # mlx-lm's, plus: once the drain has timed out, a stream ends (None) at its next read.
+        while not self.abandoned:
+            try:
+                return response_queue.get(timeout=1.0)
+            except Empty:
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
+        self.local.prompt = None  # the sequence is dropped, not finished: it has no stats
+        return None
+
+    def stop_and_join(self) -> None:
+        """Shut down (SIGTERM, Ctrl-C): refuse new requests, let those in flight finish for up
+        to ``drain_timeout`` seconds, end the streams of any left, then stop generating."""
+        self.draining = True
+        deadline = time.monotonic() + self.drain_timeout
+        with self._flights:
+            LOG.info("shutting down: %d requests in flight", self.in_flight)
+            while self.in_flight and self._flights.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            if self.in_flight:
+                LOG.warning("drain timed out: ending %d streams in flight", self.in_flight)
+                self.abandoned = True
+                self._flights.wait_for(lambda: not self.in_flight, timeout=10.0)
+            handlers = list(self._handlers)
+        # The handler threads are daemons: one still freeing its request's arrays when the
+        # interpreter exits aborts the process, so they end first.
+        for thread in handlers:
+            thread.join(timeout=10.0)
+        super().stop_and_join()
 
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
         self.local.prompt = None
@@ -534,12 +596,16 @@ class VeloxHandler(mlx_server.APIHandler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        try:
-            if self.path.split("?", 1)[0] == MESSAGES_PATH:
-                return self.handle_messages()
-            super().do_POST()
-        except BadRequest as exc:  # raised before anything was sent
-            self._error(exc.status, str(exc), exc.code, exc.headers)
+        rg = self.response_generator
+        if rg.draining:
+            return self._error(503, "the server is shutting down", "overloaded", SHUTDOWN_HEADERS)
+        with rg.flight():
+            try:
+                if self.path.split("?", 1)[0] == MESSAGES_PATH:
+                    return self.handle_messages()
+                super().do_POST()
+            except BadRequest as exc:  # raised before anything was sent
+                self._error(exc.status, str(exc), exc.code, exc.headers)
 
     def handle_messages(self) -> None:
         """``POST /v1/messages`` (serve_messages), with this handler's checks and admission."""
@@ -711,13 +777,41 @@ def serve(args: argparse.Namespace, config: Any) -> None:
     mlx_server.stream_generate = watched_stream_generate(monitor)
     generator = VeloxResponseGenerator(provider, prompt_cache, monitor, governor)
     generator.api_key = serve_auth.resolve_api_key(args.api_key)
+    generator.drain_timeout = args.drain_timeout
     if generator.api_key is not None:
         LOG.info("requests need the API key (every route but /health)")
     LOG.info("velox-serve: %s with %s caches, %s", provider.name, describe(config), _mode(provider))
     if mx.distributed.init().rank() == 0:
-        mlx_server._run_http_server(args.host, args.port, generator, handler_class=VeloxHandler)
+        signal.signal(signal.SIGTERM, _terminate)
+        mlx_server._run_http_server(
+            args.host, args.port, generator, server_class=_HTTPServer, handler_class=VeloxHandler
+        )
+        # Shut down: the requests are drained and generation has stopped. Exit now, without the
+        # interpreter's teardown, during which MLX's native threads at times abort the process
+        # ("terminate called without an active exception", exit -6) after a batch has run.
+        LOG.info("velox-serve: stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
         generator.join()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM: shut down like Ctrl-C (mlx-lm's server stops serving on KeyboardInterrupt, then
+    ``stop_and_join`` drains); a second SIGTERM kills at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """Closes its listening socket on shutdown, so that connections made while the requests in
+    flight drain are refused at once rather than left unanswered."""
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.socket.close()
 
 
 def memory_governor(args: argparse.Namespace, provider: Any) -> serve_memory.MemoryGovernor:
@@ -786,6 +880,8 @@ def _check_args(args: argparse.Namespace) -> Any:
 
 
 def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.beyond_context and config.policy is None:

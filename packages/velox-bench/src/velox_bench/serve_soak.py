@@ -1,0 +1,342 @@
+"""Soak load for ``velox-serve`` (issue 33, point 5): agent-style conversations that grow past
+the model's context, with RSS over time, lost requests and inter-token latency.
+
+Each conversation is a thread: a fixed system prompt, then turns that each append a "tool
+output" of ``turn_tokens`` tokens of real text and an instruction, stream the reply
+(greedy, ``gen_tokens``) and append it, so every turn's prompt is the previous one plus the
+reply plus the new turn (the server's prompt cache serves the shared prefix). A conversation
+stops once its prompt has passed ``target_tokens``, or, for a server that must stay inside the
+model's context, before the next turn would pass ``context``; and every conversation stops
+starting turns at ``max_s`` (the run is bounded in time). The conversations are not
+synchronised, as agents are not. A sampler polls ``GET /v1/velox/stats`` every ``poll_s``.
+
+Every request is accounted for: ``completed`` (HTTP 200, the stream ended with ``[DONE]`` and
+a usage chunk), ``refused`` (a 503 with ``Retry-After``: the memory bound said so) or
+``lost`` (anything else: an error status, a broken stream, an exception).
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from velox_bench.serve_bench import ServerProcess, _free_port, _get, _pct, passage_words
+
+SYSTEM = (
+    "You are a coding agent. Each user turn holds a tool's output; answer with the next step "
+    "in one short sentence."
+)
+INSTRUCTION = "Tool output above. What is the next step?"
+TOKENS_PER_WORD = 1.3  # words per token of the embedded paragraph with SmolLM2's tokenizer
+
+# ``python -c`` entry that runs velox-serve with the model's context lowered to sys.argv[1]
+# (the smoke size: a short run that still goes past the context).
+LOWERED_CONTEXT = """
+import sys
+import velox_mlx_lm.serve as serve
+context = int(sys.argv.pop(1))
+load = serve.VeloxModelProvider._load_velox
+def lowered(self):
+    load(self)
+    self.context_length = context
+serve.VeloxModelProvider._load_velox = lowered
+sys.exit(serve.main(sys.argv[1:]))
+"""
+
+
+@dataclass(frozen=True)
+class SoakSpec:
+    conversations: int = 4
+    turn_tokens: int = 1500  # tokens each turn adds (the tool output)
+    target_tokens: int = 12_288  # a conversation stops once its prompt has passed this
+    gen_tokens: int = 32
+    context: int = 8192  # the model's context (the full cache stops before passing it)
+    max_s: float = 1800.0  # no turn starts after this many seconds of a run
+    warmup_turns: int = 2  # RSS is compared after every conversation has done these turns
+    poll_s: float = 1.0
+
+
+class SoakServer(ServerProcess):
+    """``velox-serve`` with ``flags``; with ``lowered_context``, the model's context is lowered
+    to it (for the smoke size)."""
+
+    def __init__(self, flags: list[str], lowered_context: int | None = None) -> None:
+        if lowered_context is None:
+            super().__init__(flags)
+            return
+        import subprocess
+        import tempfile
+
+        self.port = _free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        argv = [sys.executable, "-c", LOWERED_CONTEXT, str(lowered_context)]
+        argv += ["--port", str(self.port), *flags, "--log-level", "WARNING"]
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+
+def stream_turn(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streaming chat request, classified: ``outcome`` is completed, refused or lost."""
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+        response = conn.getresponse()
+        if response.status != 200:
+            detail = response.read()[:300].decode(errors="replace")
+            refused = response.status == 503 and response.getheader("Retry-After") is not None
+            outcome = "refused" if refused else "lost"
+            return {"outcome": outcome, "status": response.status, "detail": detail}
+        read = read_stream(response)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return {"outcome": "lost", "status": None, "detail": repr(exc)}
+    finally:
+        conn.close()
+    outcome = "completed" if read["done"] and read["usage"] is not None else "lost"
+    return {"outcome": outcome, "status": 200, "start": started, **read}
+
+
+def read_stream(response: Any) -> dict[str, Any]:
+    """An SSE chat stream: its text, each content chunk's arrival time, the usage chunk and
+    whether it ended with ``[DONE]``."""
+    arrivals: list[float] = []
+    text, usage, done = "", None, False
+    for line in iter(response.readline, b""):
+        data = line[6:].strip() if line.startswith(b"data: ") else None
+        if data == b"[DONE]":
+            done = True
+            break
+        if not data:
+            continue
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                arrivals.append(time.perf_counter())
+                text += piece
+    return {"arrivals": arrivals, "text": text, "usage": usage, "done": done}
+
+
+def _turn_row(index: int, turn: int, result: dict[str, Any], t0: float) -> dict[str, Any]:
+    usage = result.get("usage") or {}
+    arrivals = result.get("arrivals") or []
+    velox = usage.get("velox") or {}
+    return {
+        "conversation": index,
+        "turn": turn,
+        "outcome": result["outcome"],
+        "status": result["status"],
+        "detail": result.get("detail"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "tokens_kept": velox.get("tokens_kept"),
+        "start_s": result["start"] - t0 if "start" in result else None,
+        "end_s": (arrivals[-1] - t0) if arrivals else None,
+        "ttft_s": (arrivals[0] - result["start"]) if arrivals else None,
+        "itl_s": [b - a for a, b in itertools.pairwise(arrivals)],
+        "chunks": len(arrivals),
+    }
+
+
+def converse(
+    port: int, index: int, spec: SoakSpec, stay_in_context: bool, t0: float
+) -> list[dict[str, Any]]:
+    """One conversation's turns (rows), until its target, its context or the deadline."""
+    words = passage_words(index * 53)
+    per_turn = max(8, round(spec.turn_tokens / TOKENS_PER_WORD))
+    messages = [{"role": "system", "content": SYSTEM}]
+    rows: list[dict[str, Any]] = []
+    prompt_tokens = 0
+    for turn in itertools.count():
+        if time.perf_counter() - t0 > spec.max_s or prompt_tokens > spec.target_tokens:
+            break
+        # The next prompt: this one, the reply, the new turn (with slack for the estimate).
+        next_size = prompt_tokens + spec.gen_tokens + 1.25 * spec.turn_tokens + 64
+        if stay_in_context and next_size > spec.context:
+            break
+        chunk = " ".join(words[(turn * per_turn + i) % len(words)] for i in range(per_turn))
+        messages.append({"role": "user", "content": f"{chunk}\n\n{INSTRUCTION}"})
+        result = stream_turn(port, messages, spec.gen_tokens)
+        rows.append(_turn_row(index, turn, result, t0))
+        if result["outcome"] != "completed":
+            break  # a refused or lost turn ends the conversation (it is counted, not retried)
+        messages.append({"role": "assistant", "content": result["text"]})
+        prompt_tokens = result["usage"].get("prompt_tokens") or prompt_tokens
+    return rows
+
+
+def run_soak(
+    flags: list[str], spec: SoakSpec, stay_in_context: bool, lowered_context: int | None = None
+) -> dict[str, Any]:
+    """Start a server with ``flags``, drive ``spec``'s conversations, stop it."""
+    server = SoakServer(flags, lowered_context)
+    try:
+        server.wait_ready()
+        timeline: list[dict[str, Any]] = []
+        per_conversation: list[list[dict[str, Any]]] = [[] for _ in range(spec.conversations)]
+        stop = threading.Event()
+        t0 = time.perf_counter()
+
+        def sample() -> None:
+            while not stop.is_set():
+                stats = _get(server.port, "/v1/velox/stats")
+                bound = stats.get("memory_bound") or {}
+                timeline.append(
+                    {
+                        "t_s": time.perf_counter() - t0,
+                        **stats["memory"],
+                        "live_sequences": stats["live"]["sequences"],
+                        "live_kv_bytes": stats["live"]["kv_bytes"],
+                        "prompt_cache_bytes": stats["prompt_cache"]["bytes"],
+                        "bound_used_bytes": bound.get("used_bytes"),
+                    }
+                )
+                stop.wait(spec.poll_s)
+
+        def drive(i: int) -> None:
+            per_conversation[i] = converse(server.port, i, spec, stay_in_context, t0)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [threading.Thread(target=drive, args=(i,)) for i in range(spec.conversations)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        stop.set()
+        sampler.join()
+        final = _get(server.port, "/v1/velox/stats")
+    finally:
+        server.stop()
+    return {
+        "flags": flags,
+        "wall_s": wall,
+        "requests": [row for rows in per_conversation for row in rows],
+        "timeline": timeline,
+        "max_tokens_kept": final["max_tokens_kept_since_start"],
+        "memory_bound": final.get("memory_bound"),
+    }
+
+
+def warmup_end_s(run: dict[str, Any], warmup_turns: int) -> float | None:
+    """When every conversation had finished its first ``warmup_turns`` turns (None if one
+    never did)."""
+    ends = []
+    for _, rows in itertools.groupby(run["requests"], key=lambda r: r["conversation"]):
+        done = [r for r in rows if r["turn"] < warmup_turns and r["end_s"] is not None]
+        if len(done) < warmup_turns:
+            return None
+        ends.append(max(r["end_s"] for r in done))
+    return max(ends) if ends else None
+
+
+def rss_after_warmup(run: dict[str, Any], warmup_turns: int) -> dict[str, Any]:
+    """RSS at the first sample after warm-up, the most after it, and the growth between."""
+    end = warmup_end_s(run, warmup_turns)
+    after = [s for s in run["timeline"] if end is not None and s["t_s"] >= end]
+    if not after:
+        return {"warmup_end_s": end, "samples": 0, "growth": None}
+    first, peak = after[0]["rss_bytes"], max(s["rss_bytes"] for s in after)
+    return {
+        "warmup_end_s": end,
+        "samples": len(after),
+        "rss_at_warmup_end_bytes": first,
+        "rss_max_after_warmup_bytes": peak,
+        "rss_min_after_warmup_bytes": min(s["rss_bytes"] for s in after),
+        "growth": peak / first - 1,
+    }
+
+
+def summarize_soak(run: dict[str, Any], spec: SoakSpec) -> dict[str, Any]:
+    """Outcomes, prompt sizes reached, ITL/TTFT percentiles (also over the turns whose prompt
+    stayed within the context, to compare with the full cache) and RSS after warm-up."""
+    rows = run["requests"]
+    done = [r for r in rows if r["outcome"] == "completed"]
+    return {
+        **outcomes(rows, spec.conversations),
+        "generated_tokens": sum(r["completion_tokens"] or 0 for r in done),
+        **latencies(done, spec.context),
+        "max_tokens_kept": run["max_tokens_kept"],
+        "peak_rss_bytes": max((s["rss_bytes"] for s in run["timeline"]), default=None),
+        "rss": rss_after_warmup(run, spec.warmup_turns),
+        "wall_s": run["wall_s"],
+    }
+
+
+def outcomes(rows: list[dict[str, Any]], conversations: int) -> dict[str, Any]:
+    """Requests by outcome, turns and the longest completed prompt per conversation."""
+    reached = [0] * conversations
+    for r in rows:
+        if r["outcome"] == "completed":
+            reached[r["conversation"]] = max(reached[r["conversation"]], r["prompt_tokens"])
+    count = {k: sum(r["outcome"] == k for r in rows) for k in ("completed", "refused", "lost")}
+    return {
+        "requests": len(rows),
+        **count,
+        "turns_per_conversation": [
+            sum(r["conversation"] == i for r in rows) for i in range(conversations)
+        ],
+        "max_prompt_tokens_per_conversation": reached,
+    }
+
+
+def latencies(done: list[dict[str, Any]], context: int) -> dict[str, Any]:
+    """Inter-token latency p50/p99 over every turn and over the turns within ``context``;
+    time to first token p50/p99."""
+    itls = [x for r in done for x in r["itl_s"]]
+    within = [x for r in done if (r["prompt_tokens"] or 0) <= context for x in r["itl_s"]]
+    ttfts = [r["ttft_s"] for r in done]
+    return {
+        "itl_samples": len(itls),
+        "itl_p50_s": _pct(itls, 0.5),
+        "itl_p99_s": _pct(itls, 0.99),
+        "itl_within_context_p50_s": _pct(within, 0.5),
+        "itl_within_context_p99_s": _pct(within, 0.99),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+    }
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "method        requests  ok refused lost  max prompt  ITL p50/p99 ms  "
+        "(within ctx)   TTFT p50/p99 s  RSS growth"
+    ]
+    for label, s in summaries.items():
+        growth = s["rss"]["growth"]
+        lines.append(
+            f"{label:<13} {s['requests']:>8} {s['completed']:>3} {s['refused']:>7} "
+            f"{s['lost']:>4} {max(s['max_prompt_tokens_per_conversation']):>11} "
+            f"{_ms(s['itl_p50_s'])}/{_ms(s['itl_p99_s'])}  "
+            f"({_ms(s['itl_within_context_p50_s'])}/{_ms(s['itl_within_context_p99_s'])})  "
+            f"{_s(s['ttft_p50_s'])}/{_s(s['ttft_p99_s'])}  "
+            f"{'-' if growth is None else f'{100 * growth:+.1f}%'}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def spec_dict(spec: SoakSpec) -> dict[str, Any]:
+    return asdict(spec)

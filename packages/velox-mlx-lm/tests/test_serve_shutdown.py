@@ -1,0 +1,86 @@
+"""``velox-serve`` on SIGTERM: it stops taking connections, refuses new requests on open ones
+with 503, lets the streams in flight finish (``--drain-timeout``), and exits 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from test_serve import BUDGET, Server
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+# SmolLM2's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>) pushed away, so that the
+# stream runs its whole max_tokens and is still in flight when SIGTERM comes.
+NO_EOS = {"0": -100.0, "1": -100.0, "2": -100.0}
+LONG = 160
+
+
+def stream(port: int, out: dict[str, Any]) -> None:
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": LONG,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logit_bias": NO_EOS,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode())
+    response = conn.getresponse()
+    out["status"] = response.status
+    lines = [line for line in iter(response.readline, b"") if line.startswith(b"data: ")]
+    out["done"] = bool(lines) and lines[-1].strip() == b"data: [DONE]"
+    usage = [json.loads(line[6:]) for line in lines[:-1]]
+    out["usage"] = next((c["usage"] for c in reversed(usage) if c.get("usage")), None)
+    conn.close()
+
+
+def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
+    embedded_model_path: Any,
+) -> None:
+    server = Server("--method", "tova", "--budget", str(BUDGET), "--max-tokens", str(LONG))
+    try:
+        server.wait_ready()
+        out: dict[str, Any] = {}
+        thread = threading.Thread(target=stream, args=(server.port, out))
+        thread.start()
+        while server.stats()["live"]["sequences"] < 1:
+            time.sleep(0.05)
+        # A connection the server has accepted, whose request comes after SIGTERM.
+        idle = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+        idle.connect()
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+        idle.request("POST", "/v1/completions", body)
+        refused = idle.getresponse()
+        error = json.loads(refused.read())
+        thread.join(timeout=600)
+        code = server.process.wait(timeout=600)
+        with pytest.raises(ConnectionRefusedError):
+            http.client.HTTPConnection("127.0.0.1", server.port, timeout=10).connect()
+    finally:
+        server.stop()
+    assert refused.status == 503 and refused.getheader("Retry-After") == "2"
+    assert "shutting down" in error["error"]["message"]
+    assert out["status"] == 200 and out["done"]
+    assert out["usage"]["completion_tokens"] == LONG
+    assert code == 0
+
+
+def test_sigterm_when_idle_exits_0(embedded_model_path: Any) -> None:
+    server = Server("--method", "tova", "--budget", str(BUDGET))
+    try:
+        server.wait_ready()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=120)
+    finally:
+        server.stop()
+    assert code == 0
