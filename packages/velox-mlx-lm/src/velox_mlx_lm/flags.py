@@ -31,7 +31,7 @@ COMMAND_FLAGS = (
     *("--min-p", "--pipeline", "--port", "--prompt-cache-bytes", "--prompt-cache-size"),
     *("--prompt-concurrency", "--quantized-kv-start", "--top-k", "--top-p"),
     *("--trust-remote-code", "--use-default-chat-template"),
-    *("--api-key", "--max-memory", "--max-queue", "--beyond-context"),
+    *("--api-key", "--max-memory", "--max-queue", "--beyond-context", "--drain-timeout"),
     *(f"--{name.replace('_', '-')}" for name in ALIASES),
 )
 reserve_flags(COMMAND_FLAGS)
