@@ -11,11 +11,13 @@ streams are in flight.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from velox_bench.serve_bench import ServerProcess, _get
@@ -132,6 +134,9 @@ def sigterm_under_load(flags: list[str], streams: int, gen_tokens: int) -> dict[
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+        log = Path(server.log.name).read_text()
+        server.log.close()
+        os.unlink(server.log.name)
     restarted = ServerProcess(flags, port=server.port)
     try:
         started = time.perf_counter()
@@ -147,6 +152,7 @@ def sigterm_under_load(flags: list[str], streams: int, gen_tokens: int) -> dict[
         "completion_tokens": [(r.get("usage") or {}).get("completion_tokens") for r in results],
         "probe_during_drain": probe,
         "exit_code": code,
+        "drain_timed_out": "drain timed out" in log,
         "exit_after_sigterm_s": exit_s,
         "restart_ready_s": ready_s,
         "restart_first_request": first["outcome"],
