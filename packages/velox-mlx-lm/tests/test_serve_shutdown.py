@@ -44,7 +44,9 @@ def stream(port: int, out: dict[str, Any]) -> None:
 def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
     embedded_model_path: Any,
 ) -> None:
-    server = Server("--method", "tova", "--budget", str(BUDGET), "--max-tokens", str(LONG))
+    # A drain long enough for any machine: the stream must finish, however slowly.
+    flags = ["--max-tokens", str(LONG), "--drain-timeout", "3600"]
+    server = Server("--method", "tova", "--budget", str(BUDGET), *flags)
     try:
         server.wait_ready()
         out: dict[str, Any] = {}
@@ -72,6 +74,26 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
     assert "shutting down" in error["error"]["message"]
     assert out["status"] == 200 and out["done"]
     assert out["usage"]["completion_tokens"] == LONG
+    assert code == 0
+
+
+def test_sigterm_with_no_drain_ends_the_stream_cleanly(embedded_model_path: Any) -> None:
+    flags = ["--max-tokens", str(LONG), "--drain-timeout", "0"]
+    server = Server("--method", "tova", "--budget", str(BUDGET), *flags)
+    try:
+        server.wait_ready()
+        out: dict[str, Any] = {}
+        thread = threading.Thread(target=stream, args=(server.port, out))
+        thread.start()
+        while server.stats()["live"]["sequences"] < 1:
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        thread.join(timeout=600)
+        code = server.process.wait(timeout=600)
+    finally:
+        server.stop()
+    assert out["status"] == 200 and out["done"]  # ended with [DONE], not cut
+    assert out["usage"]["completion_tokens"] < LONG
     assert code == 0
 
 

@@ -48,6 +48,7 @@ LOG = logging.getLogger("velox-serve")
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
 VELOX_FLAGS: tuple[str, ...] = ("--quantized",)
 STATS_PATH = "/v1/velox/stats"
+STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 SHUTDOWN_HEADERS = {"Retry-After": "2", "Connection": "close"}
 
 
@@ -478,7 +479,13 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         # interpreter exits aborts the process, so they end first.
         for thread in handlers:
             thread.join(timeout=10.0)
-        super().stop_and_join()
+        # mlx-lm's stop_and_join, bounded: the generation loop sees the flag between steps, and
+        # a step of long prefills can take minutes on a CPU. No client waits on it any more,
+        # and serve() exits without interpreter teardown, so a step left running is harmless.
+        self._stop = True
+        self._generation_thread.join(timeout=STOP_JOIN_S)
+        if self._generation_thread.is_alive():
+            LOG.warning("a generation step still runs after %.0f s: exiting anyway", STOP_JOIN_S)
 
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
         self.local.prompt = None
