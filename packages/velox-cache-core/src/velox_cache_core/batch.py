@@ -30,6 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.engine import Step
 from velox_cache_core.registry import Policy
@@ -47,7 +48,8 @@ def row_signature(state: PolicyState) -> dict[str, Any]:
     sig: dict[str, Any] = {"policy state": type(state).__name__, **state.settings}
     if state.slots is not None:
         _, H, _, D = state.slots.keys.shape
-        sig.update({"H_kv": H, "D": D, "dtype": str(state.slots.keys.dtype)})
+        quant = R.quant_of(state.slots.keys)
+        sig.update({"H_kv": H, "D": D, "dtype": str(state.slots.keys.dtype), "quant": quant})
     return sig
 
 
@@ -389,12 +391,10 @@ def _padded(slots: KVSlots, pad: int) -> KVSlots:
     """``slots`` after ``pad`` padding slots (zero rows at position -1)."""
     if pad == 0:
         return slots
-    B, H, _, D = slots.keys.shape
-    zeros = mx.zeros((B, H, pad, D), dtype=slots.keys.dtype)
-    zero_values = mx.zeros((B, H, pad, int(slots.values.shape[3])), dtype=slots.values.dtype)
+    B, H = slots.positions.shape[:2]
     return KVSlots(
-        mx.concatenate([zeros, slots.keys], axis=2),
-        mx.concatenate([zero_values, slots.values], axis=2),
+        R.pad(slots.keys, pad, at_end=False),
+        R.pad(slots.values, pad, at_end=False),
         mx.concatenate([mx.full((B, H, pad), -1, dtype=mx.int32), slots.positions], axis=2),
     )
 
@@ -426,8 +426,8 @@ def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:
     slots = [_padded(s.slots, pad) for s, pad in zip(states, pads, strict=True)]
     frees = [s.free for s in slots if s.free is not None]  # in every row or in none
     return KVSlots(
-        mx.concatenate([s.keys for s in slots], axis=0),
-        mx.concatenate([s.values for s in slots], axis=0),
+        R.concat([s.keys for s in slots], axis=0),
+        R.concat([s.values for s in slots], axis=0),
         mx.concatenate([s.positions for s in slots], axis=0),
         mx.concatenate(frees, axis=0) if frees else None,
     )
@@ -436,8 +436,8 @@ def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:
 def packed_update(
     policy: Policy,
     packed: Packed,
-    keys: mx.array,
-    values: mx.array,
+    keys: R.Rows,
+    values: R.Rows,
     queries: mx.array | None,
     scale: float | None,
     *,
@@ -504,8 +504,8 @@ def detach(state: Any) -> Any:
     free = None if slots.free is None else mx.contiguous(slots.free)
     changes: dict[str, Any] = {
         "slots": KVSlots(
-            mx.contiguous(slots.keys),
-            mx.contiguous(slots.values),
+            R.apply(slots.keys, mx.contiguous),
+            R.apply(slots.values, mx.contiguous),
             mx.contiguous(slots.positions),
             free,
         )

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
@@ -39,8 +40,8 @@ class Step:
     (per KV head, no queries given: repeat each row over its query group).
     """
 
-    keys: mx.array
-    values: mx.array
+    keys: R.Rows
+    values: R.Rows
     mask: mx.array | None
     state: Any
     log: UndoLog | None = None  # the undo log after the call, when one was given
@@ -51,10 +52,11 @@ class Step:
 
 @dataclass(frozen=True)
 class Call:
-    """One validated update call. keys/values ``[B, H_kv, L, D]``, queries ``[B, H_q, L, D]``."""
+    """One validated update call. keys/values ``[B, H_kv, L, D]`` (full precision, or
+    quantized as the store is), queries ``[B, H_q, L, D]``."""
 
-    keys: mx.array
-    values: mx.array
+    keys: R.Rows
+    values: R.Rows
     queries: mx.array | None
     scale: float
     start: int  # absolute position of the first new token
@@ -75,11 +77,12 @@ class Call:
         return int(self.keys.shape[2])
 
     def probe(self, signal: str) -> mx.array:
-        """``[B, H_p, L, D]``: the true queries (signal ``query``) or the new keys (``key``)."""
+        """``[B, H_p, L, D]``: the true queries (signal ``query``) or the new keys (``key``,
+        as stored: dequantized when the store is quantized)."""
         if signal == "query":
             assert self.queries is not None
             return self.queries
-        return self.keys
+        return R.dense(self.keys)
 
     def positions(self) -> mx.array:
         """int32 ``[L]`` positions of the new tokens (``[B, 1, L]`` with per-row starts)."""
@@ -147,6 +150,12 @@ def check_fits(slots: KVSlots | None, keys: Any, values: Any) -> None:
         dtype=slots.keys.dtype,
         value_dim=int(slots.values.shape[3]),
     )
+    held, given = R.quant_of(slots.keys), R.quant_of(keys)
+    if held != given:
+        raise TypeError(
+            f"keys are {'quantized as ' + str(given) if given else 'full precision'}, but the "
+            f"state holds {'rows quantized as ' + str(held) if held else 'full-precision rows'}"
+        )
 
 
 def open_call(
@@ -356,7 +365,7 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
-        values = mx.depends([candidates.values], entry.arrays())[0]
+        values = R.tie(candidates.values, entry.arrays())
         return Step(candidates.keys, values, mask, after, log, decision.probs)
     return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.distributed import Recorder, Replay, StepSums
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
@@ -65,8 +66,8 @@ class Mode(enum.Enum):
 class Waiting:
     """A call laid out and waiting for its queries. keys/values ``[B, H_kv, L, D]``."""
 
-    keys: mx.array
-    values: mx.array
+    keys: R.Rows
+    values: R.Rows
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,10 @@ class Layer:
 
     ``group``: the tensor-parallel group layer-wide decisions sum over (``None``: one
     process); ``sums``/``index``: the model's :class:`StepSums` and this layer's index in it
-    (mode ``STEP_SUMS``).
+    (mode ``STEP_SUMS``). ``quant``: store the rows quantized
+    (:class:`~velox_cache_core.rows.Quant`): each call's keys and values are quantized as
+    they arrive, so what the queries attend over and what the policy scores are the same
+    quantized rows.
     """
 
     def __init__(
@@ -114,7 +118,10 @@ class Layer:
         *,
         mode: Mode = Mode.QUERIES,
         group: Any = None,
+        quant: R.Quant | None = None,
     ) -> None:
+        if quant is not None and not isinstance(quant, R.Quant):
+            raise TypeError(f"quant must be a Quant or None, got {type(quant).__name__}")
         if not isinstance(mode, Mode):
             raise TypeError(f"mode must be a Mode ({[m.name for m in Mode]}), got {mode!r}")
         if mode is Mode.STEP_SUMS:
@@ -128,13 +135,14 @@ class Layer:
         self.log = log
         self.mode: Mode = mode
         self.group = group
+        self.quant = quant
         self.sums: StepSums | None = None
         self.index = 0
         self.pending: Pending = None
         self.phase: Phase | None = None
         # what the last lay_out returned, and the step its attention used: a layer sharing
         # this one's keys and values (KV sharing) attends over them again
-        self.fetched: tuple[mx.array, mx.array] | None = None
+        self.fetched: tuple[R.Rows, R.Rows] | None = None
         self.last: Step | None = None
         # the model layer this one serves, named in errors (set by whoever builds it)
         self.serves: str | None = None
@@ -212,11 +220,13 @@ class Layer:
         return self.state
 
     # -- 1. lay out a call -----------------------------------------------------------------------
-    def lay_out(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def lay_out(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows]:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
-        over an evicted slot: the same rows in slot order)."""
+        over an evicted slot: the same rows in slot order), quantized rows
+        (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
+        keys, values = self.stored(keys, values)
         self.settle()
         self.last = None
         if self._waits(int(keys.shape[2])):
@@ -228,6 +238,16 @@ class Layer:
         self.fetched = (step.keys, step.values)
         return self.fetched
 
+    def stored(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """A call's keys and values as the store holds them: quantized with :attr:`quant`
+        (validated first, so that a bad call changes nothing), else unchanged."""
+        if self.quant is None or isinstance(keys, R.QRows):
+            return keys, values
+        check_fits(None, keys, values)
+        self.quant.check_width(int(keys.shape[3]), "the keys' head_dim")
+        self.quant.check_width(int(values.shape[3]), "the values' width")
+        return self.quant.quantize(keys), self.quant.quantize(values)
+
     def _waits(self, length: int) -> bool:
         """Whether a call waits for ``attend``: a chunk (which ``attend`` may split and mask
         per head) or a state scoring by the true queries, unless the mode decides at once."""
@@ -235,7 +255,7 @@ class Layer:
             return False
         return length > 1 or self.policy.traits.signal(self.state) == "query"
 
-    def _wait(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _wait(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
         slots = self.state.slots
         check_fits(slots, keys, values)
         self.pending = Waiting(keys, values)
@@ -246,10 +266,7 @@ class Layer:
             laid_out = slots.write_free(keys, values, self.state.offset)
             return laid_out.keys, laid_out.values
         live = slots.compact()
-        return (
-            mx.concatenate([live.keys, keys], axis=2),
-            mx.concatenate([live.values, values], axis=2),
-        )
+        return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -467,7 +484,7 @@ class Layer:
         step = self._feed(keyed, keys=pending.keys, values=pending.values)
         self.state = self._after_call(replace(step.state, signal="query"), L)
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self) -> tuple[R.Rows, R.Rows]:
         """What the last call attended over (``retained + new``; the retained rows between
         calls), for layers that share this layer's keys and values."""
         if self.fetched is not None:
@@ -483,8 +500,8 @@ class Layer:
         self,
         state: Any,
         *,
-        keys: mx.array,
-        values: mx.array,
+        keys: R.Rows,
+        values: R.Rows,
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
@@ -544,7 +561,7 @@ class Layer:
         slots = self.state.slots
         if slots is None:
             return
-        tied = mx.depends([slots.keys], [value])[0]
+        tied = R.tie(slots.keys, [value])
         self.state = replace(self.state, slots=replace(slots, keys=tied))
 
     # -- the model-driven phase -----------------------------------------------------------------
@@ -601,9 +618,11 @@ class Layer:
         live = self._live()
         check_fits(live, keys, values)
         self.phase.recon = (keys, values)
+        # The scoring pass's own rows are not stored: they attend at full precision over the
+        # (dequantized) context.
         self.fetched = (
-            mx.concatenate([live.keys, keys.astype(live.keys.dtype)], axis=2),
-            mx.concatenate([live.values, values.astype(live.values.dtype)], axis=2),
+            mx.concatenate([R.dense(live.keys), keys.astype(live.keys.dtype)], axis=2),
+            mx.concatenate([R.dense(live.values), values.astype(live.values.dtype)], axis=2),
         )
         return self.fetched
 
@@ -617,8 +636,8 @@ class Layer:
         phase.scores.append(self.compressor.score(self.state, queries, keys, start, end, scale))
         live = self._live()
         dtype = live.keys.dtype
-        all_keys = mx.concatenate([live.keys, keys.astype(dtype)], axis=2)
-        all_values = mx.concatenate([live.values, values.astype(dtype)], axis=2)
+        all_keys = mx.concatenate([R.dense(live.keys), keys.astype(dtype)], axis=2)
+        all_values = mx.concatenate([R.dense(live.values), values.astype(dtype)], axis=2)
         L = int(keys.shape[2])
         causal = None if L == 1 else chunk_causal(live.n_slots, L)[None, None]
         return mx.fast.scaled_dot_product_attention(

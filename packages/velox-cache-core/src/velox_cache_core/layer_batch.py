@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.batch import (
     Packed,
@@ -49,6 +50,7 @@ def _signature(layer: Layer) -> dict[str, Any]:
         "policy state": layer.policy.name,
         "trim_window": 0 if layer.log is None else layer.log.window,
         "group": id(layer.group) if layer.group is not None else None,
+        "quant": layer.quant,
     }
 
 
@@ -108,7 +110,7 @@ class LayerBatch:
         check_rows(rows, "rows")
         self._rows = rows
         self._packed: Packed | None = None  # the rows while they decode packed (see below)
-        self._packed_call: tuple[mx.array, mx.array] | None = None  # packed step awaiting attend
+        self._packed_call: tuple[R.Rows, R.Rows] | None = None  # packed step awaiting attend
         self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
         self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
         self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
@@ -252,7 +254,7 @@ class LayerBatch:
         """Row 0's retained keys, or the packed rows' keys (what pipeline-parallel models tie
         their send to, every forward pass: reading them does not unpack)."""
         if self._packed is not None:
-            return self._packed.state.slots.keys
+            return R.dense(self._packed.state.slots.keys)
         return self._rows[0].view().keys
 
     def tie(self, value: mx.array) -> None:
@@ -263,7 +265,7 @@ class LayerBatch:
             self._rows[0].tie(value)
             return
         slots = packed.state.slots
-        tied = replace(slots, keys=mx.depends([slots.keys], [value])[0])
+        tied = replace(slots, keys=R.tie(slots.keys, [value]))
         self._packed = replace(packed, state=replace(packed.state, slots=tied))
 
     # -- padding -----------------------------------------------------------------------------
@@ -318,6 +320,7 @@ class LayerBatch:
             )
         if self._decode_call(keys) and self._try_pack():
             assert self._packed is not None
+            keys, values = self._rows[0].stored(keys, values)
             check_fits(self._packed.state.slots, keys, values)
             self._packed_call = (keys, values)
             self._spans = [(0, 1)] * len(self._rows)

@@ -21,6 +21,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
+from velox_cache_core.rows import Rows
+
 _TRANSIENT = "velox_transient"
 
 
@@ -36,10 +39,10 @@ class Reserve:
     int32 ``[B, H_kv, R]`` with ``R >= S``. ``view`` is the keys array the store was made with:
     a store whose keys are not that array (rebuilt, tied, compacted) does not own the buffers."""
 
-    keys: mx.array
-    values: mx.array
+    keys: Rows
+    values: Rows
     positions: mx.array
-    view: mx.array
+    view: Rows
 
     @property
     def rows(self) -> int:
@@ -50,13 +53,14 @@ class Reserve:
 class KVSlots:
     """Retained keys/values of one layer.
 
-    keys, values: ``[B, H_kv, S, D]``; positions: int32 ``[B, H_kv, S]`` absolute positions;
-    free: int32 ``[B, H_kv]`` index of the dead slot in each row, or ``None`` when all ``S``
-    slots hold live tokens.
+    keys, values: ``[B, H_kv, S, D]`` (values ``D_v`` wide), full precision or quantized
+    (:class:`~velox_cache_core.rows.QRows`); positions: int32 ``[B, H_kv, S]`` absolute
+    positions; free: int32 ``[B, H_kv]`` index of the dead slot in each row, or ``None`` when
+    all ``S`` slots hold live tokens.
     """
 
-    keys: mx.array
-    values: mx.array
+    keys: Rows
+    values: Rows
     positions: mx.array
     free: mx.array | None = None
     # buffers the slots are the first rows of, with room for more tokens (see the module doc)
@@ -65,12 +69,12 @@ class KVSlots:
     )
 
     @classmethod
-    def empty_like(cls, keys: mx.array, values: mx.array) -> KVSlots:
+    def empty_like(cls, keys: Rows, values: Rows) -> KVSlots:
         """Zero-row store with the batch, head and feature shape of ``keys``/``values``."""
         B, H, _, _ = keys.shape
         return cls(
-            keys=keys[:, :, :0, :],
-            values=values[:, :, :0, :],
+            keys=keys[:, :, :0],
+            values=values[:, :, :0],
             positions=mx.zeros((B, H, 0), dtype=mx.int32),
         )
 
@@ -99,7 +103,7 @@ class KVSlots:
 
     def arrays(self) -> list[mx.array]:
         """Every array the store holds (for ``mx.eval`` and serialisation)."""
-        out = [self.keys, self.values, self.positions]
+        out = [*R.arrays(self.keys), *R.arrays(self.values), self.positions]
         return out if self.free is None else [*out, self.free]
 
     def live_index(self) -> mx.array | None:
@@ -119,8 +123,8 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         idx = mx.broadcast_to(idx, (B, H, idx.shape[-1]))
         return KVSlots(
-            keys=mx.take_along_axis(self.keys, idx[..., None], axis=2),
-            values=mx.take_along_axis(self.values, idx[..., None], axis=2),
+            keys=R.take(self.keys, idx),
+            values=R.take(self.values, idx),
             positions=mx.take_along_axis(self.positions, idx, axis=2),
         )
 
@@ -132,9 +136,7 @@ class KVSlots:
         reserve = None if room is None else replace(room, view=keys)
         return KVSlots(keys, self.values[:, :, :n], self.positions[:, :, :n], None, reserve)
 
-    def append(
-        self, keys: mx.array, values: mx.array, positions: mx.array, *, reserve: int = 0
-    ) -> KVSlots:
+    def append(self, keys: Rows, values: Rows, positions: mx.array, *, reserve: int = 0) -> KVSlots:
         """Concatenate new tokens after the live ones (``retained + new`` order).
 
         Into the reserved rows, in place, when the store owns enough of them; otherwise by
@@ -148,8 +150,8 @@ class KVSlots:
         if room is not None and n <= room.rows:
             at = mx.array([self.n_slots])
             room = Reserve(
-                mx.slice_update(room.keys, keys, at, (2,)),
-                mx.slice_update(room.values, values, at, (2,)),
+                _slice_update(room.keys, keys, at),
+                _slice_update(room.values, values, at),
                 mx.slice_update(room.positions, positions, at, (2,)),
                 room.view,
             )
@@ -157,15 +159,13 @@ class KVSlots:
         live = self.compact()
         if reserve <= 0:
             return KVSlots(
-                keys=mx.concatenate([live.keys, keys], axis=2),
-                values=mx.concatenate([live.values, values], axis=2),
+                keys=R.concat([live.keys, keys], axis=2),
+                values=R.concat([live.values, values], axis=2),
                 positions=mx.concatenate([live.positions, positions], axis=2),
             )
-        spare_keys = mx.zeros((B, H, reserve, int(live.keys.shape[3])), dtype=live.keys.dtype)
-        spare_values = mx.zeros((B, H, reserve, int(live.values.shape[3])), dtype=live.values.dtype)
         room = Reserve(
-            mx.concatenate([live.keys, keys, spare_keys], axis=2),
-            mx.concatenate([live.values, values, spare_values], axis=2),
+            R.pad(R.concat([live.keys, keys], axis=2), reserve),
+            R.pad(R.concat([live.values, values], axis=2), reserve),
             mx.concatenate(
                 [live.positions, positions, mx.zeros((B, H, reserve), dtype=mx.int32)], axis=2
             ),
@@ -173,7 +173,7 @@ class KVSlots:
         )
         return _view(room, n)
 
-    def write_free(self, keys: mx.array, values: mx.array, position: int | mx.array) -> KVSlots:
+    def write_free(self, keys: Rows, values: Rows, position: int | mx.array) -> KVSlots:
         """Write one new token (keys ``[B, H_kv, 1, D]``, values ``[B, H_kv, 1, D_v]``) into the
         dead slot, in place; ``position``: its position, or int ``[B]`` one per row."""
         assert self.free is not None
@@ -184,8 +184,8 @@ class KVSlots:
         else:
             pos = mx.full((B, H, 1), position, dtype=mx.int32)
         return KVSlots(
-            keys=mx.put_along_axis(self.keys, feature_rows(row, self.keys), keys, axis=2),
-            values=mx.put_along_axis(self.values, feature_rows(row, self.values), values, axis=2),
+            keys=R.put(self.keys, row, keys),
+            values=R.put(self.values, row, values),
             positions=mx.put_along_axis(self.positions, row, pos, axis=2),
         )
 
@@ -196,11 +196,15 @@ class KVSlots:
         return KVSlots(self.keys, self.values, self.positions, free)
 
 
-def feature_rows(row: mx.array, like: mx.array) -> mx.array:
-    """int ``[B, H, 1]`` slot indices broadcast over the feature axis of ``like``
-    (``[B, H, S, D]``: keys and values may differ in width)."""
-    B, H, _, D = like.shape
-    return mx.broadcast_to(row[..., None], (B, H, 1, D))
+def _slice_update(buffer: Rows, new: Rows, at: mx.array) -> Rows:
+    """``new`` rows written into ``buffer`` from row ``at`` on, in place where MLX can."""
+    if isinstance(buffer, R.QRows):
+        assert isinstance(new, R.QRows)
+        parts = zip(buffer.arrays(), new.arrays(), strict=True)
+        packed, scales, biases = (mx.slice_update(b, n, at, (2,)) for b, n in parts)
+        return R.QRows(packed, scales, biases, buffer.bits, buffer.group_size)
+    assert not isinstance(new, R.QRows)
+    return mx.slice_update(buffer, new, at, (2,))
 
 
 def _view(room: Reserve, n: int) -> KVSlots:

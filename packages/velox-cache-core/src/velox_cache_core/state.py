@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.rows import dense, row_bytes
 from velox_cache_core.slots import KVSlots, stored_fields
 
 _RUNNING = "velox_running"
@@ -57,15 +58,16 @@ class PolicyState:
 
     @property
     def keys(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``)."""
+        """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``);
+        dequantized when the store holds quantized rows."""
         live = self._live()
-        return None if live is None else live.keys
+        return None if live is None else dense(live.keys)
 
     @property
     def values(self) -> mx.array | None:
-        """``[B, H_kv, n_kept, D]`` retained values."""
+        """``[B, H_kv, n_kept, D]`` retained values (dequantized when quantized)."""
         live = self._live()
-        return None if live is None else live.values
+        return None if live is None else dense(live.values)
 
     @property
     def positions(self) -> mx.array | None:
@@ -84,14 +86,15 @@ class PolicyState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values the state holds: ``B * H_kv * n_held * (D + D_v) *
-        itemsize``, where ``n_held`` (:attr:`KVSlots.n_held`) is the kept rows plus the dead
-        slot a decode step leaves and the rows a growing store reserves."""
+        """Bytes of the keys and values the state holds: ``n_held`` rows of keys and values
+        per (batch row, KV head), where ``n_held`` (:attr:`KVSlots.n_held`) is the kept rows
+        plus the dead slot a decode step leaves and the rows a growing store reserves. A row
+        is ``(D + D_v) * itemsize`` bytes at full precision; quantized, its packed words plus
+        its scales and biases (:func:`~velox_cache_core.rows.row_bytes`)."""
         if self.slots is None:
             return 0
-        B, H, _, D = self.slots.keys.shape
-        width = D + int(self.slots.values.shape[3])  # values may differ in width (latent attention)
-        return B * H * self.slots.n_held * width * self.slots.keys.dtype.size
+        per_row = row_bytes(self.slots.keys) + row_bytes(self.slots.values)
+        return self.slots.n_held * per_row
 
     @property
     def held_nbytes(self) -> int:

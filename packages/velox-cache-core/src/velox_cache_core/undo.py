@@ -28,7 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.slots import KVSlots, feature_rows
+from velox_cache_core import rows as R
+from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running_fields
 from velox_cache_core.validation import check_int
 
@@ -58,7 +59,7 @@ class Entry:
     n_live: int = 0
     order: mx.array | None = None
     evicted: KVSlots | None = None
-    inputs: tuple[mx.array, mx.array, mx.array | None, float] | None = None
+    inputs: tuple[R.Rows, R.Rows, mx.array | None, float] | None = None
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
@@ -69,7 +70,8 @@ class Entry:
             if store is not None:
                 out += store.arrays()
         if self.inputs is not None:
-            out += [x for x in self.inputs[:3] if isinstance(x, mx.array)]
+            k, v, q, _ = self.inputs
+            out += [*R.arrays(k), *R.arrays(v), *([] if q is None else [q])]
         return out
 
 
@@ -116,8 +118,8 @@ def new_log(window: int) -> UndoLog | None:
 def _gather(slots: KVSlots, idx: mx.array) -> KVSlots:
     """Rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not."""
     return KVSlots(
-        keys=mx.take_along_axis(slots.keys, idx[..., None], axis=2),
-        values=mx.take_along_axis(slots.values, idx[..., None], axis=2),
+        keys=R.take(slots.keys, idx),
+        values=R.take(slots.values, idx),
         positions=mx.take_along_axis(slots.positions, idx, axis=2),
     )
 
@@ -129,8 +131,8 @@ def _permute(rows: KVSlots, order: mx.array) -> KVSlots:
 
 def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
     return KVSlots(
-        mx.concatenate([a.keys, b.keys], axis=2),
-        mx.concatenate([a.values, b.values], axis=2),
+        R.concat([a.keys, b.keys], axis=2),
+        R.concat([a.values, b.values], axis=2),
         mx.concatenate([a.positions, b.positions], axis=2),
     )
 
@@ -146,8 +148,8 @@ def record(
     laid_out_from: KVSlots,
     candidates: KVSlots,
     kept: KVSlots,
-    keys: mx.array,
-    values: mx.array,
+    keys: R.Rows,
+    values: R.Rows,
     queries: mx.array | None,
     scale: float,
 ) -> Entry:
@@ -209,12 +211,8 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         if row is not None:  # else the slot was dead and stays dead: its content is moot
             slot = entry.written[..., None]
             slots = KVSlots(
-                mx.put_along_axis(
-                    candidates.keys, feature_rows(slot, candidates.keys), row.keys, axis=2
-                ),
-                mx.put_along_axis(
-                    candidates.values, feature_rows(slot, candidates.values), row.values, axis=2
-                ),
+                R.put(candidates.keys, slot, row.keys),
+                R.put(candidates.values, slot, row.values),
                 mx.put_along_axis(candidates.positions, slot, row.positions, axis=2),
                 entry.free,
             )
@@ -231,7 +229,7 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
     return replace(state, slots=None if entry.slots_none else slots, **entry.running)
 
 
-Feed = Callable[[Any, mx.array, mx.array, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]]
+Feed = Callable[[Any, R.Rows, R.Rows, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]]
 
 
 def trim(state: Any, log: UndoLog, n: int, feed: Feed) -> tuple[Any, UndoLog]:

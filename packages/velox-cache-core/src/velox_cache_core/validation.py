@@ -8,6 +8,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.rows import QRows, quant_of
+
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
     """``value`` must be an int (not bool) ``>= minimum``."""
@@ -36,7 +38,11 @@ def check_budget_and_sinks(budget: Any, n_sink: Any, *, prefix: str = "") -> Non
         )
 
 
-def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> mx.array:
+def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> Any:
+    """An ``mx.array`` of ``ndim`` axes and a floating dtype, or quantized rows
+    (:class:`~velox_cache_core.rows.QRows`, 4 axes) where ``ndim`` is 4."""
+    if isinstance(x, QRows) and ndim == 4:
+        return x
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array {layout}, got {type(x).__name__}")
     if x.ndim != ndim:
@@ -66,6 +72,10 @@ def check_kv(
         )
     if keys.dtype != values.dtype:
         raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
+    if quant_of(keys) != quant_of(values):
+        raise TypeError(
+            f"keys and values must be quantized alike, got {quant_of(keys)} and {quant_of(values)}"
+        )
     if expect is not None:
         B, H, _, D = keys.shape
         for label, got, want in (("B", B, expect[0]), ("H_kv", H, expect[1]), ("D", D, expect[2])):
@@ -83,7 +93,7 @@ def check_kv(
         raise TypeError(f"keys dtype {keys.dtype} differs from the state's dtype {dtype}")
 
 
-def check_queries(queries: Any, keys: mx.array) -> mx.array:
+def check_queries(queries: Any, keys: Any) -> mx.array:
     """queries ``[B, H_q, L, D]`` matching keys ``[B, H_kv, L, D]`` with ``H_q % H_kv == 0``."""
     check_tensor("queries", queries, ndim=4, layout="[B, H_q, L, D]")
     B, H_kv, L, D = keys.shape
@@ -108,8 +118,10 @@ def check_scale(scale: Any, head_dim: int) -> float:
     return float(scale)
 
 
-def require_finite(**arrays: mx.array | None) -> None:
-    """Raise if any given array has NaN or inf (forces evaluation: boundary use only)."""
-    for name, x in arrays.items():
-        if x is not None and x.size and not mx.isfinite(x).all().item():
+def require_finite(**arrays: Any) -> None:
+    """Raise if any given array (or quantized rows' scales and biases) has NaN or inf
+    (forces evaluation: boundary use only)."""
+    for name, given in arrays.items():
+        parts = [] if given is None else given.arrays()[1:] if isinstance(given, QRows) else [given]
+        if any(x.size and not mx.isfinite(x).all().item() for x in parts):
             raise ValueError(f"{name} contains NaN or inf")

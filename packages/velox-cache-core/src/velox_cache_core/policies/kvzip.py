@@ -40,6 +40,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.masks import chunk_causal
@@ -161,7 +162,7 @@ def latest_scores(state: KVzipState) -> mx.array:
     averaged within each GQA group (TOVA's current-step weights, scope ``head``)."""
     live = _context(state)
     assert state.history is not None and state.scale is not None
-    logits = grouped_logits(state.history.probes, live.keys, state.scale, "head")
+    logits = grouped_logits(state.history.probes, R.dense(live.keys), state.scale, "head")
     return decision_weights(logits)[:, :, 0]
 
 
@@ -188,12 +189,11 @@ def reconstruction_scores(
         raise ValueError(f"need 0 <= start < end <= {n} (context rows), got {start}, {end}")
     scale = check_scale(scale, keys.shape[3])
     sink = min(state.n_sink, start)
-    scored = mx.concatenate(
-        [live.keys[:, :, :sink], live.keys[:, :, start:end], keys.astype(live.keys.dtype)], axis=2
-    )
-    R = keys.shape[2]
-    logits = grouped_logits(queries, scored, scale, "head")  # [B, H_kv, g, R, m]
-    probs = masked_softmax(logits, chunk_causal(scored.shape[2] - R, R))
+    context = [R.dense(live.keys[:, :, :sink]), R.dense(live.keys[:, :, start:end])]
+    scored = mx.concatenate([*context, keys.astype(live.keys.dtype)], axis=2)
+    L = keys.shape[2]
+    logits = grouped_logits(queries, scored, scale, "head")  # [B, H_kv, g, L, m]
+    probs = masked_softmax(logits, chunk_causal(scored.shape[2] - L, L))
     return probs[..., sink : sink + end - start].max(axis=(2, 3))
 
 
@@ -247,8 +247,8 @@ def _shared_out(live: KVSlots, scores: mx.array, n_sink: int, total: int) -> tup
         return chosen, False
     return (
         KVSlots(
-            keys=mx.where(real[..., None], chosen.keys, 0),
-            values=mx.where(real[..., None], chosen.values, 0),
+            keys=R.apply(chosen.keys, lambda a: mx.where(real[..., None], a, 0)),
+            values=R.apply(chosen.values, lambda a: mx.where(real[..., None], a, 0)),
             positions=mx.where(real, chosen.positions, PAD).astype(mx.int32),
         ),
         True,

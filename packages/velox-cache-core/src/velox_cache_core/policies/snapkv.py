@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import SIGNALS
@@ -99,7 +100,7 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     n, W = live.n_slots, state.window
     history = state.history
     assert state.scale is not None
-    logits = grouped_logits(history.probes, live.keys, state.scale, "head")  # [B,H,G,w,n]
+    logits = grouped_logits(history.probes, R.dense(live.keys), state.scale, "head")  # [B,H,G,w,n]
     visible = row_visibility(live.positions, history.positions)[:, :, None]
     probs = masked_softmax(logits, visible)
     scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]

@@ -1,0 +1,240 @@
+"""Rows of keys or values as a store holds them: full precision, or quantized as MLX lays out.
+
+A store's keys and values are ``[B, H_kv, S, D]`` rows. With a :class:`Quant` (``kv_bits``,
+``kv_group_size``) each row is quantized on its own, along its ``D`` features, exactly as
+``mx.quantize`` does and as mlx-lm's ``QuantizedKVCache`` stores it: a :class:`QRows` holds
+
+- ``packed``: uint32 ``[B, H_kv, S, D * bits / 32]``;
+- ``scales`` and ``biases``: ``[B, H_kv, S, D / group_size]`` in the model's dtype.
+
+Every row operation of the store (take, write in place, concatenate, slice, pad) applies the
+same index to the three arrays, so evicting or overwriting a quantized row works like any
+other row, and ``mx.quantized_matmul(q, *rows, transpose=True)`` runs on them directly. The
+functions here take either kind (:data:`Rows`), so the engine, undo log, batching and
+encoding handle both through one path; :func:`dense` is the full-precision view the
+arithmetic reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import mlx.core as mx
+
+BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize accepts (mlx 0.32)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How a store quantizes its rows: ``bits`` per element, ``group_size`` features per
+    scale and bias (per-token layout, mlx-lm's ``QuantizedKVCache``)."""
+
+    bits: int
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"kv_bits must be an int, got {type(self.bits).__name__}")
+        if self.bits not in BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        group = self.group_size
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise TypeError(f"kv_group_size must be an int, got {type(group).__name__}")
+        if group not in GROUP_SIZES:
+            choices = ", ".join(map(str, GROUP_SIZES))
+            raise ValueError(f"kv_group_size must be one of {choices}, got {group}")
+
+    def check_width(self, width: int, what: str = "head_dim") -> None:
+        """``ValueError`` unless rows ``width`` features wide can be quantized in groups."""
+        if width % self.group_size:
+            fits = ", ".join(str(g) for g in GROUP_SIZES if width % g == 0) or "none fits"
+            raise ValueError(
+                f"kv_group_size={self.group_size} must divide {what}={width} "
+                f"(accepted here: {fits}); or use kv_bits=None"
+            )
+
+    def quantize(self, x: mx.array) -> QRows:
+        """``[B, H, L, D]`` full-precision rows as :class:`QRows`."""
+        self.check_width(int(x.shape[-1]), "the rows' width")
+        packed, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        return QRows(packed, scales, biases, self.bits, self.group_size)
+
+    @classmethod
+    def of(cls, bits: int | None, group_size: int = 64) -> Quant | None:
+        """The spec for ``kv_bits``/``kv_group_size`` settings (``None``: full precision)."""
+        return None if bits is None else cls(bits, group_size)
+
+
+@dataclass(frozen=True, eq=False)
+class QRows:
+    """Quantized rows: ``packed`` uint32 ``[B, H, S, D * bits / 32]``, ``scales``/``biases``
+    ``[B, H, S, D / group_size]`` (``mx.quantize``'s layout). Iterating gives the three arrays,
+    so ``mx.quantized_matmul(x, *rows, ...)`` and mlx-lm's quantized attention take it."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical ``(B, H, S, D)`` of the rows."""
+        B, H, S, words = self.packed.shape
+        return int(B), int(H), int(S), int(words) * 32 // self.bits
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype the rows dequantize to (the scales')."""
+        return self.scales.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+    @property
+    def quant(self) -> Quant:
+        return Quant(self.bits, self.group_size)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.packed, self.scales, self.biases]
+
+    def __iter__(self) -> Iterator[mx.array]:
+        return iter(self.arrays())
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> QRows:
+        """The same rows with ``fn`` applied to each of the three arrays (a row operation)."""
+        return QRows(fn(self.packed), fn(self.scales), fn(self.biases), self.bits, self.group_size)
+
+    def __getitem__(self, index: Any) -> QRows:
+        """Index the batch, head and row axes (the feature axis is packed: it cannot be)."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if len(parts) > 3 or any(p is Ellipsis for p in parts):
+            raise ValueError(
+                "quantized rows (kv_bits) cannot be indexed along their features: the model "
+                "transforms the cached keys or values itself; serve it with kv_bits=None"
+            )
+        return self.map(lambda a: a[index])
+
+    def dense(self) -> mx.array:
+        """The rows dequantized: ``[B, H, S, D]`` in :attr:`dtype` (what attention sees)."""
+        return mx.dequantize(
+            self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        )
+
+
+Rows = Union[mx.array, QRows]  # noqa: UP007 (a runtime alias read by isinstance users too)
+
+
+def dense(rows: Rows) -> mx.array:
+    """Full-precision ``[B, H, S, D]`` rows (unchanged when they are not quantized)."""
+    return rows.dense() if isinstance(rows, QRows) else rows
+
+
+def quant_of(rows: Rows) -> Quant | None:
+    """The rows' quantization (``None``: full precision)."""
+    return rows.quant if isinstance(rows, QRows) else None
+
+
+def apply(rows: Rows, fn: Callable[[mx.array], mx.array]) -> Rows:
+    """A row operation (one that indexes only the batch, head and row axes) on either kind."""
+    return rows.map(fn) if isinstance(rows, QRows) else fn(rows)
+
+
+def arrays(rows: Rows) -> list[mx.array]:
+    """The arrays behind ``rows`` (for ``mx.eval``, ``mx.depends`` and saving)."""
+    return rows.arrays() if isinstance(rows, QRows) else [rows]
+
+
+def concat(parts: Sequence[Rows], axis: int) -> Rows:
+    """``parts`` joined along ``axis`` (0: batch, 2: rows); all of one kind and format."""
+    first = parts[0]
+    if isinstance(first, QRows):
+        qs = [_same_format(first, p) for p in parts]
+        return QRows(
+            mx.concatenate([q.packed for q in qs], axis=axis),
+            mx.concatenate([q.scales for q in qs], axis=axis),
+            mx.concatenate([q.biases for q in qs], axis=axis),
+            first.bits,
+            first.group_size,
+        )
+    if any(isinstance(p, QRows) for p in parts):
+        raise TypeError("cannot join quantized and full-precision rows")
+    return mx.concatenate(list(parts), axis=axis)  # type: ignore[arg-type]
+
+
+def _same_format(first: QRows, other: Rows) -> QRows:
+    if not isinstance(other, QRows) or other.quant != first.quant:
+        raise TypeError(f"cannot join rows quantized as {first.quant} with {quant_of(other)}")
+    return other
+
+
+def take(rows: Rows, idx: mx.array) -> Rows:
+    """Rows ``idx`` (int ``[B, H, m]``) of each (batch row, head)."""
+    return apply(rows, lambda a: mx.take_along_axis(a, idx[..., None], axis=2))
+
+
+def put(rows: Rows, row: mx.array, new: Rows) -> Rows:
+    """``rows`` with row ``row`` (int ``[B, H, 1]``) of each head replaced by ``new``
+    (``[B, H, 1, *]``, same kind), in place where MLX can."""
+    if isinstance(rows, QRows):
+        add = _same_format(rows, new)
+        return QRows(
+            _put(rows.packed, row, add.packed),
+            _put(rows.scales, row, add.scales),
+            _put(rows.biases, row, add.biases),
+            rows.bits,
+            rows.group_size,
+        )
+    if isinstance(new, QRows):
+        raise TypeError("cannot write quantized rows into full-precision ones")
+    return _put(rows, row, new)
+
+
+def _put(a: mx.array, row: mx.array, new: mx.array) -> mx.array:
+    B, H, _, W = a.shape
+    return mx.put_along_axis(a, mx.broadcast_to(row[..., None], (B, H, 1, W)), new, axis=2)
+
+
+def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
+    """``rows`` with ``n`` zero rows added after (or before) them."""
+
+    def grow(a: mx.array) -> mx.array:
+        B, H, _, W = a.shape
+        zeros = mx.zeros((B, H, n, W), dtype=a.dtype)
+        return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=2)
+
+    return apply(rows, grow)
+
+
+def width(rows: Rows) -> int:
+    """The logical feature width ``D`` of the rows."""
+    return int(rows.shape[3])
+
+
+def to_dtype(rows: Rows, like: Rows) -> Rows:
+    """Full-precision rows cast to ``like``'s dtype, or quantized like ``like`` (a chunk fed
+    into a store)."""
+    q = quant_of(like)
+    if q is not None:
+        return rows if isinstance(rows, QRows) else q.quantize(rows.astype(like.dtype))
+    return dense(rows).astype(like.dtype)
+
+
+def tie(rows: Rows, others: list[mx.array]) -> Rows:
+    """``rows`` unchanged, evaluated only after ``others`` (``mx.depends`` on each array)."""
+    return apply(rows, lambda a: mx.depends([a], others)[0])
+
+
+def row_bytes(rows: Rows) -> int:
+    """Bytes one row takes in every (batch row, head): ``B * H * D * itemsize`` at full
+    precision; quantized, ``B * H`` times the packed words' and the scales' and biases'."""
+    B, H = int(rows.shape[0]), int(rows.shape[1])
+    return B * H * sum(int(a.shape[3]) * a.dtype.size for a in arrays(rows))
