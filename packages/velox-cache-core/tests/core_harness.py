@@ -18,6 +18,8 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from velox_cache_core.rows import dense
+
 # Decisions closer than this (relative score gap) could flip under fp32 rounding: skip them.
 MIN_MARGIN = 1e-4
 ATOL = RTOL = 2e-4
@@ -89,8 +91,8 @@ def mask_rows(step: Any, n_q: int) -> np.ndarray | None:
 
 def step_outputs(step: Any, queries: np.ndarray, scale: float | None = None) -> np.ndarray:
     """Attention output [B, H_q, L, D] of `queries` over step.keys/values under step.mask."""
-    keys = np.array(step.keys).astype(np.float64)
-    values = np.array(step.values).astype(np.float64)
+    keys = np.array(dense(step.keys)).astype(np.float64)
+    values = np.array(dense(step.values)).astype(np.float64)
     queries = np.asarray(queries, dtype=np.float64)
     n_batch, n_q, length, dim = queries.shape
     group = n_q // keys.shape[1]
@@ -122,7 +124,7 @@ def identify_rows(rows: np.ndarray, stream: np.ndarray) -> np.ndarray:
 
 def visible_positions(step: Any, stream_keys: np.ndarray, n_q: int, length: int) -> list:
     """[b][qh][i] -> sorted positions query i of head qh may attend to, from step.mask."""
-    keys = np.array(step.keys)
+    keys = np.array(dense(step.keys))
     n_batch, n_kv, n_rows, _ = keys.shape
     group = n_q // n_kv
     row_positions = identify_rows(keys, stream_keys)

@@ -61,6 +61,7 @@ from hypothesis import strategies as st
 from velox_cache_core import POLICIES, Policy, snapkv_compress
 from velox_cache_core.engine import GROW
 from velox_cache_core.policies.kvzip import kvzip_end_prompt
+from velox_cache_core.rows import Quant
 
 # ------------------------------------------------------------------------------ the table
 
@@ -536,13 +537,21 @@ def run_against_reference(
     scale: float | None,
     seed: int,
     close_call: Callable[[bool], Any] = assume,
+    quant: Quant | None = None,
 ) -> None:
     """Feed engine and reference the same stream: the prompt in chunks, the prompt end (if the
-    policy has one), then the decode chunks; compare them after every call."""
+    policy has one), then the decode chunks; compare them after every call.
+
+    With ``quant`` the engine gets each call's keys and values quantized, and the reference
+    the same rows dequantized: quantized rows must be kept, scored and attended exactly as
+    full-precision rows holding their dequantized values."""
     case = CASES[name]
     policy = POLICIES[name]
     length = sum(prompt)
     stream = harness.make_stream(*shape, length + sum(decode), seed)
+    update = policy.update
+    if quant is not None:
+        stream, update = quantized_stream(policy, quant, stream)
     state = policy.init(**settings)
     ref = case.reference(**state.settings)
     n_q = shape[1] * shape[2]
@@ -558,9 +567,7 @@ def run_against_reference(
         return after_call
 
     common = {"give_queries": give_queries, "scale": scale, "close_call": close_call}
-    state = harness.run_stream(
-        policy.update, state, ref, stream, prompt, after_call=hook(False), **common
-    )
+    state = harness.run_stream(update, state, ref, stream, prompt, after_call=hook(False), **common)
     if case.prompt_end is None:
         assert not decode
     else:
@@ -572,9 +579,24 @@ def run_against_reference(
             harness.check_state(state, ref, length)
         assert case.prompt_end(state) is state  # once is enough
         state = harness.run_stream(
-            policy.update, state, ref, stream, decode, start=length, after_call=hook(True), **common
+            update, state, ref, stream, decode, start=length, after_call=hook(True), **common
         )
     assert state.offset == ref.offset == length + sum(decode)
+
+
+def quantized_stream(policy: Any, quant: Quant, stream: tuple) -> tuple[tuple, Callable[..., Any]]:
+    """(the stream with keys and values dequantized, an update that feeds the engine the
+    original rows quantized): the reference sees exactly what the quantized store holds."""
+    keys, values, queries = stream
+    q_keys, q_values = quant.quantize(mx.array(keys)), quant.quantize(mx.array(values))
+    seen = (np.array(q_keys.dense()), np.array(q_values.dense()), queries)
+
+    def update(state: Any, k: mx.array, v: mx.array, **kwargs: Any) -> Any:
+        part = slice(state.offset, state.offset + int(k.shape[2]))
+        np.testing.assert_array_equal(np.array(k), seen[0][:, :, part])
+        return policy.update(state, q_keys[:, :, part], q_values[:, :, part], **kwargs)
+
+    return seen, update
 
 
 @pytest.mark.parametrize("name", NAMES)

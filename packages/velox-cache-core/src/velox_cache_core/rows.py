@@ -59,6 +59,11 @@ class Quant:
     def quantize(self, x: mx.array) -> QRows:
         """``[B, H, L, D]`` full-precision rows as :class:`QRows`."""
         self.check_width(int(x.shape[-1]), "the rows' width")
+        if x.size == 0:  # MLX cannot quantize an empty array: empty arrays of the right shapes
+            *lead, width = x.shape
+            packed = mx.zeros((*lead, width * self.bits // 32), dtype=mx.uint32)
+            scales = mx.zeros((*lead, width // self.group_size), dtype=x.dtype)
+            return QRows(packed, scales, scales, self.bits, self.group_size)
         packed, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return QRows(packed, scales, biases, self.bits, self.group_size)
 
@@ -125,6 +130,8 @@ class QRows:
 
     def dense(self) -> mx.array:
         """The rows dequantized: ``[B, H, S, D]`` in :attr:`dtype` (what attention sees)."""
+        if self.packed.size == 0:
+            return mx.zeros(self.shape, dtype=self.dtype)
         return mx.dequantize(
             self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits
         )
