@@ -166,7 +166,7 @@ POLICIES: dict[str, Policy] = {}
 # integrations add theirs with :func:`reserve_flags`.
 RESERVED_FLAGS: set[str] = set()
 # Config fields every integration has besides ``<policy>_<setting>``.
-RESERVED_FIELDS = {"method", "head_dim", "trim_window"}
+RESERVED_FIELDS = {"method", "head_dim", "trim_window", "kv_bits", "kv_group_size"}
 
 
 def flag_name(policy: str, setting: str) -> str:

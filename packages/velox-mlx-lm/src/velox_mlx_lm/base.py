@@ -8,6 +8,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from velox_cache_core.rows import QRows
+
 
 class VeloxKVCache(_BaseCache):
     """Marker base: the attention hook hands attention calls for these caches to ``attend``."""
@@ -55,6 +57,12 @@ def additive(mask: Any) -> bool:
     """Whether a model's attention mask adds scores of its own (latent attention's RoPE part),
     rather than only saying which rows are visible (``None``, ``"causal"``, a bool array)."""
     return isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
+
+
+def for_mlx(rows: Any) -> Any:
+    """Rows as mlx-lm's attention takes them: quantized rows as its ``(packed, scales,
+    biases)`` tuple (what ``QuantizedKVCache`` returns), full-precision ones unchanged."""
+    return tuple(rows) if isinstance(rows, QRows) else rows
 
 
 def fetched_as_is(fetched: Any, keys: Any, values: Any, mask: Any) -> bool:

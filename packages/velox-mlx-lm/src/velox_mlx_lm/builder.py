@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, KVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from velox_cache_core.distributed import StepSums
 from velox_cache_core.layer import Mode
@@ -29,9 +29,17 @@ class KVCacheFactory:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.policy is None:
+            if config.kv_bits is not None:
+                return QuantizedKVCache(group_size=config.kv_group_size, bits=config.kv_bits)
             return KVCache()
         cls = cache_class(config.policy)
-        return cls(trim_window=config.trim_window, group=group, mode=mode, **config.settings())
+        return cls(
+            trim_window=config.trim_window,
+            group=group,
+            mode=mode,
+            quant=config.quant,
+            **config.settings(),
+        )
 
 
 def _base_caches(model: nn.Module) -> list[Any]:
@@ -78,10 +86,13 @@ class KVCacheBuilder:
         """
         _check_model(model, config)
         bases = _base_caches(model)
+        if config.method == "full" and config.kv_bits is not None:
+            return [_full_quantized(base, config) for base in bases]
         if config.method == "full" or not any(_unbounded(b) for b in bases):
             return bases  # nothing to evict: no hook, no warning
         reached = install_attention_hook(model)
         if not reached:
+            _refuse_quantized(model, config)
             config = _without_queries(model, config)
         # Decided once: without the hook no query ever comes back, so every call is decided
         # as it is laid out; with it, calls wait for their queries.
@@ -137,6 +148,25 @@ def _convert(base: Any, make: Any, label: str) -> Any:
     return base
 
 
+def _full_quantized(base: Any, config: KVCacheConfig) -> Any:
+    """``method="full"`` with ``kv_bits``: mlx-lm's ``QuantizedKVCache`` for each full-attention
+    layer (as ``mlx_lm.generate`` quantizes them); other layers keep their caches."""
+    if type(base) is KVCache:
+        return QuantizedKVCache(group_size=config.kv_group_size, bits=config.kv_bits or 8)
+    return base
+
+
+def _refuse_quantized(model: nn.Module, config: KVCacheConfig) -> None:
+    """Quantized rows need an attention that reads them: the hook's, or mlx-lm's quantized
+    SDPA. A model that computes attention by hand has neither: refuse it."""
+    if config.kv_bits is not None:
+        raise ValueError(
+            f"{model_type(model)} computes attention by hand, so neither the Velox attention "
+            "hook nor mlx-lm's quantized attention reaches it: quantized rows (kv_bits="
+            f"{config.kv_bits}) cannot be served there; use kv_bits=None"
+        )
+
+
 def _check_model(model: nn.Module, config: KVCacheConfig) -> None:
     if not isinstance(config, KVCacheConfig):
         raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -147,6 +177,10 @@ def _check_model(model: nn.Module, config: KVCacheConfig) -> None:
         raise ValueError(
             f"head_dim={config.head_dim} does not match the model's head_dim {sorted(dims)}"
         )
+    quant = config.quant
+    if quant is not None:
+        for dim in sorted(dims):
+            quant.check_width(dim, "the model's head_dim")
 
 
 def _without_queries(model: nn.Module, config: KVCacheConfig) -> KVCacheConfig:

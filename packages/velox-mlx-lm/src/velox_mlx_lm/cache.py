@@ -22,10 +22,11 @@ import mlx_lm.models.cache as _mlx_cache
 from velox_cache_core.distributed import StepSums
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES, Policy
+from velox_cache_core.rows import Quant
 from velox_cache_core.undo import new_log
-from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is
+from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
-from velox_mlx_lm.prompt_state import decode, encode
+from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
 
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
 # num_draft_tokens (2 by default, 3 on its command line) per round.
@@ -42,6 +43,8 @@ class PolicyKVCache(VeloxKVCache):
 
     policy_name: ClassVar[str]
     _layer: Layer
+    # what update_and_fetch returned last (the hook hands it back to attend)
+    _returned: tuple[Any, Any] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -54,10 +57,12 @@ class PolicyKVCache(VeloxKVCache):
         trim_window: int = TRIM_WINDOW,
         group: Any = None,
         mode: Mode = Mode.QUERIES,
+        quant: Quant | None = None,
         **settings: Any,
     ) -> None:
         state = self._policy.init(**settings)
-        self._layer = Layer(self._policy, state, new_log(trim_window), mode=mode)
+        log = new_log(trim_window)
+        self._layer = Layer(self._policy, state, log, mode=mode, quant=quant)
         self.group = group
 
     @classmethod
@@ -89,6 +94,31 @@ class PolicyKVCache(VeloxKVCache):
     @group.setter
     def group(self, group: Any) -> None:
         self._layer.connect(group)
+
+    # -- quantized rows: mlx-lm's quantized attention reads ``bits``/``group_size`` -------------
+    @property
+    def quant(self) -> Quant | None:
+        """How the rows are quantized (``None``: the model's precision)."""
+        return self._layer.quant
+
+    @property
+    def bits(self) -> int:
+        """Bits per element of the quantized rows. Only a quantized cache has it, so that
+        mlx-lm's ``scaled_dot_product_attention`` (which checks ``hasattr(cache, "bits")``)
+        runs its quantized attention over what ``update_and_fetch`` returned when the hook
+        does not take the call."""
+        return self._quant_field("bits")
+
+    @property
+    def group_size(self) -> int:
+        """Features per scale and bias of the quantized rows (a quantized cache only)."""
+        return self._quant_field("group_size")
+
+    def _quant_field(self, name: str) -> int:
+        quant = self._layer.quant
+        if quant is None:
+            raise AttributeError(f"{type(self).__name__} holds full-precision rows: no {name}")
+        return int(getattr(quant, name))
 
     @property
     def step_sums(self) -> StepSums | None:
@@ -184,9 +214,12 @@ class PolicyKVCache(VeloxKVCache):
         return 0 if log is None else log.tokens
 
     # -- the model's calls -------------------------------------------------------------------
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new``."""
-        return self._layer.lay_out(keys, values)
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new`` (when
+        quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each)."""
+        laid_out = self._layer.lay_out(keys, values)
+        self._returned = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
+        return self._returned
 
     def attend(
         self,
@@ -203,7 +236,7 @@ class PolicyKVCache(VeloxKVCache):
         ``update_and_fetch`` returned, as absorbed latent attention does) or adds scores
         through ``mask``, the cache attends over those, the model's scores added and its
         evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`)."""
-        if fetched_as_is(self._layer.fetched, keys, values, mask):
+        if fetched_as_is(self._returned, keys, values, mask):
             return self._layer.attend(queries, scale, sinks)
         assert keys is not None and values is not None
         scores = mask if additive(mask) else None
@@ -211,10 +244,12 @@ class PolicyKVCache(VeloxKVCache):
             queries, keys, values, scale=scale, scores=scores, sinks=sinks
         )
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self) -> tuple[Any, Any]:
         """What the last call attended over (``retained + new``), for layers that share this
-        layer's keys and values (mlx-lm's KV sharing: gemma3n, afm7)."""
-        return self._layer.keys_and_values()
+        layer's keys and values (mlx-lm's KV sharing: gemma3n, afm7); quantized rows as
+        mlx-lm's quantized tuples."""
+        keys, values = self._layer.keys_and_values()
+        return for_mlx(keys), for_mlx(values)
 
     def finish_prefill(self) -> None:
         """End the prompt now (for callers that do not end it with a 1-token call)."""
@@ -243,10 +278,16 @@ class PolicyKVCache(VeloxKVCache):
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
         state, log = decode(self._policy, v)
+        saved = quant_of_state(state)
         if "_layer" in self.__dict__:
+            if state.slots is not None and saved != self._layer.quant:
+                raise ValueError(
+                    f"the saved {self.policy_name} state holds rows {_quant_name(saved)}, but "
+                    f"this cache holds them {_quant_name(self._layer.quant)}"
+                )
             self._layer.restore(state, log)
         else:  # from_state (a loaded prompt cache) skips __init__
-            self._layer = Layer(self._policy, state, log)
+            self._layer = Layer(self._policy, state, log, quant=saved)
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchVeloxKVCache:
@@ -259,6 +300,12 @@ class PolicyKVCache(VeloxKVCache):
         """Whether the cache is in its policy's model-driven phase (``velox_mlx_lm.compress``
         drives it through :attr:`layer`)."""
         return self._layer.phase is not None
+
+
+def _quant_name(quant: Quant | None) -> str:
+    if quant is None:
+        return "at full precision"
+    return f"quantized to {quant.bits} bits in groups of {quant.group_size}"
 
 
 _CLASSES: dict[str, type[PolicyKVCache]] = {}

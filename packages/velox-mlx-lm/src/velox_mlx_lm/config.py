@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from velox_cache_core.registry import POLICIES, Policy, field_name, policy_for_method
+from velox_cache_core.rows import Quant
 from velox_cache_core.validation import check_choice, check_int
 from velox_mlx_lm.cache import TRIM_WINDOW
 
@@ -75,6 +76,9 @@ class KVCacheConfig:
     ``head_dim``, if given, is checked against the model by ``KVCacheBuilder.for_model``.
     ``trim_window``: how many of the last tokens a Velox cache can take back exactly (its undo
     log, for speculative decoding and prompt-cache rewinds; 0 turns trims off).
+    ``kv_bits``/``kv_group_size``: keep the rows quantized (``mx.quantize``'s per-token layout:
+    bits 1-6 or 8, groups of 32, 64 or 128 features), for every method; with ``"full"`` the
+    cache is mlx-lm's ``QuantizedKVCache``. ``None`` keeps the model's precision.
     Every policy's settings are validated once, at construction, whatever the method; the
     object is frozen. Read a field with :meth:`value`, a policy's with :meth:`settings_of`.
     """
@@ -82,6 +86,8 @@ class KVCacheConfig:
     method: str
     head_dim: int | None
     trim_window: int
+    kv_bits: int | None
+    kv_group_size: int
     _policies: Mapping[str, PolicySettings]
 
     def __init__(
@@ -89,6 +95,8 @@ class KVCacheConfig:
         method: str = "tova",
         head_dim: int | None = None,
         trim_window: int = TRIM_WINDOW,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
         **fields: Any,
     ) -> None:
         if not isinstance(method, str):
@@ -98,16 +106,19 @@ class KVCacheConfig:
         unknown = sorted(set(fields) - set(known))
         if unknown:
             raise TypeError(
-                f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim and "
-                f"<policy>_<setting>: {', '.join(known)}"
+                f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim, "
+                f"trim_window, kv_bits, kv_group_size and <policy>_<setting>: {', '.join(known)}"
             )
         if head_dim is not None:
             check_int("head_dim", head_dim, minimum=1)
         check_int("trim_window", trim_window, minimum=0)
+        Quant(4 if kv_bits is None else kv_bits, kv_group_size)  # validates both, by name
         policies = {p.name: _policy_settings(p, method, fields) for p in POLICIES.values()}
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "trim_window", trim_window)
+        object.__setattr__(self, "kv_bits", kv_bits)
+        object.__setattr__(self, "kv_group_size", kv_group_size)
         object.__setattr__(self, "_policies", MappingProxyType(policies))
 
     # -- frozen value object -------------------------------------------------------------------
@@ -123,7 +134,8 @@ class KVCacheConfig:
 
     def _key(self) -> tuple[Any, ...]:
         values = tuple(sorted(self._values().items()))
-        return (self.method, self.head_dim, self.trim_window, values)
+        quant = (self.kv_bits, self.kv_group_size)
+        return (self.method, self.head_dim, self.trim_window, quant, values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCacheConfig) and self._key() == other._key()
@@ -138,6 +150,10 @@ class KVCacheConfig:
         extra = "" if self.head_dim is None else f", head_dim={self.head_dim!r}"
         if self.trim_window != TRIM_WINDOW:
             extra += f", trim_window={self.trim_window!r}"
+        if self.kv_bits is not None:
+            extra += f", kv_bits={self.kv_bits!r}"
+        if self.kv_group_size != 64:
+            extra += f", kv_group_size={self.kv_group_size!r}"
         return f"KVCacheConfig({args}{extra})"
 
     def value(self, name: str) -> Any:
@@ -154,6 +170,8 @@ class KVCacheConfig:
             "method": self.method,
             "head_dim": self.head_dim,
             "trim_window": self.trim_window,
+            "kv_bits": self.kv_bits,
+            "kv_group_size": self.kv_group_size,
             **self._values(),
         }
 
@@ -162,6 +180,11 @@ class KVCacheConfig:
         return KVCacheConfig(**{**self.fields(), **changes})
 
     # -- what the builder asks ---------------------------------------------------------------------
+    @property
+    def quant(self) -> Quant | None:
+        """How the rows are quantized (``None``: the model's precision)."""
+        return Quant.of(self.kv_bits, self.kv_group_size)
+
     @property
     def policy(self) -> str | None:
         """The core policy behind ``method`` (``None`` for ``"full"``)."""

@@ -28,6 +28,15 @@ def load_prompt_cache(
         settings = None if config.policy is None else config.state().settings
         for i, cache in enumerate(caches):
             if isinstance(cache, PolicyKVCache):
+                quant = cache.quant
+                saved_bits = None if quant is None else quant.bits
+                saved_group = config.kv_group_size if quant is None else quant.group_size
+                if (saved_bits, saved_group) != (config.kv_bits, config.kv_group_size):
+                    raise ValueError(
+                        f"prompt cache layer {i} was saved with kv_bits={saved_bits} "
+                        f"(kv_group_size={saved_group}), but config asks for "
+                        f"kv_bits={config.kv_bits} (kv_group_size={config.kv_group_size})"
+                    )
                 saved = (cache.policy_name, cache.settings)
                 wanted = (config.policy, settings)
                 if saved != wanted:

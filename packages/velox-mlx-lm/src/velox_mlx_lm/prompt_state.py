@@ -1,6 +1,7 @@
 """A policy state and its undo log as mlx-lm's prompt-cache files hold them: arrays plus one
 JSON string of scalars (``save_prompt_cache``/``load_prompt_cache`` round-trip them losslessly,
-positions and settings included)."""
+positions and settings included). Quantized rows are saved as their packed words, scales and
+biases (``slots_keys_packed``, ...), with ``kv_bits`` and ``kv_group_size`` in the JSON."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import mlx.core as mx
 
 from velox_cache_core.attention_rule import History
 from velox_cache_core.registry import Policy
+from velox_cache_core.rows import QRows, Quant, quant_of
 from velox_cache_core.slots import KVSlots, stored_fields
 from velox_cache_core.state import running_fields
 from velox_cache_core.undo import Entry, UndoLog
@@ -40,7 +42,7 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
     return {"value": value}
 
 
-_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog)}
+_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows)}
 
 
 def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:
@@ -71,16 +73,42 @@ def encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
         value = getattr(state, f.name)
         if dataclasses.is_dataclass(value):
             for member in stored_fields(value):
-                out[f"{f.name}_{member.name}"] = getattr(value, member.name)
+                _put(out, f"{f.name}_{member.name}", getattr(value, member.name))
         elif isinstance(value, mx.array) or (value is None and f.name in arrays):
             out[f.name] = value
         else:
             meta[f.name] = value
+    quant = quant_of_state(state)
+    if quant is not None:
+        meta.update(kv_bits=quant.bits, kv_group_size=quant.group_size)
     undo: dict[str, mx.array] = {}
     skeleton = None if log is None else _pack(log, "undo", undo)
     out.update(undo)
     out["meta"] = json.dumps({**meta, "undo": skeleton}, sort_keys=True)
     return out
+
+
+def _put(out: dict[str, Any], name: str, value: Any) -> None:
+    """``value`` under ``name``; quantized rows as ``<name>_packed``/``_scales``/``_biases``."""
+    if isinstance(value, QRows):
+        for part, array in zip(("packed", "scales", "biases"), value.arrays(), strict=True):
+            out[f"{name}_{part}"] = array
+    else:
+        out[name] = value
+
+
+def _get(data: dict[str, Any], name: str, quant: Quant | None) -> Any:
+    """What :func:`_put` saved under ``name`` (rows quantized as ``quant`` when given)."""
+    if quant is None or f"{name}_packed" not in data:
+        return data.get(name)
+    packed, scales, biases = (data[f"{name}_{part}"] for part in ("packed", "scales", "biases"))
+    return QRows(packed, scales, biases, quant.bits, quant.group_size)
+
+
+def quant_of_state(state: Any) -> Quant | None:
+    """How a state's rows are quantized (``None``: full precision or no rows yet)."""
+    slots = getattr(state, "slots", None)
+    return None if slots is None else quant_of(slots.keys)
 
 
 def _array_type(state_type: type, name: str) -> type | None:
@@ -95,6 +123,8 @@ def _array_type(state_type: type, name: str) -> type | None:
 def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     meta = json.loads(data["meta"])
     skeleton = meta.pop("undo", None)
+    bits, group = meta.pop("kv_bits", None), meta.pop("kv_group_size", 64)
+    quant = Quant.of(bits, group)
     state_type = policy.state_type
     fields = {f.name for f in dataclasses.fields(state_type)}
     unknown = set(meta) - fields
@@ -108,7 +138,9 @@ def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
         if member_type is None:
             value = data.get(name)
         else:
-            members = {m.name: data.get(f"{name}_{m.name}") for m in stored_fields(member_type)}
+            members = {
+                m.name: _get(data, f"{name}_{m.name}", quant) for m in stored_fields(member_type)
+            }
             first = stored_fields(member_type)[0].name
             value = None if members[first] is None else member_type(**members)
         if value is not None:
