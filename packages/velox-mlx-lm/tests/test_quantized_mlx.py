@@ -174,3 +174,41 @@ def test_a_model_that_attends_by_hand_is_refused() -> None:
 def test_caches_hold_velox_classes() -> None:
     cache = KVCacheBuilder.for_model(model_32(), quantized("h2o"))
     assert all(isinstance(c, PolicyKVCache) for c in cache)
+
+
+def test_serve_flags_quantize_velox_rows_and_keep_batching() -> None:
+    from velox_mlx_lm import serve
+
+    args = serve.build_parser().parse_args(["--method", "tova", "--kv-bits", "4"])
+    cfg = serve._check_args(args)
+    assert (cfg.kv_bits, cfg.kv_group_size) == (4, 64)
+    assert args.kv_bits is None  # mlx-lm's server neither quantizes again nor stops batching
+    args = serve.build_parser().parse_args(
+        ["--method", "h2o", "--kv-bits", "8", "--kv-group-size", "32"]
+    )
+    assert serve._check_args(args).quant.group_size == 32
+    # --method full keeps mlx-lm's meaning: its own flags, its own delayed start
+    args = serve.build_parser().parse_args(["--method", "full", "--kv-bits", "4"])
+    cfg = serve._check_args(args)
+    assert cfg.kv_bits is None and args.kv_bits == 4
+    assert args.quantized_kv_start == serve.mlx_server.DEFAULT_QUANTIZED_KV_START
+    args = serve.build_parser().parse_args(["--method", "tova", "--kv-bits", "4"])
+    args.quantized_kv_start = 100
+    with pytest.raises(ValueError, match="--quantized-kv-start 100"):
+        serve._check_args(args)
+    args = serve.build_parser().parse_args(["--method", "tova", "--kv-bits", "7"])
+    with pytest.raises(ValueError, match="--kv-bits must be one of"):
+        serve._check_args(args)
+
+
+def test_generate_flags() -> None:
+    from velox_mlx_lm import cli
+
+    args = cli.build_parser().parse_args(["--demo", "--method", "full", "--kv-bits", "8"])
+    assert cli._check_args(args).kv_bits == 8
+    args = cli.build_parser().parse_args(["--demo", "--kv-bits", "4", "--quantized-kv-start", "9"])
+    with pytest.raises(ValueError, match="only 0 is accepted"):
+        cli._check_args(args)
+    args = cli.build_parser().parse_args(["--demo", "--kv-bits", "4", "--kv-group-size", "16"])
+    with pytest.raises(ValueError, match="--kv-group-size must be one of 32, 64, 128"):
+        cli._check_args(args)

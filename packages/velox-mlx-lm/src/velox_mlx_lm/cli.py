@@ -21,7 +21,12 @@ from velox_mlx_lm.builder import KVCacheBuilder
 from velox_mlx_lm.cli_batch import generate_batch, print_batch
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.document import document_run, prompt_tokens
-from velox_mlx_lm.flags import add_method_flags, config_from_args
+from velox_mlx_lm.flags import (
+    add_method_flags,
+    add_quant_flags,
+    check_quantized_start,
+    config_from_args,
+)
 from velox_mlx_lm.generation import Run, generate_once, side_by_side, table
 
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE, --prompts-file FILE or --demo"
@@ -96,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens the draft model proposes per round (default: 3; needs --draft-model)",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
+    add_quant_flags(p)
     add_method_flags(p)
     return p
 
@@ -268,6 +274,7 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
 def _check_args(args: argparse.Namespace) -> Any:
     """The config, once every flag that can be checked without the model is (``ValueError``)."""
     config = config_from_args(args)
+    check_quantized_start(args, velox=True)
     for name in ("max_tokens", "prefill_step_size", "num_draft_tokens"):
         if getattr(args, name) < 1:
             flag = f"--{name.replace('_', '-')}"

@@ -99,10 +99,48 @@ def add_method_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def add_quant_flags(parser: argparse.ArgumentParser) -> None:
+    """``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start``, as mlx-lm names them."""
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="keep the cache's rows quantized to this many bits (1-6 or 8), for every method; "
+        "with --method full: mlx-lm's QuantizedKVCache (default: the model's precision)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=64,
+        help="features per scale and bias of quantized rows: 32, 64 or 128 (default: 64)",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=None,
+        help="only 0: Velox quantizes every row as it arrives, so that a long prompt never "
+        "holds a full-precision copy (default: 0)",
+    )
+
+
+def check_quantized_start(args: argparse.Namespace, velox: bool) -> None:
+    """``--quantized-kv-start`` other than 0 is refused where the cache quantizes every row
+    as it arrives (``velox``: a Velox method, or velox-generate's full cache)."""
+    start = getattr(args, "quantized_kv_start", None)
+    if velox and start not in (None, 0):
+        raise ValueError(
+            f"--quantized-kv-start {start}: with --method {args.method} rows are quantized as "
+            "they arrive, so that a long prompt never holds a full-precision copy; only 0 is "
+            "accepted (mlx-lm's delayed start applies to velox-serve --method full)"
+        )
+
+
+def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> Any:
     """The KVCacheConfig the flags describe; a flag the method has no use for is an error,
-    and so is an alias that contradicts its ``--<policy>-<setting>``."""
-    from velox_mlx_lm.config import KVCacheConfig
+    and so is an alias that contradicts its ``--<policy>-<setting>``. ``--kv-bits`` and
+    ``--kv-group-size`` go into the config for every method (for ``full`` only with
+    ``quantize_full``: velox-serve leaves mlx-lm's full cache to mlx-lm's own flags)."""
+    from velox_mlx_lm.config import FULL, KVCacheConfig
 
     method = args.method
     policy = KVCacheConfig(method=method).policy
@@ -121,7 +159,15 @@ def config_from_args(args: argparse.Namespace) -> Any:
         value = getattr(args, f"alias_{name}", None)
         if value is not None:
             _apply_alias(fields, policy, method, name, value)
-    return KVCacheConfig(method=method, **fields)
+    if method != FULL or quantize_full:
+        fields["kv_bits"] = getattr(args, "kv_bits", None)
+        fields["kv_group_size"] = getattr(args, "kv_group_size", 64)
+    try:
+        return KVCacheConfig(method=method, **fields)
+    except (TypeError, ValueError) as exc:
+        if str(exc).startswith("kv_"):  # name the flag
+            raise type(exc)(f"--{str(exc).replace('_', '-', 2)}") from None
+        raise
 
 
 def _apply_alias(

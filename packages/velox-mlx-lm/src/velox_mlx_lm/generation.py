@@ -15,25 +15,15 @@ class Run:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _kv_bytes(cache: Any) -> int:
-    """Bytes of the keys and values a cache holds for its tokens (mlx-lm's KVCache reports its
-    allocation, rounded up to 256-token steps; count the rows in use for a fair comparison)."""
-    keys: Any = getattr(cache, "keys", None)
-    if isinstance(getattr(cache, "offset", None), int) and hasattr(keys, "shape"):
-        rows = min(int(cache.size()), keys.shape[2])
-        return int(2 * keys.nbytes * rows // max(keys.shape[2], 1))
-    return int(cache.nbytes)
-
-
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
-    from velox_mlx_lm.serve_cache import kept_rows
+    from velox_mlx_lm.serve_cache import kept_bytes, kept_rows
 
     kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
     return {
         "tokens_kept_per_layer": max(kept) if kept else 0,
         "compression_ratio": max(ratios) if ratios else 1.0,
-        "kv_bytes": sum(_kv_bytes(c) for c in caches),
+        "kv_bytes": sum(kept_bytes(c) for c in caches),
     }
 
 

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm import serve_auth, serve_memory
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
-from velox_mlx_lm.flags import add_method_flags, config_from_args
+from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
 from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats
 from velox_mlx_lm.serve_errors import ANTHROPIC_KINDS, BadRequest
 from velox_mlx_lm.serve_messages import MESSAGES_PATH, error_body, parse_request, serve_messages
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser._add_action(action)
     add_method_flags(parser)
     add_serving_flags(parser)
+    parser.set_defaults(quantized_kv_start=None)  # None: not given (see _check_args)
     return parser
 
 
@@ -862,15 +863,20 @@ def _mode(provider: VeloxModelProvider) -> str:
 
 def _check_args(args: argparse.Namespace) -> Any:
     """The config the flags describe, once every flag is checked (``ValueError``)."""
-    config = config_from_args(args)
+    config = config_from_args(args, quantize_full=False)
     record = config.record
+    check_quantized_start(args, velox=record is not None)
+    if record is None and args.quantized_kv_start is None:  # mlx-lm's own default
+        args.quantized_kv_start = mlx_server.DEFAULT_QUANTIZED_KV_START
+    if record is not None:
+        # The Velox rows are quantized by the caches (config.kv_bits); mlx-lm must neither
+        # quantize them again nor turn batching off, as it does whenever kv_bits is set.
+        args.kv_bits = None
     if record is not None and record.compressor is not None:
         raise ValueError(
             f"--method {config.method} compresses one document with a pass through the model "
             "(velox-generate); the server does not run it"
         )
-    if args.kv_bits is not None and record is not None:
-        raise ValueError("--kv-bits quantizes mlx-lm's own caches: use it with --method full")
     if args.adapter_path is not None:
         raise ValueError("--adapter-path is not supported by velox-serve")
     for name in ("max_tokens", "prefill_step_size", "decode_concurrency"):

@@ -64,7 +64,7 @@ def layer_stats(cache: Any) -> dict[str, Any]:
     return {
         "tokens_seen": int(offset) if isinstance(offset, int) else None,
         "tokens_kept": kept_rows(cache),
-        "kv_bytes": _kept_bytes(cache),
+        "kv_bytes": kept_bytes(cache),
         "cache_bytes": cache_nbytes(cache),
     }
 
@@ -84,9 +84,10 @@ def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _kept_bytes(cache: Any) -> int:
-    """Bytes of the kept keys and values (mlx-lm's KVCache allocates in 256-token steps: count
-    the rows in use, as ``velox-generate`` does)."""
+def kept_bytes(cache: Any) -> int:
+    """Bytes of the kept keys and values (a Velox cache's rows as held: packed words, scales
+    and biases when quantized; mlx-lm's KVCache allocates in 256-token steps: count the rows
+    in use; its QuantizedKVCache reports its allocation)."""
     if isinstance(cache, PolicyKVCache):
         return cache.nbytes
     keys: Any = getattr(cache, "keys", None)
