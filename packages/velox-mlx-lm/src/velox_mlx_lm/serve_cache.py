@@ -85,16 +85,19 @@ def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def kept_bytes(cache: Any) -> int:
-    """Bytes of the kept keys and values (a Velox cache's rows as held: packed words, scales
-    and biases when quantized; mlx-lm's KVCache allocates in 256-token steps: count the rows
-    in use; its QuantizedKVCache reports its allocation)."""
+    """Bytes of the kept keys and values: a Velox cache's rows as held (packed words, scales
+    and biases when quantized); mlx-lm's ``KVCache`` and ``QuantizedKVCache`` allocate in
+    256-token steps, so for them count the rows in use."""
     if isinstance(cache, PolicyKVCache):
         return cache.nbytes
     keys: Any = getattr(cache, "keys", None)
-    if isinstance(getattr(cache, "offset", None), int) and hasattr(keys, "shape"):
-        rows = min(int(cache.size()), keys.shape[2])
-        return int(2 * keys.nbytes * rows // max(keys.shape[2], 1))
-    return int(cache.nbytes)
+    values: Any = getattr(cache, "values", None)
+    if not isinstance(getattr(cache, "offset", None), int) or keys is None:
+        return int(cache.nbytes)
+    arrays = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+    allocated = int(arrays[0].shape[2])
+    rows = min(int(cache.size()), allocated)
+    return int(sum(a.nbytes for a in arrays) * rows // max(allocated, 1))
 
 
 class VeloxPromptCache(LRUPromptCache):

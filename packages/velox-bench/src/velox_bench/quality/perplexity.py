@@ -23,16 +23,18 @@ def token_nll(
     tokens: Sequence[int],
     chunk: int = 256,
     on_chunk: Callable[[int], Any] | None = None,
+    build: Callable[[], list[Any]] | None = None,
 ) -> np.ndarray:
     """Negative log-likelihood of ``tokens[1:]``, each given the tokens before it.
 
     ``tokens``: ``T + 1`` ids, fed in chunks of ``chunk`` tokens through one cache per layer.
     Returns float64 ``[T]``. ``on_chunk(n)`` is called after each chunk of ``n`` tokens.
+    ``build()``: makes the caches (default: ``KVCacheBuilder.for_model(model, config)``).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     ids = mx.array(list(tokens), dtype=mx.int32)[None]
-    caches = KVCacheBuilder.for_model(model, config)
+    caches = KVCacheBuilder.for_model(model, config) if build is None else build()
     n = ids.shape[1] - 1
     out: list[np.ndarray] = []
     for start in range(0, n, chunk):

