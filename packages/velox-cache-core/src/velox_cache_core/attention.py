@@ -15,18 +15,45 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     Attend once: when the rule already computed the query's attention weights (a decode step
     scored with the true query) and the backend is the CPU, where MLX's attention is not a fused
     kernel, the output is those weights times the values. On Metal/CUDA the fused kernel runs.
+    Quantized rows (:class:`~velox_cache_core.rows.QRows`) have no fused kernel: they are read
+    packed by ``mx.quantized_matmul`` on every backend (the rule's weights times the values, or
+    scores, mask, softmax and values, as mlx-lm's quantized attention computes them).
     ``sinks``: per-head attention sink logits ``[H_q]`` of models that have them (gpt-oss).
     """
     quantized = isinstance(step.values, QRows)
     if step.probs is not None and sinks is None and (quantized or mx.default_device() == mx.cpu):
-        # Quantized rows have no fused kernel: their weights are these on every backend.
         B, H_kv, n, D = step.values.shape
         probs = step.probs.reshape(B, H_kv, -1, 1, n).astype(step.values.dtype)
-        out = probs @ dense(step.values)[:, :, None]  # [B, H_kv, H_q / H_kv, 1, D]
+        out = _times_values(probs, step.values)  # [B, H_kv, H_q / H_kv, 1, D]
         return out.reshape(B, -1, 1, D).astype(queries.dtype)
     mask = step.mask
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
+    if isinstance(step.keys, QRows) and isinstance(step.values, QRows) and sinks is None:
+        return _quantized(queries, step.keys, step.values, scale, mask)
     return mx.fast.scaled_dot_product_attention(
         queries, dense(step.keys), dense(step.values), scale=scale, mask=mask, sinks=sinks
     )
+
+
+def _times_values(probs: mx.array, values: mx.array | QRows) -> mx.array:
+    """``probs [B, H_kv, G, L, n]`` times each KV head's values: ``[B, H_kv, G, L, D]``."""
+    if isinstance(values, QRows):
+        return values.matmul(probs, transpose=False)
+    return probs @ values[:, :, None]
+
+
+def _quantized(
+    queries: mx.array, keys: QRows, values: QRows, scale: float, mask: mx.array | None
+) -> mx.array:
+    """Attention over quantized rows with a bool ``mask [B, 1 or H_q, L, n]`` (or none)."""
+    B, H_q, L, D = queries.shape
+    H_kv, n = keys.shape[1], keys.shape[2]
+    q = (queries * scale).astype(keys.dtype).reshape(B, H_kv, H_q // H_kv, L, D)
+    scores = keys.matmul(q, transpose=True)  # [B, H_kv, G, L, n]
+    if mask is not None:
+        visible = mask.reshape(B, -1, H_q // H_kv if mask.shape[1] > 1 else 1, L, n)
+        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = _times_values(probs, values)
+    return out.reshape(B, H_q, L, int(values.shape[3])).astype(queries.dtype)

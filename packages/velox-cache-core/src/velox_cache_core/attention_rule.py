@@ -13,7 +13,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.distributed import head_mean, layer_group
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
@@ -125,7 +124,7 @@ def _step_weights(
     """A decode step's (weights ``[B, G, n]``, per-row weights ``[B, G, H_d, R, n]``)."""
     group = layer_group(call.group, rule.scope)
     rows, row_positions = _rows(history, call.probe(rule.signal), call)
-    logits = grouped_logits(rows, R.dense(candidates.keys), call.scale, rule.scope)
+    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
         row_weights = softmax(logits.astype(mx.float32))
         return head_mean(row_weights, 2, group)[:, :, 0], row_weights
@@ -176,7 +175,7 @@ def _decide_sequential(
     L, n = call.length, candidates.n_slots
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     rows, row_positions = _rows(history, call.probe(rule.signal), call)
-    logits = grouped_logits(rows, R.dense(candidates.keys), call.scale, rule.scope)
+    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
     evict_step, scores = eviction_steps(
         logits,
         row_positions,
@@ -217,14 +216,14 @@ def _decide_oneshot(
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     if scores is not None:
         # Every chunk query attends causally; each adds its weights to the running sums.
-        logits = grouped_logits(probe, R.dense(candidates.keys), call.scale, rule.scope)
+        logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
         visible = row_visibility(positions, call.positions())[:, :, None]
         weights = head_mean(masked_softmax(logits, visible), 2, group).sum(2)
         scores = weights = scores + weights
     else:
         rows, row_positions = _rows(history, probe, call)
         rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
-        logits = grouped_logits(rows, R.dense(candidates.keys), call.scale, rule.scope)
+        logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
         weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
     kept = candidates
     if candidates.n_slots > rule.budget:

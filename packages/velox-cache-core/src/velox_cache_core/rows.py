@@ -128,6 +128,19 @@ class QRows:
             )
         return self.map(lambda a: a[index])
 
+    def matmul(self, x: mx.array, transpose: bool) -> mx.array:
+        """``x [B, H, G, L, *]`` times each head's rows, read packed (``mx.quantized_matmul``):
+        ``x @ rows^T`` (``transpose``: ``[B, H, G, L, S]``) or ``x @ rows`` (``[..., D]``)."""
+        return mx.quantized_matmul(
+            x,
+            self.packed[:, :, None],
+            self.scales[:, :, None],
+            self.biases[:, :, None],
+            transpose=transpose,
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
     def dense(self) -> mx.array:
         """The rows dequantized: ``[B, H, S, D]`` in :attr:`dtype` (what attention sees)."""
         if self.packed.size == 0:

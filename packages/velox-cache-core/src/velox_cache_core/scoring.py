@@ -12,21 +12,27 @@ import math
 
 import mlx.core as mx
 
+from velox_cache_core.rows import QRows, Rows
 from velox_cache_core.traits import Scope
 
 _LOG2_E = math.log2(math.e)
 
 
-def grouped_logits(probe: mx.array, keys: mx.array, scale: float, scope: Scope) -> mx.array:
+def grouped_logits(probe: mx.array, keys: Rows, scale: float, scope: Scope) -> mx.array:
     """Scaled dot products of every probe head with the keys of its KV head.
 
-    probe: ``[B, H_p, L, D]`` with ``H_p % H_kv == 0``; keys: ``[B, H_kv, n, D]``.
-    Returns float32 ``[B, G, H_d, L, n]``: ``G`` decision groups (``H_kv`` for scope ``head``, 1 for
-    ``layer``) of ``H_d`` probe heads each.
+    probe: ``[B, H_p, L, D]`` with ``H_p % H_kv == 0``; keys: ``[B, H_kv, n, D]``, full
+    precision or quantized (read packed by ``mx.quantized_matmul``, as quantized attention
+    reads them). Returns float32 ``[B, G, H_d, L, n]``: ``G`` decision groups (``H_kv`` for
+    scope ``head``, 1 for ``layer``) of ``H_d`` probe heads each.
     """
     B, H_p, L, D = probe.shape
     H_kv, n = keys.shape[1], keys.shape[2]
     per_kv = H_p // H_kv
+    if isinstance(keys, QRows):
+        q = (probe.astype(mx.float32) * scale).reshape(B, H_kv, per_kv, L, D)
+        logits = keys.matmul(q, transpose=True).astype(mx.float32)
+        return logits.reshape(B, 1, H_kv * per_kv, L, n) if scope == "layer" else logits
     # Half-precision caches stay half; their scores are float32 (the products of two half
     # values are exact in float32), so decisions equal float32 scoring of the same keys.
     probe, keys = probe.astype(mx.float32), keys.astype(mx.float32)
