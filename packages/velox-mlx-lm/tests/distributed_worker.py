@@ -58,8 +58,14 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "streaming_llm": ({"method": "streaming_llm"}, "auto"),
     # The test of the test: layer scope without the all-reduce must diverge from the reference.
     "tova_no_allreduce": ({"method": "tova"}, None),
+    # quantized rows (issue 30): each rank quantizes its own heads' rows
+    "tova_q4": ({"method": "tova", "kv_bits": 4, "kv_group_size": 32}, "auto"),
+    "h2o_head_q8": (
+        {"method": "h2o", "h2o_scope": "head", "kv_bits": 8, "kv_group_size": 32},
+        "auto",
+    ),
 }
-PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm")
+PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm", "tova_q4")
 
 
 def _sharpen(model: Any, factor: float) -> None:
@@ -79,7 +85,7 @@ def tiny_llama() -> Any:
         intermediate_size=128,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=16,
+        head_dim=32,  # a group of 32 features divides it (the quantized cases)
         rms_norm_eps=1e-5,
         vocab_size=128,
         tie_word_embeddings=False,
@@ -94,11 +100,11 @@ def tiny_qwen2() -> Any:
     mx.random.seed(0)
     args = qwen2.ModelArgs(
         model_type="qwen2",
-        hidden_size=64,
+        hidden_size=128,  # head_dim 32: a group of 32 features divides it (quantized cases)
         num_hidden_layers=4,
         intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         rms_norm_eps=1e-6,
         vocab_size=128,
         tie_word_embeddings=True,

@@ -45,6 +45,7 @@ LAYER_SCOPE = {
     "h2o_layer_oneshot",
     "morphkv",
     "morphkv_max",
+    "tova_q4",
 }
 TENSOR_CASES = [
     "tova",
@@ -59,6 +60,8 @@ TENSOR_CASES = [
     "morphkv_max",
     "snapkv",
     "streaming_llm",
+    "tova_q4",
+    "h2o_head_q8",
 ]
 NEGATIVE = "tova_no_allreduce"
 
