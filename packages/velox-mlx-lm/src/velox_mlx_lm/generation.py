@@ -26,7 +26,7 @@ def _kv_bytes(cache: Any) -> int:
 
 
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
-    from velox_mlx_lm.serve_cache import kept_rows
+    from velox_mlx_lm.serve_cache import kept_rows, layer_roles
 
     kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
@@ -34,6 +34,7 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
         "tokens_kept_per_layer": max(kept) if kept else 0,
         "compression_ratio": max(ratios) if ratios else 1.0,
         "kv_bytes": sum(_kv_bytes(c) for c in caches),
+        **layer_roles(caches),
     }
 
 
@@ -125,7 +126,25 @@ def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> 
 
 def table(runs: list[Run]) -> str:
     keys = dict.fromkeys(key for r in runs for key in r.stats)  # a document run adds rows
-    return grid([r.label for r in runs], {k: [r.stats.get(k, "-") for r in runs] for k in keys})
+    rows = {k: [_cell(r.stats.get(k, "-")) for r in runs] for k in keys}
+    return grid([r.label for r in runs], rows)
+
+
+def _cell(value: Any) -> Any:
+    """A stat as a table cell: layer lists as ranges (``0-4,6-10``), by kind for a dict."""
+    if isinstance(value, dict):
+        return "; ".join(f"{k} {_cell(v)}" for k, v in value.items()) or "-"
+    if not isinstance(value, list):
+        return value
+    if not value:
+        return "-"
+    spans: list[list[int]] = []
+    for i in value:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def side_by_side(runs: list[Run], width: int = 48) -> str:
