@@ -272,3 +272,14 @@ def test_quantized_load_is_refused() -> None:
 
     with pytest.raises(ValueError, match="leave out --quantized"):
         _load_gemma3(gemma3_model_path(), dequantize=False, dtype=mx.float32)
+
+
+def test_draft_of_gemma_keeps_a_global_layer(model: Any) -> None:
+    from velox_mlx_lm.embedded import draft_of
+
+    draft = draft_of(model, 6)
+    ids = mx.array([[2, 818, 5279]])
+    assert draft(ids).shape == model(ids).shape
+    assert [type(c).__name__ for c in draft.make_cache()][-1] == "KVCache"
+    with pytest.raises(ValueError, match=r"\[6, 18\]"):
+        draft_of(model, 3)
