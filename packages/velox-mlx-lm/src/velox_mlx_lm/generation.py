@@ -126,14 +126,14 @@ def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> 
 
 def table(runs: list[Run]) -> str:
     keys = dict.fromkeys(key for r in runs for key in r.stats)  # a document run adds rows
-    rows = {k: [_cell(r.stats.get(k, "-")) for r in runs] for k in keys}
+    rows = {k: [cell(r.stats.get(k, "-")) for r in runs] for k in keys}
     return grid([r.label for r in runs], rows)
 
 
-def _cell(value: Any) -> Any:
+def cell(value: Any) -> Any:
     """A stat as a table cell: layer lists as ranges (``0-4,6-10``), by kind for a dict."""
     if isinstance(value, dict):
-        return "; ".join(f"{k} {_cell(v)}" for k, v in value.items()) or "-"
+        return "; ".join(f"{k} {cell(v)}" for k, v in value.items()) or "-"
     if not isinstance(value, list):
         return value
     if not value:
