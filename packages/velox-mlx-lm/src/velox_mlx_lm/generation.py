@@ -115,7 +115,10 @@ def generate_once(
 def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> str:
     """A plain-text table: one column per ``header`` entry, one line per ``rows`` key."""
     width = max(len(k) for k in rows) + 2
-    cols = [max(min_width, len(h) + 2) for h in header]
+    cols = [
+        max(min_width, len(h) + 2, *(len(str(cells[j])) + 2 for cells in rows.values()))
+        for j, h in enumerate(header)
+    ]
     lines = ["".ljust(width) + "".join(h.rjust(c) for h, c in zip(header, cols, strict=True))]
     for key, cells in rows.items():
         lines.append(
