@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -278,7 +279,20 @@ def test_quantized_load_is_refused() -> None:
     from velox_mlx_lm.embedded import _load_gemma3
 
     with pytest.raises(ValueError, match="leave out --quantized"):
-        _load_gemma3(gemma3_model_path(), dequantize=False, dtype=mx.float32)
+        _load_gemma3(Path("never-read.gguf"), dequantize=False, dtype=mx.float32)
+
+
+def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    import velox_mlx_lm.embedded as embedded
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name)
+    )
+    with pytest.raises(ModelNotFoundError, match=r"(?s)gguf not found.*velox-mlx-lm\[gemma\]"):
+        embedded.load("gemma3-270m")
 
 
 def test_draft_of_gemma_keeps_a_global_layer(model: Any) -> None:
