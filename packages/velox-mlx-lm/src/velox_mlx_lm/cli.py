@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        help="a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf file "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+        help="an embedded model (embedded:smollm2-135m, the default, or embedded:gemma3-270m), "
+        "a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf file",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -106,17 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DRAFT_LAYERS = "embedded:layers="
-
-
 def _load_draft(args: argparse.Namespace, model: Any) -> Any:
     """The draft model ``--draft-model`` names (``None`` without the flag)."""
     spec = args.draft_model
     if spec is None:
         return None
-    if spec.startswith(DRAFT_LAYERS):
-        from velox_mlx_lm.embedded import draft_of
+    from velox_mlx_lm.embedded import DRAFT_LAYERS, draft_of
 
+    if spec.startswith(DRAFT_LAYERS):
         try:
             layers = int(spec[len(DRAFT_LAYERS) :])
         except ValueError:
@@ -139,14 +136,19 @@ def _blas_name() -> str:
 
 
 def model_ref(model: str) -> str:
-    """What ``--model MODEL`` names: an existing local path (``~`` expanded) or a Hugging Face
-    repo id. Anything else is a path that does not exist: ``FileNotFoundError`` naming it (an
-    existing file that is not a ``.gguf``: ``OSError``).
+    """What ``--model MODEL`` names: an embedded model (``embedded:NAME``, returned as given;
+    ``ValueError`` for an unknown name), an existing local path (``~`` expanded) or a Hugging
+    Face repo id. Anything else is a path that does not exist: ``FileNotFoundError`` naming it
+    (an existing file that is not a ``.gguf``: ``OSError``).
 
     Only an argument shaped like ``owner/name`` (and not like a path: no leading ``.``, ``/``
     or ``~``) that is not a local path is taken as a repo id, so a mistyped path is reported as
     missing rather than looked up on the hub.
     """
+    from velox_mlx_lm.embedded import resolve
+
+    if resolve(model) is not None:
+        return model
     path = os.path.expanduser(model)
     if model.lower().endswith(".gguf"):
         if not os.path.isfile(path):
@@ -164,12 +166,13 @@ def model_ref(model: str) -> str:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    from velox_mlx_lm.embedded import default_model_path, load_gguf
+    from velox_mlx_lm.embedded import MODELS, load, load_gguf, resolve
 
     dequantize = not args.quantized
-    if args.model is None:
-        path = default_model_path()
-        return (*load_gguf(path, dequantize=dequantize), f"embedded SmolLM2-135M ({path.name})")
+    embedded = resolve(args.model)
+    if embedded is not None:
+        model, tokenizer = load(embedded, dequantize=dequantize)
+        return model, tokenizer, f"embedded:{embedded} ({MODELS[embedded].title})"
     ref = model_ref(args.model)
     if ref.lower().endswith(".gguf"):
         return (*load_gguf(ref, dequantize=dequantize), args.model)
@@ -208,7 +211,9 @@ def _load_for_launch(args: argparse.Namespace, pipeline: bool = False) -> tuple[
         return _load(args)
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-    ref = None if args.model is None else model_ref(args.model)
+    from velox_mlx_lm.embedded import resolve
+
+    ref = None if resolve(args.model) is not None else model_ref(args.model)
     if ref is not None and not ref.lower().endswith(".gguf"):
         from mlx_lm.utils import sharded_load
 

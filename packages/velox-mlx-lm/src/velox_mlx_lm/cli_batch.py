@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from velox_mlx_lm.generation import grid, kv_stats
+from velox_mlx_lm.generation import cell, grid, kv_stats
 
 
 @dataclass
@@ -153,7 +153,7 @@ def print_batch(
         keys = list(r.stats[0])
         header = [f"#{i + 1}" for i in range(n)]
         print(f"\n{r.label}, per prompt:")
-        print(grid(header, {k: [s[k] for s in r.stats] for k in keys}, min_width=12))
+        print(grid(header, {k: [cell(s[k]) for s in r.stats] for k in keys}, min_width=12))
     print("\nbatch:")
     batch_keys = list(runs[0].batch)
     rows = {k: [r.batch[k] for r in runs] for k in batch_keys}

@@ -16,7 +16,7 @@ class Run:
 
 
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
-    from velox_mlx_lm.serve_cache import kept_bytes, kept_rows
+    from velox_mlx_lm.serve_cache import kept_bytes, kept_rows, layer_roles
 
     kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
@@ -24,6 +24,7 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
         "tokens_kept_per_layer": max(kept) if kept else 0,
         "compression_ratio": max(ratios) if ratios else 1.0,
         "kv_bytes": sum(kept_bytes(c) for c in caches),
+        **layer_roles(caches),
     }
 
 
@@ -104,7 +105,10 @@ def generate_once(
 def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> str:
     """A plain-text table: one column per ``header`` entry, one line per ``rows`` key."""
     width = max(len(k) for k in rows) + 2
-    cols = [max(min_width, len(h) + 2) for h in header]
+    cols = [
+        max(min_width, len(h) + 2, *(len(str(cells[j])) + 2 for cells in rows.values()))
+        for j, h in enumerate(header)
+    ]
     lines = ["".ljust(width) + "".join(h.rjust(c) for h, c in zip(header, cols, strict=True))]
     for key, cells in rows.items():
         lines.append(
@@ -115,7 +119,25 @@ def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> 
 
 def table(runs: list[Run]) -> str:
     keys = dict.fromkeys(key for r in runs for key in r.stats)  # a document run adds rows
-    return grid([r.label for r in runs], {k: [r.stats.get(k, "-") for r in runs] for k in keys})
+    rows = {k: [cell(r.stats.get(k, "-")) for r in runs] for k in keys}
+    return grid([r.label for r in runs], rows)
+
+
+def cell(value: Any) -> Any:
+    """A stat as a table cell: layer lists as ranges (``0-4,6-10``), by kind for a dict."""
+    if isinstance(value, dict):
+        return "; ".join(f"{k} {cell(v)}" for k, v in value.items()) or "-"
+    if not isinstance(value, list):
+        return value
+    if not value:
+        return "-"
+    spans: list[list[int]] = []
+    for i in value:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def side_by_side(runs: list[Run], width: int = 48) -> str:

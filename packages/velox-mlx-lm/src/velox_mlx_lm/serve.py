@@ -39,7 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from velox_mlx_lm import serve_auth, serve_memory
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
-from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats
+from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats, layer_roles
 from velox_mlx_lm.serve_errors import ANTHROPIC_KINDS, BadRequest
 from velox_mlx_lm.serve_messages import MESSAGES_PATH, error_body, parse_request, serve_messages
 
@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:
         if "--model" in action.option_strings:
             action.help = (
-                "a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf "
-                "file (default: the embedded SmolLM2-135M-Instruct)"
+                "an embedded model (embedded:smollm2-135m, the default, or "
+                "embedded:gemma3-270m, a base model: /v1/completions only), a local mlx-lm "
+                "model folder, a Hugging Face repo id (owner/name) or a .gguf file"
             )
         if "--draft-model" in action.option_strings:
             action.help = (
@@ -154,6 +155,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         if cli_args.model is not None:
             self.names.add(os.path.abspath(os.path.expanduser(cli_args.model)))
         self.context_length: int | None = None
+        self.layer_roles: dict[str, Any] | None = None  # which layers evict, once loaded
 
     def load_default(self) -> None:
         self.load("default_model")
@@ -202,9 +204,9 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         self.tokenizer = tokenizer
         self.processor = None
         self.draft_model = draft
-        self.is_batchable = draft is None and all(
-            hasattr(c, "merge") for c in make_prompt_cache(model)
-        )
+        caches = make_prompt_cache(model)
+        self.layer_roles = layer_roles(caches)
+        self.is_batchable = draft is None and all(hasattr(c, "merge") for c in caches)
         LOG.info("loaded %s; caches: %s", name, describe(config))
 
 
@@ -305,6 +307,7 @@ class Monitor:
             "method": config.method,
             "settings": {} if config.policy is None else config.settings(),
             "budget": None if config.policy is None else config.settings().get("budget"),
+            "layers": provider.layer_roles,
             "live": {
                 "sequences": len(live),
                 "kv_bytes": sum(r["kv_bytes"] for r in live),

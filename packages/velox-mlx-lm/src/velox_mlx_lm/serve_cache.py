@@ -16,7 +16,12 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.cache import PolicyKVCache
@@ -82,6 +87,24 @@ def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
         "kv_bytes": sum(r["kv_bytes"] for r in layers),
         "cache_bytes": sum(r["cache_bytes"] for r in layers),
     }
+
+
+def layer_roles(caches: list[Any]) -> dict[str, Any]:
+    """Which layers evict (a Velox cache, alone or in a ``CacheList``) and which keep the
+    model's own cache, by kind: ``{"evicting_layers": [5, 11, 17], "own_cache_layers":
+    {"RotatingKVCache(max_size=512)": [0, 1, ...]}}`` for Gemma 3 270M."""
+    evicting: list[int] = []
+    own: dict[str, list[int]] = {}
+    for i, cache in enumerate(caches):
+        members = cache.caches if type(cache) is CacheList else [cache]
+        if any(isinstance(m, PolicyKVCache | BatchVeloxKVCache) for m in members):
+            evicting.append(i)
+            continue
+        kind = type(cache).__name__
+        if isinstance(getattr(cache, "max_size", None), int):
+            kind += f"(max_size={cache.max_size})"
+        own.setdefault(kind, []).append(i)
+    return {"evicting_layers": evicting, "own_cache_layers": own}
 
 
 def kept_bytes(cache: Any) -> int:

@@ -1,0 +1,91 @@
+"""Run the RULER-style tasks (:mod:`velox_bench.quality.ruler`) on a model with Velox caches.
+
+Each task is answered greedily, once per cache variant and budget: a chat model through its
+chat template, a base model (Gemma 3 270M) on the plain prompt; either way the task's primer
+starts the answer. ``evaluate`` returns one row per task sample, method and budget, with the
+model's name; ``nox -s bench -- ruler`` runs the full grid (``benchmarks/test_ruler.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from velox_bench.quality.ruler import KINDS, LENGTHS, Task, make_task, score
+from velox_bench.variants import Variant
+from velox_mlx_lm import KVCacheBuilder
+
+__all__ = ["Grid", "answer", "evaluate", "prompt_ids"]
+
+MAX_TOKENS = {"multikey": 16, "multivalue": 48, "variable_tracking": 32, "common_words": 64}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What one run covers: tasks x lengths x samples, each under every (variant, budget)."""
+
+    kinds: Sequence[str] = KINDS
+    lengths: Sequence[int] = LENGTHS
+    samples: int = 5
+    runs: Sequence[tuple[Variant, int]] = ()  # (variant, budget); budget 0 for the full cache
+    max_tokens: int | None = None  # tokens generated per answer; None: MAX_TOKENS per task
+
+
+def prompt_ids(tokenizer: Any, task: Task) -> list[int]:
+    """The task's tokens: through the chat template when the tokenizer has one, then the
+    primer; otherwise the plain prompt (BOS as the tokenizer adds it)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": f"{task.context}\n\n{task.question}"}]
+        head = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return head + list(tokenizer.encode(task.primer, add_special_tokens=False))
+    return list(tokenizer.encode(task.prompt()))
+
+
+def answer(model: Any, tokenizer: Any, task: Task, config: Any, max_tokens: int) -> str:
+    """The model's greedy continuation of the task's prompt under ``config``'s caches."""
+    import mlx_lm
+
+    caches = KVCacheBuilder.for_model(model, config)
+    return str(
+        mlx_lm.generate(
+            model,
+            tokenizer,
+            prompt_ids(tokenizer, task),
+            max_tokens=max_tokens,
+            prompt_cache=caches,
+            prefill_step_size=512,
+        )
+    )
+
+
+def evaluate(model: Any, tokenizer: Any, model_name: str, grid: Grid) -> list[dict[str, Any]]:
+    """One row per (task, length, sample, variant, budget): the score and the output."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    rows = []
+    for kind in grid.kinds:
+        for length in grid.lengths:
+            for seed in range(grid.samples):
+                task = make_task(kind, length, seed, encode)
+                n_prompt = len(prompt_ids(tokenizer, task))
+                for variant, budget in grid.runs:
+                    output = answer(
+                        model, tokenizer, task, variant.config(budget), MAX_TOKENS[kind]
+                    )
+                    rows.append(
+                        {
+                            "model": model_name,
+                            "task": kind,
+                            "length": length,
+                            "prompt_tokens": n_prompt,
+                            "seed": seed,
+                            "method": variant.name,
+                            "budget": budget or None,
+                            "score": score(task, output),
+                            "output": output,
+                        }
+                    )
+    return rows
