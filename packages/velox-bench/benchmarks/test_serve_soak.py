@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from velox_bench.blas import blas_report
 from velox_bench.results import SuiteResults, smoke
 from velox_bench.serve_soak import SoakSpec, run_soak, spec_dict, summarize_soak, table
@@ -68,13 +66,7 @@ METHODS = {
 }
 
 
-def test_serve_soak() -> None:
-    try:
-        from velox_mlx_lm.embedded import default_model_path
-
-        default_model_path()
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"the embedded model is needed: {exc}")
+def test_serve_soak(embedded_model: None) -> None:
     results = SuiteResults("serve_soak")
     results.settings.update(
         spec=spec_dict(SPEC),
