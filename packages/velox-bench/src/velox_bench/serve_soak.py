@@ -155,19 +155,35 @@ def warmup_end_s(run: dict[str, Any], warmup_turns: int) -> float | None:
 
 
 def rss_after_warmup(run: dict[str, Any], warmup_turns: int) -> dict[str, Any]:
-    """RSS at the first sample after warm-up, the most after it, and the growth between."""
+    """The RSS after warm-up against the RSS during it, peak against peak.
+
+    ``growth`` is the most RSS sampled after warm-up over the most sampled during it: both
+    include the prefill activations, which come and go with every turn, so only memory that
+    stays adds to it. The RSS at the first sample after warm-up (``rss_at_warmup_end_bytes``,
+    the reference before issue 33's fix) depends on whether a prefill was running at that
+    moment: once freed memory goes back to the OS, a sample between turns is far below the
+    next prefill. ``growth_from_warmup_end_sample`` keeps that figure, and
+    ``quarters_after_warmup`` has the most and least RSS per quarter of the samples after."""
     end = warmup_end_s(run, warmup_turns)
-    after = [s for s in run["timeline"] if end is not None and s["t_s"] >= end]
-    if not after:
-        return {"warmup_end_s": end, "samples": 0, "growth": None}
-    first, peak = after[0]["rss_bytes"], max(s["rss_bytes"] for s in after)
+    timeline = run["timeline"]
+    during = [s["rss_bytes"] for s in timeline if end is not None and s["t_s"] < end]
+    after = [s["rss_bytes"] for s in timeline if end is not None and s["t_s"] >= end]
+    if not during or not after:
+        return {"warmup_end_s": end, "samples": len(after), "growth": None}
+    peak = max(after)
+    quarters = [after[i * len(after) // 4 : (i + 1) * len(after) // 4] for i in range(4)]
     return {
         "warmup_end_s": end,
         "samples": len(after),
-        "rss_at_warmup_end_bytes": first,
+        "rss_max_during_warmup_bytes": max(during),
+        "rss_at_warmup_end_bytes": after[0],
         "rss_max_after_warmup_bytes": peak,
-        "rss_min_after_warmup_bytes": min(s["rss_bytes"] for s in after),
-        "growth": peak / first - 1,
+        "rss_min_after_warmup_bytes": min(after),
+        "growth": peak / max(during) - 1,
+        "growth_from_warmup_end_sample": peak / after[0] - 1,
+        "quarters_after_warmup": [
+            {"max_bytes": max(q), "min_bytes": min(q)} for q in quarters if q
+        ],
     }
 
 
