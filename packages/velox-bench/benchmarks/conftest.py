@@ -27,6 +27,17 @@ def suite_results() -> Callable[[str], SuiteResults]:
     return get
 
 
+@pytest.fixture(scope="session")
+def embedded_model() -> None:
+    """Skips a suite that serves the embedded model when it is not installed."""
+    try:
+        from velox_mlx_lm.embedded import default_model_path
+
+        default_model_path()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"the embedded model is needed: {exc}")
+
+
 @pytest.fixture(autouse=True)
 def _no_cross_test_arrays() -> Iterator[None]:
     yield

@@ -40,13 +40,7 @@ FLAGS = ["--method", "tova", "--budget", str(BUDGET), "--beyond-context"]
 
 
 @pytest.fixture(scope="module")
-def results() -> SuiteResults:
-    try:
-        from velox_mlx_lm.embedded import default_model_path
-
-        default_model_path()
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"the embedded model is needed: {exc}")
+def results(embedded_model: None) -> SuiteResults:
     suite = SuiteResults("serve_faults")
     suite.settings.update(
         flags=FLAGS, clients=CLIENTS, streams=STREAMS, gen_tokens=GEN, smoke=SMOKE

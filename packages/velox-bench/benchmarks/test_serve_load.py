@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from velox_bench.blas import blas_report
 from velox_bench.results import SuiteResults, figures_dirs, smoke
 from velox_bench.serve_bench import LoadSpec, goals, plot_serve, run_load, spec_dict, summarize
@@ -48,13 +46,7 @@ VELOX = f"tova({BUDGET})"
 METHODS = {VELOX: ["--method", "tova", "--budget", str(BUDGET)], "full": ["--method", "full"]}
 
 
-def test_serve_load() -> None:
-    try:
-        from velox_mlx_lm.embedded import default_model_path
-
-        default_model_path()
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"the embedded model is needed: {exc}")
+def test_serve_load(embedded_model: None) -> None:
     results = SuiteResults("serve")
     results.settings.update(
         spec=spec_dict(SPEC),

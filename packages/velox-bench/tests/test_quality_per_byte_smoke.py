@@ -29,9 +29,15 @@ def test_quality_per_byte_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
     run_bench_smoke("test_quality_per_byte.py")
     out = json.loads((tmp_path / "quality_per_byte.json").read_text())
     assert out["settings"]["smoke"] is True
-    rows = {(r["method"], r["bits"]): r for r in out["perplexity"]}
+    rows = {(r["method"], r["bits"]): r for r in out["perplexity"] if not r["same_budget"]}
     assert {("full", None), ("mlx-quantized", 8), ("mlx-quantized", 4)} <= set(rows)
-    assert [rows["tova", b]["budget"] for b in (None, 8, 4, 2)] == [8, 28, 51, 85]
+    budgets = {
+        (r["bits"], r["same_budget"]): r["budget"]
+        for r in out["perplexity"]
+        if r["method"] == "tova"
+    }
+    assert [budgets[b, False] for b in (None, 8, 4, 2)] == [8, 28, 51, 85]
+    assert budgets[8, True] == budgets[4, True] == 8
     assert rows["tova", 4]["kv_bytes"] <= rows["tova", None]["kv_bytes"] * 1.01
     assert {r["bits"] for r in out["retrieval"]["rows"]} == {None, 8, 4, 2}
     assert (tmp_path / "figures" / "quality_per_byte.png").stat().st_size > 0

@@ -11,17 +11,7 @@ import pytest
 
 @pytest.mark.slow  # a pytest subprocess that starts two servers
 @pytest.mark.model
-def test_serve_load_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
-    import os
-
-    from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
-
-    try:
-        default_model_path()
-    except ModelNotFoundError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"embedded model missing on CI: {exc}")
-        pytest.skip(f"embedded model not installed: {exc}")
+def test_serve_load_smoke(tmp_path: Path, run_bench_smoke: Any, embedded_model: None) -> None:
     run_bench_smoke("test_serve_load.py")
     out = json.loads((tmp_path / "serve.json").read_text())
     assert out["smoke"] is True

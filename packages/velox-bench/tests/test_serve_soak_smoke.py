@@ -5,28 +5,15 @@ it; clients killed mid-stream; SIGTERM with streams in flight, then a restart.""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 
-def _model_or_skip() -> None:
-    from velox_mlx_lm.embedded import ModelNotFoundError, default_model_path
-
-    try:
-        default_model_path()
-    except ModelNotFoundError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"embedded model missing on CI: {exc}")
-        pytest.skip(f"embedded model not installed: {exc}")
-
-
 @pytest.mark.slow  # a pytest subprocess that starts two servers
 @pytest.mark.model
-def test_serve_soak_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
-    _model_or_skip()
+def test_serve_soak_smoke(tmp_path: Path, run_bench_smoke: Any, embedded_model: None) -> None:
     run_bench_smoke("test_serve_soak.py")
     out = json.loads((tmp_path / "serve_soak.json").read_text())
     assert out["smoke"] is True
@@ -46,8 +33,7 @@ def test_serve_soak_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
 
 @pytest.mark.slow  # a pytest subprocess that starts five servers
 @pytest.mark.model
-def test_serve_faults_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
-    _model_or_skip()
+def test_serve_faults_smoke(tmp_path: Path, run_bench_smoke: Any, embedded_model: None) -> None:
     run_bench_smoke("test_serve_faults.py")
     out = json.loads((tmp_path / "serve_faults.json").read_text())
     faults = [r["fault"] for r in out["rows"]]

@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -41,35 +42,53 @@ def stream(port: int, out: dict[str, Any]) -> None:
     conn.close()
 
 
+@pytest.fixture
+def start(embedded_model_path: Any) -> Iterator[Callable[..., Server]]:
+    """Starts a TOVA server with the given flags and waits until it is ready; stops it after
+    the test (a no-op once it has exited)."""
+    servers: list[Server] = []
+
+    def started(*flags: str) -> Server:
+        server = Server("--method", "tova", "--budget", str(BUDGET), *flags)
+        servers.append(server)
+        server.wait_ready()
+        return server
+
+    yield started
+    for server in servers:
+        server.stop()
+
+
+def stream_in_flight(server: Server) -> tuple[threading.Thread, dict[str, Any]]:
+    """A long stream, once its sequence is live; ``out`` gets its result when it ends."""
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=stream, args=(server.port, out))
+    thread.start()
+    while server.stats()["live"]["sequences"] < 1:
+        time.sleep(0.05)
+    return thread, out
+
+
 def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
-    embedded_model_path: Any,
+    start: Callable[..., Server],
 ) -> None:
     # A drain long enough for any machine: the stream must finish, however slowly.
-    flags = ["--max-tokens", str(LONG), "--drain-timeout", "3600"]
-    server = Server("--method", "tova", "--budget", str(BUDGET), *flags)
-    try:
-        server.wait_ready()
-        out: dict[str, Any] = {}
-        thread = threading.Thread(target=stream, args=(server.port, out))
-        thread.start()
-        while server.stats()["live"]["sequences"] < 1:
-            time.sleep(0.05)
-        # A connection the server has accepted, whose request comes after SIGTERM.
-        idle = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
-        idle.connect()
-        time.sleep(0.5)
-        server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
-        idle.request("POST", "/v1/completions", body)
-        refused = idle.getresponse()
-        error = json.loads(refused.read())
-        thread.join(timeout=600)
-        code = server.process.wait(timeout=600)
-        with pytest.raises(ConnectionRefusedError):
-            http.client.HTTPConnection("127.0.0.1", server.port, timeout=10).connect()
-    finally:
-        server.stop()
+    server = start("--max-tokens", str(LONG), "--drain-timeout", "3600")
+    thread, out = stream_in_flight(server)
+    # A connection the server has accepted, whose request comes after SIGTERM.
+    idle = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    idle.connect()
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    idle.request("POST", "/v1/completions", body)
+    refused = idle.getresponse()
+    error = json.loads(refused.read())
+    thread.join(timeout=600)
+    code = server.process.wait(timeout=600)
+    with pytest.raises(ConnectionRefusedError):
+        http.client.HTTPConnection("127.0.0.1", server.port, timeout=10).connect()
     assert refused.status == 503 and refused.getheader("Retry-After") == "2"
     assert "shutting down" in error["error"]["message"]
     assert out["status"] == 200 and out["done"]
@@ -77,32 +96,18 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
     assert code == 0
 
 
-def test_sigterm_with_no_drain_ends_the_stream_cleanly(embedded_model_path: Any) -> None:
-    flags = ["--max-tokens", str(LONG), "--drain-timeout", "0"]
-    server = Server("--method", "tova", "--budget", str(BUDGET), *flags)
-    try:
-        server.wait_ready()
-        out: dict[str, Any] = {}
-        thread = threading.Thread(target=stream, args=(server.port, out))
-        thread.start()
-        while server.stats()["live"]["sequences"] < 1:
-            time.sleep(0.05)
-        server.process.send_signal(signal.SIGTERM)
-        thread.join(timeout=600)
-        code = server.process.wait(timeout=600)
-    finally:
-        server.stop()
+def test_sigterm_with_no_drain_ends_the_stream_cleanly(start: Callable[..., Server]) -> None:
+    server = start("--max-tokens", str(LONG), "--drain-timeout", "0")
+    thread, out = stream_in_flight(server)
+    server.process.send_signal(signal.SIGTERM)
+    thread.join(timeout=600)
+    code = server.process.wait(timeout=600)
     assert out["status"] == 200 and out["done"]  # ended with [DONE], not cut
     assert out["usage"]["completion_tokens"] < LONG
     assert code == 0
 
 
-def test_sigterm_when_idle_exits_0(embedded_model_path: Any) -> None:
-    server = Server("--method", "tova", "--budget", str(BUDGET))
-    try:
-        server.wait_ready()
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=120)
-    finally:
-        server.stop()
-    assert code == 0
+def test_sigterm_when_idle_exits_0(start: Callable[..., Server]) -> None:
+    server = start()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=120) == 0

@@ -8,27 +8,25 @@ throughput is the batch decoding at that turn's context, not decode stalled behi
 conversation's next, longer prefill (unsynchronised, a fast turn 0 of one method overlaps the
 turn-1 prefills of the others and the per-turn ratio measures that scheduling instead; set
 ``synchronized=False`` for that load). A sampler thread polls ``GET /v1/velox/stats`` for memory
-over time. Plain
-``http.client``: nothing to install, and each SSE chunk is timestamped as it arrives.
+over time (``velox_bench.serve_run`` has the server, the streams and the run's scaffold).
 """
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from velox_bench.results import save_figure
+from velox_bench.serve_run import (
+    ServerProcess,
+    passage_words,
+    percentile,
+    run_conversations,
+    stream_chat,
+)
 
 TOKENS_PER_WORD = 1.3  # the passage's words per token with SmolLM2's tokenizer, roughly
 QUESTION = "Summarise the last paragraph in one sentence."
@@ -52,102 +50,6 @@ class LoadSpec:
         return [round(self.start_tokens + i * step) for i in range(self.turns)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(port: int, path: str) -> Any:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("GET", path)
-    body = conn.getresponse().read()
-    conn.close()
-    return json.loads(body)
-
-
-class ServerProcess:
-    """``velox-serve`` in a subprocess on a free port; ``stop()`` always."""
-
-    def __init__(self, flags: list[str], port: int | None = None) -> None:
-        self.port = _free_port() if port is None else port
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        argv = [sys.executable, "-m", "velox_mlx_lm.serve", "--port", str(self.port), *flags]
-        argv += ["--log-level", "WARNING"]
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"velox-serve exited:\n{Path(self.log.name).read_text()}")
-            try:
-                if _get(self.port, "/v1/velox/stats")["ready"]:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError("velox-serve did not become ready")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streaming chat request: its text, chunk arrival times and usage."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    started = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
-    arrivals: list[float] = []
-    text, usage = "", None
-    while True:
-        line = response.readline()
-        if not line:
-            break
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for choice in chunk.get("choices", []):
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                arrivals.append(time.perf_counter())
-                text += piece
-    conn.close()
-    return {"start": started, "arrivals": arrivals, "text": text, "usage": usage}
-
-
-def passage_words(offset: int) -> list[str]:
-    """Words of real text (the embedded model's paragraph, rotated per conversation so that
-    conversations share no prefix)."""
-    from velox_mlx_lm.embedded import paragraph
-
-    words = paragraph().split()
-    offset %= len(words)
-    return words[offset:] + words[:offset]
-
-
 def conversation(
     port: int,
     index: int,
@@ -169,6 +71,8 @@ def conversation(
             if barrier is not None:
                 barrier.wait()
             result = stream_chat(port, messages, spec.gen_tokens)
+            if result["outcome"] != "completed":
+                raise RuntimeError(f"turn {turn}: {result['status']} {result.get('detail')}")
             messages.append({"role": "assistant", "content": result["text"]})
             arrivals = result["arrivals"]
             usage = result["usage"] or {}
@@ -200,62 +104,21 @@ def conversation(
 
 def run_load(flags: list[str], spec: LoadSpec) -> dict[str, Any]:
     """Start a server with ``flags``, drive ``spec``'s conversations, stop it."""
+    requests: list[dict[str, Any]] = []
+    barrier = threading.Barrier(spec.conversations) if spec.synchronized else None
     server = ServerProcess(flags)
-    try:
-        server.wait_ready()
-        timeline: list[dict[str, Any]] = []
-        requests: list[dict[str, Any]] = []
-        stop = threading.Event()
-        t0 = time.perf_counter()
 
-        def sample() -> None:
-            while not stop.is_set():
-                stats = _get(server.port, "/v1/velox/stats")
-                timeline.append(
-                    {
-                        "t_s": time.perf_counter() - t0,
-                        **stats["memory"],
-                        "live_sequences": stats["live"]["sequences"],
-                        "live_kv_bytes": stats["live"]["kv_bytes"],
-                        "prompt_cache_bytes": stats["prompt_cache"]["bytes"],
-                    }
-                )
-                stop.wait(spec.poll_s)
+    def converse(index: int, t0: float) -> None:
+        conversation(server.port, index, spec, t0, requests, barrier)
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        barrier = threading.Barrier(spec.conversations) if spec.synchronized else None
-        threads = [
-            threading.Thread(
-                target=conversation, args=(server.port, i, spec, t0, requests, barrier)
-            )
-            for i in range(spec.conversations)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        stop.set()
-        sampler.join()
-        final = _get(server.port, "/v1/velox/stats")
-    finally:
-        server.stop()
+    run = run_conversations(server, spec.conversations, converse, spec.poll_s)
     return {
         "flags": flags,
-        "wall_s": wall,
+        "wall_s": run["wall_s"],
         "requests": sorted(requests, key=lambda r: (r["turn"], r["conversation"])),
-        "timeline": timeline,
-        "max_tokens_kept": final["max_tokens_kept_since_start"],
+        "timeline": run["timeline"],
+        "max_tokens_kept": run["final"]["max_tokens_kept_since_start"],
     }
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def _decode_tokens_per_s(done: list[dict[str, Any]]) -> float | None:
@@ -275,10 +138,10 @@ def _turn_row(turn: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "turn": turn,
         "prompt_tokens_mean": round(sum(r["prompt_tokens"] or 0 for r in rows) / len(rows)),
         "decode_tokens_per_s": _decode_tokens_per_s(done),
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p95_s": _pct(ttfts, 0.95),
-        "itl_p50_s": _pct(itls, 0.5),
-        "itl_p95_s": _pct(itls, 0.95),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+        "itl_p50_s": percentile(itls, 0.5),
+        "itl_p95_s": percentile(itls, 0.95),
         "tokens_kept_max": max((r["tokens_kept"] or 0 for r in rows), default=0),
     }
 

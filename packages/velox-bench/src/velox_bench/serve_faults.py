@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from velox_bench.serve_bench import ServerProcess, _get
-from velox_bench.serve_soak import stream_turn
+from velox_bench.serve_run import ServerProcess, get_json, stream_chat
 
 # A client process: streams one chat reply and prints one line per chunk (so the parent knows
 # when the first token has arrived), until it is killed.
@@ -63,8 +62,8 @@ def kill_clients(flags: list[str], clients: int, gen_tokens: int) -> dict[str, A
             proc.kill()
             proc.wait()
         live = _wait_live_zero(server.port, timeout=120.0)
-        after = stream_turn(server.port, MESSAGES, 8)
-        stats = _get(server.port, "/v1/velox/stats")
+        after = stream_chat(server.port, MESSAGES, 8)
+        stats = get_json(server.port, "/v1/velox/stats")
         alive = server.process.poll() is None
     finally:
         server.stop()
@@ -84,7 +83,7 @@ def _wait_live_zero(port: int, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     live = -1
     while time.monotonic() < deadline:
-        live = int(_get(port, "/v1/velox/stats")["live"]["sequences"])
+        live = int(get_json(port, "/v1/velox/stats")["live"]["sequences"])
         if live == 0:
             break
         time.sleep(0.25)
@@ -94,7 +93,7 @@ def _wait_live_zero(port: int, timeout: float) -> int:
 def _probe(port: int) -> str:
     """A request during the drain: ``refused_503``, ``connection_refused`` or what else."""
     try:
-        result = stream_turn(port, MESSAGES, 4)
+        result = stream_chat(port, MESSAGES, 4)
     except OSError:
         return "connection_refused"
     if result["outcome"] == "refused":
@@ -114,7 +113,7 @@ def sigterm_under_load(flags: list[str], streams: int, gen_tokens: int) -> dict[
         threads = [
             threading.Thread(
                 target=lambda i=i: results.__setitem__(
-                    i, stream_turn(server.port, MESSAGES, gen_tokens)
+                    i, stream_chat(server.port, MESSAGES, gen_tokens)
                 )
             )
             for i in range(streams)
@@ -142,7 +141,7 @@ def sigterm_under_load(flags: list[str], streams: int, gen_tokens: int) -> dict[
         started = time.perf_counter()
         restarted.wait_ready()
         ready_s = time.perf_counter() - started
-        first = stream_turn(restarted.port, MESSAGES, 8)
+        first = stream_chat(restarted.port, MESSAGES, 8)
     finally:
         restarted.stop()
     outcomes = [r.get("outcome", "missing") for r in results]
@@ -163,7 +162,7 @@ def _wait_streaming(port: int, streams: int, timeout: float) -> None:
     """Until ``streams`` sequences are live (every stream is generating)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _get(port, "/v1/velox/stats")["live"]["sequences"] >= streams:
+        if get_json(port, "/v1/velox/stats")["live"]["sequences"] >= streams:
             return
         time.sleep(0.1)
     raise RuntimeError(f"{streams} streams never ran at once")

@@ -17,16 +17,18 @@ a usage chunk), ``refused`` (a 503 with ``Retry-After``: the memory bound said s
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import json
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from velox_bench.serve_bench import ServerProcess, _free_port, _get, _pct, passage_words
+from velox_bench.serve_run import (
+    ServerProcess,
+    passage_words,
+    percentile,
+    run_conversations,
+    stream_chat,
+)
 
 SYSTEM = (
     "You are a coding agent. Each user turn holds a tool's output; answer with the next step "
@@ -62,72 +64,12 @@ class SoakSpec:
     poll_s: float = 1.0
 
 
-class SoakServer(ServerProcess):
+def soak_server(flags: list[str], lowered_context: int | None = None) -> ServerProcess:
     """``velox-serve`` with ``flags``; with ``lowered_context``, the model's context is lowered
     to it (for the smoke size)."""
-
-    def __init__(self, flags: list[str], lowered_context: int | None = None) -> None:
-        if lowered_context is None:
-            super().__init__(flags)
-            return
-        import subprocess
-        import tempfile
-
-        self.port = _free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        argv = [sys.executable, "-c", LOWERED_CONTEXT, str(lowered_context)]
-        argv += ["--port", str(self.port), *flags, "--log-level", "WARNING"]
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-
-
-def stream_turn(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streaming chat request, classified: ``outcome`` is completed, refused or lost."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
-        response = conn.getresponse()
-        if response.status != 200:
-            detail = response.read()[:300].decode(errors="replace")
-            refused = response.status == 503 and response.getheader("Retry-After") is not None
-            outcome = "refused" if refused else "lost"
-            return {"outcome": outcome, "status": response.status, "detail": detail}
-        read = read_stream(response)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return {"outcome": "lost", "status": None, "detail": repr(exc)}
-    finally:
-        conn.close()
-    outcome = "completed" if read["done"] and read["usage"] is not None else "lost"
-    return {"outcome": outcome, "status": 200, "start": started, **read}
-
-
-def read_stream(response: Any) -> dict[str, Any]:
-    """An SSE chat stream: its text, each content chunk's arrival time, the usage chunk and
-    whether it ended with ``[DONE]``."""
-    arrivals: list[float] = []
-    text, usage, done = "", None, False
-    for line in iter(response.readline, b""):
-        data = line[6:].strip() if line.startswith(b"data: ") else None
-        if data == b"[DONE]":
-            done = True
-            break
-        if not data:
-            continue
-        chunk = json.loads(data)
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices", []):
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                arrivals.append(time.perf_counter())
-                text += piece
-    return {"arrivals": arrivals, "text": text, "usage": usage, "done": done}
+    if lowered_context is None:
+        return ServerProcess(flags)
+    return ServerProcess(flags, entry=["-c", LOWERED_CONTEXT, str(lowered_context)])
 
 
 def _turn_row(index: int, turn: int, result: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -170,7 +112,7 @@ def converse(
             break
         chunk = " ".join(words[(turn * per_turn + i) % len(words)] for i in range(per_turn))
         messages.append({"role": "user", "content": f"{chunk}\n\n{INSTRUCTION}"})
-        result = stream_turn(port, messages, spec.gen_tokens)
+        result = stream_chat(port, messages, spec.gen_tokens, timeout=1800)
         rows.append(_turn_row(index, turn, result, t0))
         if result["outcome"] != "completed":
             break  # a refused or lost turn ends the conversation (it is counted, not retried)
@@ -183,53 +125,20 @@ def run_soak(
     flags: list[str], spec: SoakSpec, stay_in_context: bool, lowered_context: int | None = None
 ) -> dict[str, Any]:
     """Start a server with ``flags``, drive ``spec``'s conversations, stop it."""
-    server = SoakServer(flags, lowered_context)
-    try:
-        server.wait_ready()
-        timeline: list[dict[str, Any]] = []
-        per_conversation: list[list[dict[str, Any]]] = [[] for _ in range(spec.conversations)]
-        stop = threading.Event()
-        t0 = time.perf_counter()
+    server = soak_server(flags, lowered_context)
+    per_conversation: list[list[dict[str, Any]]] = [[] for _ in range(spec.conversations)]
 
-        def sample() -> None:
-            while not stop.is_set():
-                stats = _get(server.port, "/v1/velox/stats")
-                bound = stats.get("memory_bound") or {}
-                timeline.append(
-                    {
-                        "t_s": time.perf_counter() - t0,
-                        **stats["memory"],
-                        "live_sequences": stats["live"]["sequences"],
-                        "live_kv_bytes": stats["live"]["kv_bytes"],
-                        "prompt_cache_bytes": stats["prompt_cache"]["bytes"],
-                        "bound_used_bytes": bound.get("used_bytes"),
-                    }
-                )
-                stop.wait(spec.poll_s)
+    def drive(index: int, t0: float) -> None:
+        per_conversation[index] = converse(server.port, index, spec, stay_in_context, t0)
 
-        def drive(i: int) -> None:
-            per_conversation[i] = converse(server.port, i, spec, stay_in_context, t0)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        threads = [threading.Thread(target=drive, args=(i,)) for i in range(spec.conversations)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        stop.set()
-        sampler.join()
-        final = _get(server.port, "/v1/velox/stats")
-    finally:
-        server.stop()
+    run = run_conversations(server, spec.conversations, drive, spec.poll_s)
     return {
         "flags": flags,
-        "wall_s": wall,
+        "wall_s": run["wall_s"],
         "requests": [row for rows in per_conversation for row in rows],
-        "timeline": timeline,
-        "max_tokens_kept": final["max_tokens_kept_since_start"],
-        "memory_bound": final.get("memory_bound"),
+        "timeline": run["timeline"],
+        "max_tokens_kept": run["final"]["max_tokens_kept_since_start"],
+        "memory_bound": run["final"].get("memory_bound"),
     }
 
 
@@ -246,19 +155,35 @@ def warmup_end_s(run: dict[str, Any], warmup_turns: int) -> float | None:
 
 
 def rss_after_warmup(run: dict[str, Any], warmup_turns: int) -> dict[str, Any]:
-    """RSS at the first sample after warm-up, the most after it, and the growth between."""
+    """The RSS after warm-up against the RSS during it, peak against peak.
+
+    ``growth`` is the most RSS sampled after warm-up over the most sampled during it: both
+    include the prefill activations, which come and go with every turn, so only memory that
+    stays adds to it. The RSS at the first sample after warm-up (``rss_at_warmup_end_bytes``,
+    the reference before issue 33's fix) depends on whether a prefill was running at that
+    moment: once freed memory goes back to the OS, a sample between turns is far below the
+    next prefill. ``growth_from_warmup_end_sample`` keeps that figure, and
+    ``quarters_after_warmup`` has the most and least RSS per quarter of the samples after."""
     end = warmup_end_s(run, warmup_turns)
-    after = [s for s in run["timeline"] if end is not None and s["t_s"] >= end]
-    if not after:
-        return {"warmup_end_s": end, "samples": 0, "growth": None}
-    first, peak = after[0]["rss_bytes"], max(s["rss_bytes"] for s in after)
+    timeline = run["timeline"]
+    during = [s["rss_bytes"] for s in timeline if end is not None and s["t_s"] < end]
+    after = [s["rss_bytes"] for s in timeline if end is not None and s["t_s"] >= end]
+    if not during or not after:
+        return {"warmup_end_s": end, "samples": len(after), "growth": None}
+    peak = max(after)
+    quarters = [after[i * len(after) // 4 : (i + 1) * len(after) // 4] for i in range(4)]
     return {
         "warmup_end_s": end,
         "samples": len(after),
-        "rss_at_warmup_end_bytes": first,
+        "rss_max_during_warmup_bytes": max(during),
+        "rss_at_warmup_end_bytes": after[0],
         "rss_max_after_warmup_bytes": peak,
-        "rss_min_after_warmup_bytes": min(s["rss_bytes"] for s in after),
-        "growth": peak / first - 1,
+        "rss_min_after_warmup_bytes": min(after),
+        "growth": peak / max(during) - 1,
+        "growth_from_warmup_end_sample": peak / after[0] - 1,
+        "quarters_after_warmup": [
+            {"max_bytes": max(q), "min_bytes": min(q)} for q in quarters if q
+        ],
     }
 
 
@@ -303,12 +228,12 @@ def latencies(done: list[dict[str, Any]], context: int) -> dict[str, Any]:
     ttfts = [r["ttft_s"] for r in done]
     return {
         "itl_samples": len(itls),
-        "itl_p50_s": _pct(itls, 0.5),
-        "itl_p99_s": _pct(itls, 0.99),
-        "itl_within_context_p50_s": _pct(within, 0.5),
-        "itl_within_context_p99_s": _pct(within, 0.99),
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p99_s": _pct(ttfts, 0.99),
+        "itl_p50_s": percentile(itls, 0.5),
+        "itl_p99_s": percentile(itls, 0.99),
+        "itl_within_context_p50_s": percentile(within, 0.5),
+        "itl_within_context_p99_s": percentile(within, 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
     }
 
 

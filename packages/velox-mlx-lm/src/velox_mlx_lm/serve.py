@@ -36,7 +36,7 @@ import mlx_lm.server as mlx_server
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from velox_mlx_lm import serve_auth, serve_memory
+from velox_mlx_lm import serve_auth, serve_memory, serve_release
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
 from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats, layer_roles
@@ -233,15 +233,19 @@ class Monitor:
         self.completed = 0
         self.started = time.time()
         self.on_live: Any = None  # called with the live sequences' bytes after every step
+        self.on_end: Any = None  # called with idle=bool after a step in which sequences ended
 
     # -- generation thread -----------------------------------------------------------------
     def set_live(self, rows: list[dict[str, Any]]) -> None:
         with self.lock:
+            ended = len(rows) < len(self.live)
             self.live = rows
             for row in rows:
                 self.max_tokens_kept = max(self.max_tokens_kept, row["tokens_kept"])
         if self.on_live is not None:
             self.on_live(sum(row["cache_bytes"] for row in rows))
+        if ended and self.on_end is not None:
+            self.on_end(idle=not rows)
 
     def finish(self, tokens: list[int], caches: list[Any]) -> None:
         stats = kv_stats(caches)
@@ -322,14 +326,15 @@ class Monitor:
                 "max_bytes": None if prompt_cache.max_bytes >= 1 << 62 else prompt_cache.max_bytes,
                 "max_sequences": prompt_cache.max_size,
             },
-            "memory": memory(),
+            "memory": {**memory(), "weight_bytes": getattr(provider, "weight_bytes", None)},
             "requests_completed": completed,
             "uptime_s": round(time.time() - self.started, 1),
         }
 
 
 def memory() -> dict[str, int]:
-    """MLX's active and peak bytes and the process's resident and peak resident bytes."""
+    """MLX's active, peak and cached bytes and the process's resident and peak resident
+    bytes."""
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     rss = peak_rss
@@ -341,6 +346,7 @@ def memory() -> dict[str, int]:
     return {
         "mlx_active_bytes": int(mx.get_active_memory()),
         "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "mlx_cache_bytes": int(mx.get_cache_memory()),
         "rss_bytes": int(rss),
         "rss_peak_bytes": int(peak_rss),
     }
@@ -769,6 +775,7 @@ class VeloxHandler(mlx_server.APIHandler):
 def serve(args: argparse.Namespace, config: Any) -> None:
     """Load the model, then serve until interrupted."""
     monitor = Monitor(config)
+    allocator = serve_release.configure_allocator()  # before the model's buffers
     provider = VeloxModelProvider(args, config)
     provider.load_default()
     max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else 1 << 63
@@ -783,6 +790,11 @@ def serve(args: argparse.Namespace, config: Any) -> None:
         ),
     )
     monitor.on_live = lambda live: governor.observe(live, prompt_cache.nbytes)
+    # What a finished sequence freed goes back to the OS (docs/serving.md, "Process memory").
+    releaser = serve_release.Releaser()
+    monitor.on_end = lambda idle: releaser.release(force=idle)
+    releaser.release(force=True)  # the loading's transient buffers
+    LOG.info("process memory: %s", serve_release.describe(allocator))
     # mlx-lm's server looks these up as module globals at each use.
     mlx_server.BatchGenerator = watched_batch_generator(monitor)  # type: ignore[misc,assignment]
     mlx_server.stream_generate = watched_stream_generate(monitor)

@@ -123,8 +123,10 @@ def perplexity_rows(
             runs.append(
                 (method, bits, equal_bytes_budget(settings.budget, head_dim, itemsize, bits))
             )
+    # the same budget at 8 and 4 bits: what quantizing costs a cache of a given size
+    same = [(settings.methods[0], bits, settings.budget) for bits in (8, 4)]
     rows = []
-    for method, bits, budget in runs:
+    for method, bits, budget in [*runs, *same]:
         config = _config(method, budget or settings.budget, bits)
         held: list[Any] = []
 
@@ -142,6 +144,7 @@ def perplexity_rows(
                 "budget": budget,
                 "kv_bytes": _held(held),
                 "ppl": perplexity(nll),
+                "same_budget": (method, bits, budget) in same,
             }
         )
     return rows
@@ -221,7 +224,7 @@ def summary(results: dict[str, Any]) -> str:
     ]
     for r in results["perplexity"]:
         budget = "all" if r["budget"] is None else str(r["budget"])
-        name = _label(r["method"], r["bits"])
+        name = _label(r["method"], r["bits"]) + (" (same B)" if r.get("same_budget") else "")
         lines.append(f"{name:<22}{budget:>8}{r['kv_bytes'] / 1e6:>9.2f}{r['ppl']:>9.3f}")
     ret = results["retrieval"]
     depths = list(ret["full_by_depth"])
@@ -259,7 +262,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     rows = results["perplexity"]
     for method in sorted({r["method"] for r in rows}):
-        mine = [r for r in rows if r["method"] == method]
+        mine = [r for r in rows if r["method"] == method and not r.get("same_budget")]
         xs = [r["kv_bytes"] / 1e6 for r in mine]
         ax.plot(xs, [r["ppl"] for r in mine], "o-" if len(mine) > 1 else "s", label=method)
         for r, x in zip(mine, xs, strict=True):
