@@ -93,7 +93,8 @@ def main() -> None:
     print(f"\n{args.tokens}-token prefill, embedded model (float32), MiB:")
     print(f"{'cache':<28}{'kv nbytes':>12}{'held (active)':>15}{'peak':>10}")
     for r in rows:
-        name = label.get(r["cache"], r["cache"] + (f" {args.bits}-bit" if "quant" in r["cache"] else ""))
+        suffix = f" {args.bits}-bit" if "quant" in r["cache"] else ""
+        name = label.get(r["cache"], r["cache"] + suffix)
         print(
             f"{name:<28}{r['kv_nbytes'] / 2**20:>12.1f}"
             f"{r['held_active'] / 2**20:>15.1f}{r['peak'] / 2**20:>10.1f}"
