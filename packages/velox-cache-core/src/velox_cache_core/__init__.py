@@ -26,7 +26,7 @@ from velox_cache_core.registry import policy_for_method, unregister
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "POLICIES",
