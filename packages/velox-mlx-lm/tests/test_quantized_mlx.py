@@ -212,3 +212,23 @@ def test_generate_flags() -> None:
     args = cli.build_parser().parse_args(["--demo", "--kv-bits", "4", "--kv-group-size", "16"])
     with pytest.raises(ValueError, match="--kv-group-size must be one of 32, 64, 128"):
         cli._check_args(args)
+
+
+def test_kvzip_reconstruction_pass_over_quantized_rows(tiny_tokenizer: Any) -> None:
+    """KVzip's scoring pass attends its reconstruction chunks at full precision over the
+    quantized context (never storing them), then cuts the quantized rows to the budget."""
+    from velox_mlx_lm.kvzip import compress
+
+    model = model_32()
+    tokens = np.random.default_rng(4).integers(2, 128, size=40).tolist()
+    cfg = KVCacheConfig(
+        method="kvzip", kvzip_budget=12, kvzip_n_sink=1, kv_bits=BITS, kv_group_size=GROUP
+    )
+    caches = KVCacheBuilder.for_model(model, cfg)
+    run(model, caches, mx.array(tokens)[None], [16, 16, 8])
+    info = compress(model, tiny_tokenizer, caches, tokens, chunk_size=16)
+    assert info["scored_tokens"] > 0
+    for c in caches:
+        assert c.size() <= 12 * 2  # the global allocation keeps 12 rows per head on average
+        assert isinstance(c.policy_state.slots.keys, QRows)
+    assert np.isfinite(run(model, caches, mx.array([[5, 6]]), [1, 1])).all()

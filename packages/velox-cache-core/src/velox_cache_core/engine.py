@@ -135,10 +135,11 @@ class Policy(Protocol):
     def traits(self) -> Traits: ...
 
 
-def check_fits(slots: KVSlots | None, keys: Any, values: Any) -> None:
+def check_fits(slots: KVSlots | None, keys: Any, values: Any, *, stored: bool = True) -> None:
     """``keys``/``values`` ``[B, H_kv, L, D]`` (values ``D_v`` wide) match the slots' batch,
-    heads, widths and dtype (anything goes for an empty state); ``ValueError``/``TypeError``
-    naming what differs."""
+    heads, widths and dtype (anything goes for an empty state), and, when they are to be
+    ``stored`` with them, their quantization; ``ValueError``/``TypeError`` naming what
+    differs."""
     if slots is None:
         check_kv(keys, values, expect=None, dtype=None)
         return
@@ -151,7 +152,7 @@ def check_fits(slots: KVSlots | None, keys: Any, values: Any) -> None:
         value_dim=int(slots.values.shape[3]),
     )
     held, given = R.quant_of(slots.keys), R.quant_of(keys)
-    if held != given:
+    if stored and held != given:
         raise TypeError(
             f"keys are {'quantized as ' + str(given) if given else 'full precision'}, but the "
             f"state holds {'rows quantized as ' + str(held) if held else 'full-precision rows'}"

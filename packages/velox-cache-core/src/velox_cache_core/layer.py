@@ -616,7 +616,7 @@ class Layer:
     def _lay_out_phase(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         assert self.phase is not None
         live = self._live()
-        check_fits(live, keys, values)
+        check_fits(live, keys, values, stored=False)  # attended over, never stored
         self.phase.recon = (keys, values)
         # The scoring pass's own rows are not stored: they attend at full precision over the
         # (dequantized) context.
