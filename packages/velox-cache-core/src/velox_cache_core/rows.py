@@ -201,26 +201,28 @@ def take(rows: Rows, idx: mx.array) -> Rows:
     return apply(rows, lambda a: mx.take_along_axis(a, idx[..., None], axis=2))
 
 
+def write(rows: Rows, new: Rows, fn: Callable[[mx.array, mx.array], mx.array]) -> Rows:
+    """``fn(array, new array)`` on each array of ``rows`` and its counterpart in ``new`` (the
+    same kind and format): a write of new rows into a store."""
+    if isinstance(rows, QRows):
+        add = _same_format(rows, new)
+        parts = zip(rows.arrays(), add.arrays(), strict=True)
+        packed, scales, biases = (fn(a, b) for a, b in parts)
+        return QRows(packed, scales, biases, rows.bits, rows.group_size)
+    if isinstance(new, QRows):
+        raise TypeError("cannot write quantized rows into full-precision ones")
+    return fn(rows, new)
+
+
 def put(rows: Rows, row: mx.array, new: Rows) -> Rows:
     """``rows`` with row ``row`` (int ``[B, H, 1]``) of each head replaced by ``new``
     (``[B, H, 1, *]``, same kind), in place where MLX can."""
-    if isinstance(rows, QRows):
-        add = _same_format(rows, new)
-        return QRows(
-            _put(rows.packed, row, add.packed),
-            _put(rows.scales, row, add.scales),
-            _put(rows.biases, row, add.biases),
-            rows.bits,
-            rows.group_size,
-        )
-    if isinstance(new, QRows):
-        raise TypeError("cannot write quantized rows into full-precision ones")
-    return _put(rows, row, new)
 
+    def one(a: mx.array, b: mx.array) -> mx.array:
+        B, H, _, W = a.shape
+        return mx.put_along_axis(a, mx.broadcast_to(row[..., None], (B, H, 1, W)), b, axis=2)
 
-def _put(a: mx.array, row: mx.array, new: mx.array) -> mx.array:
-    B, H, _, W = a.shape
-    return mx.put_along_axis(a, mx.broadcast_to(row[..., None], (B, H, 1, W)), new, axis=2)
+    return write(rows, new, one)
 
 
 def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
@@ -232,20 +234,6 @@ def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
         return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=2)
 
     return apply(rows, grow)
-
-
-def width(rows: Rows) -> int:
-    """The logical feature width ``D`` of the rows."""
-    return int(rows.shape[3])
-
-
-def to_dtype(rows: Rows, like: Rows) -> Rows:
-    """Full-precision rows cast to ``like``'s dtype, or quantized like ``like`` (a chunk fed
-    into a store)."""
-    q = quant_of(like)
-    if q is not None:
-        return rows if isinstance(rows, QRows) else q.quantize(rows.astype(like.dtype))
-    return dense(rows).astype(like.dtype)
 
 
 def tie(rows: Rows, others: list[mx.array]) -> Rows:

@@ -150,8 +150,8 @@ class KVSlots:
         if room is not None and n <= room.rows:
             at = mx.array([self.n_slots])
             room = Reserve(
-                _slice_update(room.keys, keys, at),
-                _slice_update(room.values, values, at),
+                R.write(room.keys, keys, lambda a, b: mx.slice_update(a, b, at, (2,))),
+                R.write(room.values, values, lambda a, b: mx.slice_update(a, b, at, (2,))),
                 mx.slice_update(room.positions, positions, at, (2,)),
                 room.view,
             )
@@ -194,17 +194,6 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         free = mx.broadcast_to(free.astype(mx.int32), (B, H))
         return KVSlots(self.keys, self.values, self.positions, free)
-
-
-def _slice_update(buffer: Rows, new: Rows, at: mx.array) -> Rows:
-    """``new`` rows written into ``buffer`` from row ``at`` on, in place where MLX can."""
-    if isinstance(buffer, R.QRows):
-        assert isinstance(new, R.QRows)
-        parts = zip(buffer.arrays(), new.arrays(), strict=True)
-        packed, scales, biases = (mx.slice_update(b, n, at, (2,)) for b, n in parts)
-        return R.QRows(packed, scales, biases, buffer.bits, buffer.group_size)
-    assert not isinstance(new, R.QRows)
-    return mx.slice_update(buffer, new, at, (2,))
 
 
 def _view(room: Reserve, n: int) -> KVSlots:
