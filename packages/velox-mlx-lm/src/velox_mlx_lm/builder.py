@@ -152,7 +152,7 @@ def _full_quantized(base: Any, config: KVCacheConfig) -> Any:
     """``method="full"`` with ``kv_bits``: mlx-lm's ``QuantizedKVCache`` for each full-attention
     layer (as ``mlx_lm.generate`` quantizes them); other layers keep their caches."""
     if type(base) is KVCache:
-        return QuantizedKVCache(group_size=config.kv_group_size, bits=config.kv_bits or 8)
+        return KVCacheFactory.create(config)
     return base
 
 
