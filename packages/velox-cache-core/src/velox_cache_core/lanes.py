@@ -1,0 +1,369 @@
+"""Lanes: the rows of KV heads that keep different numbers of rows, held without padding.
+
+The slot store (:class:`~velox_cache_core.slots.KVSlots`) gives every head of a layer the same
+number of rows. An adaptive allocation (AdaKV's per-head shares, KVzip's model-wide threshold)
+gives heads different counts; padding every head to the fullest one would hold up to twice the
+bytes the budget promises. Lanes hold exactly the rows kept: they are cut into *lanes* of
+``W`` rows, every lane owned by one KV head, and a head with ``c`` rows owns ``c / W`` lanes
+(shares are whole lanes). The arrays are ``[B, N, W, D]``: one lane per "head" slot of an
+ordinary store, so a batched matmul per lane scores them as ordinary heads are scored.
+
+Attention runs over the lanes and a uniform *tail* (the rows that came after the cut, an
+ordinary store) at once: each lane's logits come from the queries of its owner (gathered per
+lane, ``[B, N, G * L, D]``), and the softmax is normalised per head across its lanes and its
+tail rows (one shared maximum per head, partial sums added up per head through a
+``[B, H, N]`` membership matrix). Nothing is padded: the cost is the rows held plus
+``O(H * N)`` per query row for the per-head sums.
+
+Shares are decided once (:func:`shares`, at the cut): every head keeps at least ``floor`` rows
+(its protected rows among them), the rest of the layer's total goes to the highest scores
+across its heads, and the counts are rounded to whole lanes (largest remainders), never past
+the total.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from velox_cache_core import rows as R
+from velox_cache_core.rows import QRows, Rows
+from velox_cache_core.scoring import exp
+from velox_cache_core.slots import KVSlots
+
+ALLOCATIONS = ("uniform", "head", "global")
+FLOOR = 0.2  # a head's least share, as a fraction of the uniform one (AdaKV's floor)
+LANES_PER_SHARE = 8  # lanes in a uniform share: a lane is budget // 8 rows
+
+
+def lane_width(budget: int) -> int:
+    """Rows per lane for a per-head ``budget``: an eighth of the uniform share (at least 1)."""
+    return max(1, budget // LANES_PER_SHARE)
+
+
+def floor_rows(budget: int, floor: float, protected: int, width: int) -> int:
+    """A head's least rows: ``floor`` of its uniform share, at least its ``protected`` rows,
+    rounded up to whole lanes."""
+    least = max(math.ceil(floor * budget), protected, 1)
+    return width * math.ceil(least / width)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Rows kept by KV heads with different counts.
+
+    keys ``[B, N, W, D]``, values ``[B, N, W, D_v]`` (full precision or
+    :class:`~velox_cache_core.rows.QRows`), positions int32 ``[B, N, W]``, owner int32
+    ``[B, N]``: the KV head each lane belongs to (a head's lanes in ascending order).
+    """
+
+    keys: Rows
+    values: Rows
+    positions: mx.array
+    owner: mx.array
+
+    @property
+    def n_lanes(self) -> int:
+        return int(self.positions.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.positions.shape[2])
+
+    def arrays(self) -> list[mx.array]:
+        return [*R.arrays(self.keys), *R.arrays(self.values), self.positions, self.owner]
+
+    def member(self, heads: int) -> mx.array:
+        """bool ``[B, H, N]``: lane ``n`` belongs to head ``h``."""
+        return self.owner[:, None, :] == mx.arange(heads, dtype=mx.int32)[None, :, None]
+
+    def counts(self, heads: int) -> mx.array:
+        """int32 ``[B, H]``: rows each head holds."""
+        return self.member(heads).sum(axis=-1).astype(mx.int32) * self.width
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held (every lane's rows, nothing padded)."""
+        # row_bytes is one row in every (batch row, lane); a lane holds ``width`` of them
+        return self.width * (R.row_bytes(self.keys) + R.row_bytes(self.values))
+
+    def per_head(self, heads: int) -> KVSlots:
+        """The rows as an ordinary store, each head padded to the fullest one (keys and
+        values zero, position :data:`PAD`): for reading and for tests, never for attention."""
+        B, N, W = self.positions.shape
+        counts = np.array(self.counts(heads))
+        cap = int(counts.max()) if counts.size else 0
+        # head h's rows: its lanes in order; the rest of the cap points at a pad row
+        flat = np.full((B, heads, cap), N * W, dtype=np.int32)
+        owner = np.array(self.owner)
+        for b in range(B):
+            for h in range(heads):
+                lanes = np.nonzero(owner[b] == h)[0]
+                idx = (lanes[:, None] * W + np.arange(W)[None, :]).reshape(-1)
+                flat[b, h, : idx.size] = idx
+        index = mx.array(flat)
+
+        def gather(rows: mx.array, fill: int) -> mx.array:
+            tail = rows.shape[3:]
+            flat_rows = rows.reshape(B, N * W, *tail)
+            pad = mx.full((B, 1, *tail), fill, dtype=rows.dtype)
+            flat_rows = mx.concatenate([flat_rows, pad], axis=1)
+            idx = index.reshape(B, heads * cap, *([1] * len(tail)))
+            return mx.take_along_axis(flat_rows, idx, axis=1).reshape(B, heads, cap, *tail)
+
+        keys, values = R.dense(self.keys), R.dense(self.values)
+        positions = gather(self.positions, PAD)
+        return KVSlots(gather(keys, 0), gather(values, 0), positions.astype(mx.int32))
+
+
+PAD = 2**30  # position of a pad row in :meth:`Lanes.per_head`: after every real position
+
+
+def _ranks(scores: mx.array, positions: mx.array, protected: mx.array) -> mx.array:
+    """int32 ``[B, H, n]``: each row's rank in its head (0 best): protected rows first, then
+    by score, ties lost by the oldest (the order :func:`~velox_cache_core.selection.
+    highest_weights` keeps by)."""
+    n = scores.shape[-1]
+    by_age = mx.argsort(positions, axis=-1)
+    w = mx.take_along_axis(mx.where(protected, mx.inf, scores), by_age, axis=-1)
+    ascending = mx.take_along_axis(by_age, mx.argsort(w, axis=-1), axis=-1)
+    rank = mx.zeros(scores.shape, dtype=mx.int32)
+    worst_first = mx.broadcast_to(mx.arange(n - 1, -1, -1, dtype=mx.int32), scores.shape)
+    return mx.put_along_axis(rank, ascending, worst_first, axis=-1)
+
+
+def shares(
+    scores: mx.array,
+    positions: mx.array,
+    protected: mx.array,
+    total: int,
+    least: int,
+    width: int,
+) -> np.ndarray:
+    """Rows each head keeps (int ``[B, H]``, whole lanes of ``width``): ``least`` rows per
+    head first (its protected rows, then its best), then the rest of ``total`` to the highest
+    ``scores`` across the heads (ties lost by the oldest, then by the lower head), rounded to
+    whole lanes by largest remainders. No head gets more than its ``n`` rows (rounded down to
+    lanes); the counts sum to at most ``total``.
+
+    scores: float ``[B, H, n]``; positions: int ``[B, H, n]``; protected: bool ``[B, H, n]``.
+    """
+    B, H, n = scores.shape
+    cap = width * (n // width)
+    total = min(total, H * cap)
+    least = min(least, width * (total // H // width))
+    rank = _ranks(scores, positions, protected)
+    pool = rank >= least
+    k = max(0, total - H * least)
+    counts = np.full((B, H), least, dtype=np.int64)
+    if k > 0:
+        # One row of H * n candidates outside the floors; the best k win.
+        age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
+        w = mx.where(pool, scores.astype(mx.float32), -mx.inf)
+        w = mx.where(protected & pool, mx.inf, w)
+        by_age = mx.argsort(age.reshape(B, H * n), axis=-1)
+        ordered = mx.take_along_axis(w.reshape(B, H * n), by_age, axis=-1)
+        best = mx.take_along_axis(by_age, mx.argsort(ordered, axis=-1)[:, H * n - k :], axis=-1)
+        heads = np.array(best // n)  # [B, k]: the head of every row won
+        counts += np.stack([np.bincount(row, minlength=H) for row in heads])
+    return _whole_lanes(counts, total, least, cap, width)
+
+
+def _whole_lanes(counts: np.ndarray, total: int, least: int, cap: int, width: int) -> np.ndarray:
+    """``counts`` (int ``[B, H]``) rounded to multiples of ``width``: down, then the lanes
+    left of ``total // width`` to the largest remainders, within ``[least, cap]``."""
+    counts = np.clip(counts, least, cap)
+    lanes = counts // width
+    rest = counts - lanes * width
+    budget_lanes = total // width
+    for b in range(counts.shape[0]):
+        free = budget_lanes - int(lanes[b].sum())
+        for h in np.argsort(-rest[b], kind="stable"):
+            if free <= 0:
+                break
+            if (lanes[b, h] + 1) * width <= cap:
+                lanes[b, h] += 1
+                free -= 1
+    return (lanes * width).astype(np.int32)
+
+
+def cut(
+    live: KVSlots,
+    scores: mx.array,
+    protected: mx.array,
+    counts: np.ndarray,
+    width: int,
+) -> Lanes:
+    """Each head's best ``counts[b, h]`` rows of ``live`` (protected first, by ``scores``,
+    ties lost by the oldest), in slot order, as lanes of ``width``. Every batch row keeps the
+    same total (``counts.sum(axis=1)`` equal)."""
+    B, H, n = live.positions.shape
+    totals = counts.sum(axis=1)
+    if counts.shape != (B, H) or (counts % width).any() or (totals != totals[0]).any():
+        raise ValueError(
+            f"counts must be [B, H] = {(B, H)} whole lanes of {width} with equal row totals"
+        )
+    rank = _ranks(scores, live.positions, protected)
+    keep = rank < mx.array(counts)[..., None]
+    T = int(totals[0])
+    # kept rows first, head by head in slot order: flat index h * n + i
+    flat = mx.arange(H * n, dtype=mx.int32).reshape(1, H, n)
+    key = mx.where(keep, flat, H * n + flat).reshape(B, H * n)
+    idx = mx.sort(key, axis=-1)[:, :T]  # [B, T], all kept (T of them per row)
+
+    def gather(a: mx.array) -> mx.array:
+        tail = a.shape[3:]
+        picked = mx.take_along_axis(
+            a.reshape(B, H * n, *tail), idx.reshape(B, T, *([1] * len(tail))), axis=1
+        )
+        return picked.reshape(B, T // width, width, *tail)
+
+    owner = (idx[:, ::width] // n).astype(mx.int32)
+    return Lanes(
+        keys=R.apply(live.keys, gather),
+        values=R.apply(live.values, gather),
+        positions=gather(live.positions),
+        owner=owner,
+    )
+
+
+def _logits(q: mx.array, keys: Rows) -> mx.array:
+    """``q [B, X, M, D]`` times each of ``keys``' ``X`` heads (or lanes): float32
+    ``[B, X, M, n]``."""
+    if isinstance(keys, QRows):
+        return keys.matmul(q[:, :, None].astype(keys.dtype), transpose=True)[:, :, 0].astype(
+            mx.float32
+        )
+    return (q.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)
+
+
+def _times(p: mx.array, values: Rows) -> mx.array:
+    """``p [B, X, M, n]`` times each head's values: ``[B, X, M, D_v]`` float32."""
+    if isinstance(values, QRows):
+        out = values.matmul(p[:, :, None].astype(values.dtype), transpose=False)[:, :, 0]
+    else:
+        out = p.astype(values.dtype) @ values
+    return out.astype(mx.float32)
+
+
+def attend(
+    queries: mx.array,
+    lanes: Lanes,
+    keys: Rows,
+    values: Rows,
+    mask: mx.array | None,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of ``queries [B, H_q, L, D]`` over ``lanes`` (every lane row visible to every
+    query: they precede the call) and the tail ``keys``/``values`` ``[B, H, T, D]`` under
+    ``mask`` (bool ``[B, 1, H_q or H, L, T]``-like: ``[B, M, L, T]`` with ``M`` in
+    ``{1, H_q, H}``, or ``None``: all visible). ``sinks``: per-query-head sink logits
+    ``[H_q]`` (gpt-oss). Returns ``[B, H_q, L, D_v]`` in the queries' dtype."""
+    B, H_q, L, D = queries.shape
+    H, T = int(keys.shape[1]), int(keys.shape[2])
+    g = H_q // H
+    M = g * L
+    q = (queries * scale).reshape(B, H, M, D)
+    owner = lanes.owner
+    q_lane = mx.take_along_axis(q, owner[:, :, None, None], axis=1)  # [B, N, M, D]
+    lane_logits = _logits(q_lane, lanes.keys)  # [B, N, M, W]
+    lane_max = lane_logits.max(axis=-1)  # [B, N, M]
+    member = lanes.member(H)  # [B, H, N]
+    peak = mx.where(member[..., None], lane_max[:, None], -mx.inf).max(axis=2)  # [B, H, M]
+    tail_logits = _logits(q, keys) if T else None  # [B, H, M, T]
+    visible = None
+    if tail_logits is not None:
+        if mask is not None:
+            m = mx.broadcast_to(mask, (B, *mask.shape[-3:])) if mask.ndim == 4 else mask
+            if m.ndim == 2:  # [L, T]: the same for every row and head
+                m = mx.broadcast_to(m, (B, 1, L, T))
+            if m.shape[1] == H_q:
+                m = m.reshape(B, H, g, L, T)
+            else:  # one for every head, or one per KV head
+                m = mx.broadcast_to(m.reshape(B, m.shape[1], 1, L, T), (B, H, g, L, T))
+            visible = m.reshape(B, H, M, T)
+            tail_logits = mx.where(visible, tail_logits, -mx.inf)
+        peak = mx.maximum(peak, tail_logits.max(axis=-1))
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, H, g, 1), (B, H, g, L)
+        ).reshape(B, H, M)
+        peak = mx.maximum(peak, sink_logits)
+    lane_peak = mx.take_along_axis(peak, owner[:, :, None], axis=1)  # [B, N, M]
+    p = exp(lane_logits - lane_peak[..., None])
+    weights = member.astype(mx.float32)
+    N = lanes.n_lanes
+    total = weights @ p.sum(axis=-1)  # [B, H, M]
+    Dv = int(values.shape[3])
+    out = (weights @ _times(p, lanes.values).reshape(B, N, M * Dv)).reshape(B, H, M, Dv)
+    if tail_logits is not None:
+        pt = exp(tail_logits - peak[..., None])
+        if visible is not None:
+            pt = mx.where(visible, pt, 0.0)
+        total = total + pt.sum(axis=-1)
+        out = out + _times(pt, values)
+    if sink_logits is not None:
+        total = total + exp(sink_logits - peak)
+    out = out / total[..., None]
+    return out.reshape(B, H_q, L, Dv).astype(queries.dtype)
+
+
+def global_totals(
+    scores: list[mx.array],
+    positions: list[mx.array],
+    protected: list[mx.array],
+    budget: int,
+    least: int,
+    width: int,
+) -> list[int]:
+    """Rows each layer keeps under a model-wide allocation: every head's ``least`` rows,
+    then the highest scores across every head of every layer (each layer's ``[1, H, n]``
+    ``scores``), ``budget`` rows per head on average in all; each layer's total rounded down
+    to whole lanes of ``width``, so the model holds at most ``budget`` rows per head."""
+    if not scores:
+        raise ValueError("global_totals() needs the scores of at least one layer")
+    if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
+        raise ValueError("global_totals() takes [1, H_kv, n] scores (one sequence)")
+    pools, caps, heads = [], [], []
+    for s, pos, prot in zip(scores, positions, protected, strict=True):
+        H, n = int(s.shape[1]), int(s.shape[2])
+        cap = width * (n // width)
+        rank = _ranks(s, pos, prot)
+        w = mx.where(prot, mx.inf, s.astype(mx.float32))
+        pools.append(mx.where(rank >= min(least, cap), w, -mx.inf).reshape(-1))
+        caps.append(cap)
+        heads.append(H)
+    sizes = [int(p.shape[0]) for p in pools]
+    floors = [min(least, c) * h for c, h in zip(caps, heads, strict=True)]
+    k = max(0, budget * sum(heads) - sum(floors))
+    pool = mx.concatenate(pools)
+    k = min(k, int((pool > -mx.inf).sum().item()))  # type: ignore[arg-type]
+    won = np.zeros(len(scores), dtype=np.int64)
+    if k > 0:
+        best = np.array(mx.argsort(pool)[pool.shape[0] - k :])
+        won = np.bincount(np.searchsorted(np.cumsum(sizes), best, side="right"),
+                          minlength=len(scores))
+    return [
+        min(h * c, width * ((f + int(e)) // width))
+        for h, c, f, e in zip(heads, caps, floors, won, strict=True)
+    ]
+
+
+def retained(lanes: Lanes | None) -> int:
+    """Rows the lanes hold per batch row (0 without lanes)."""
+    return 0 if lanes is None else lanes.n_lanes * lanes.width
+
+
+def check_allocation(allocation: object, floor: object) -> None:
+    """``allocation`` one of :data:`ALLOCATIONS`, ``0 <= floor <= 1`` (a float)."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {list(ALLOCATIONS)}, got {allocation!r}")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+        raise TypeError(f"allocation_floor must be a float in [0, 1], got {floor!r}")
+    if not 0.0 <= float(floor) <= 1.0:
+        raise ValueError(f"allocation_floor must be in [0, 1], got {floor!r}")
