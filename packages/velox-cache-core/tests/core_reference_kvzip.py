@@ -14,13 +14,20 @@ class ReferenceKVzip(_Reference):
     scope = "head"
 
     def __init__(
-        self, budget: int, n_sink: int, probe: str, signal: str, after: str, allocation: str
+        self,
+        budget: int,
+        n_sink: int,
+        probe: str,
+        signal: str,
+        after: str,
+        allocation: str,
+        allocation_floor: float,
     ) -> None:
         super().__init__(budget, n_sink)
         # The latest probe always cuts per head, whatever the allocation (which shares out the
         # reconstruction scores).
         assert probe == "latest" and after == "append" and signal in SIGNALS
-        assert allocation in ("global", "layer", "head")
+        assert allocation in ("uniform", "head", "global") and 0 <= allocation_floor <= 1
         self.signal = signal
         self.compressed = False
 

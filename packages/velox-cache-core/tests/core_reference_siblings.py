@@ -284,9 +284,19 @@ class ReferenceSnapKV(_Reference):
     best prefix positions and the window are kept. Later tokens are appended, never evicted.
     """
 
-    def __init__(self, budget: int, window: int, kernel: int, signal: str) -> None:
+    def __init__(
+        self,
+        budget: int,
+        window: int,
+        kernel: int,
+        signal: str,
+        allocation: str = "uniform",
+        allocation_floor: float = 0.2,
+    ) -> None:
         super().__init__(budget, 0)
         assert 1 <= window < budget and kernel % 2 == 1
+        # the uniform cut (head allocation has its own reference: test_snapkv.py)
+        assert allocation == "uniform" and 0 <= allocation_floor <= 1
         assert signal in SIGNALS
         self.window, self.kernel, self.signal = window, kernel, signal
         self.compressed = False

@@ -10,8 +10,10 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from core_reference_lanes import reference_lanes_keep
 
 from velox_cache_core import POLICIES
+from velox_cache_core import lanes as LN
 from velox_cache_core.attention import attend
 from velox_cache_core.policies.kvzip import (
     KVZIP,
@@ -81,29 +83,28 @@ def reference_scores(
 
 
 def reference_keep(
-    scores: np.ndarray, budget: int, n_sink: int, allocation: str = "head", total: int = -1
+    scores: np.ndarray, budget: int, n_sink: int, allocation: str = "uniform", total: int = -1
 ) -> list[list[list[int]]]:
-    """Kept positions per (b, KV head). ``head``: the sinks and the ``budget - n_sink`` best
-    rows of each head (ties: the newer wins). ``layer``: the sinks of every head, then the best
-    rows of all heads together up to ``total`` (default ``budget * H_KV``; ties: the newer
-    position wins, then the higher head)."""
+    """Kept positions per (b, KV head) of a context of ``n`` rows at positions ``0..n-1``.
+    ``uniform``: the sinks and the ``budget - n_sink`` best rows of each head (ties: the newer
+    wins). ``head``/``global``: the shares of the plain lanes reference (a floor per head, the
+    rest of ``total`` by score across heads, whole lanes), each head's best rows."""
     n = scores.shape[2]
     sink = min(n_sink, n)
-    out = []
-    for b in range(B):
-        if allocation == "head":
+    if allocation == "uniform":
+        out = []
+        for b in range(B):
             row = []
             for h in range(H_KV):
                 rest = sorted(range(n_sink, n), key=lambda p: (-scores[b, h, p], -p))
                 row.append(sorted([*range(sink), *rest[: budget - n_sink]]))
             out.append(row)
-            continue
-        want = budget * H_KV if total < 0 else total
-        cells = [(h, p) for h in range(H_KV) for p in range(sink, n)]
-        cells.sort(key=lambda c: (-scores[b, c[0], c[1]], -c[1], -c[0]))
-        chosen = cells[: max(0, want - sink * H_KV)]
-        out.append([sorted([*range(sink), *(p for g, p in chosen if g == h)]) for h in range(H_KV)])
-    return out
+        return out
+    positions = np.broadcast_to(np.arange(n), scores.shape)
+    width = LN.lane_width(budget)
+    least = LN.floor_rows(budget, LN.FLOOR, sink, width)
+    want = budget * H_KV if total < 0 else total
+    return reference_lanes_keep(scores, positions, positions < n_sink, want, least, width)
 
 
 def real_rows(state) -> list[list[list[int]]]:
@@ -113,7 +114,7 @@ def real_rows(state) -> list[list[list[int]]]:
     ]
 
 
-@pytest.mark.parametrize("allocation", ["head", "layer"])
+@pytest.mark.parametrize("allocation", ["uniform", "head"])
 @pytest.mark.parametrize("n_sink", [0, 2, 5])
 @pytest.mark.parametrize("sizes", [[17], [6, 6, 5], [4, 9, 4]])
 def test_reconstruction_scores_and_cut_match_numpy(
@@ -141,14 +142,15 @@ def test_reconstruction_scores_and_cut_match_numpy(
     assert cut.compressed and cut.offset == n
     kept = real_rows(cut)
     assert kept == reference_keep(want, budget, n_sink, allocation)
-    if allocation == "head":
-        assert cut.n_kept == budget and not cut.padded
-    else:  # budget rows per head on average; the slot count is the largest head's
-        assert all(sum(map(len, row)) == budget * H_KV for row in kept)
-        assert cut.n_kept == max(len(h) for row in kept for h in row)
-        assert cut.padded == any(len(h) < cut.n_kept for row in kept for h in row)
-    # The kept rows are the context's own keys and values at their true positions; pad slots
-    # hold zeros.
+    if allocation == "uniform":
+        assert cut.n_kept == budget and cut.lanes is None
+    else:  # at most budget rows per head on average, held as lanes: nothing padded
+        assert all(sum(map(len, row)) <= budget * H_KV for row in kept)
+        assert cut.lanes is not None and cut.n_kept == 0
+        rows = cut.lanes.n_lanes * cut.lanes.width
+        assert cut.nbytes == B * rows * 2 * D * 4 == B * sum(map(len, kept[0])) * 2 * D * 4
+    # The kept rows are the context's own keys and values at their true positions; the
+    # per-head view pads with zeros.
     positions = np.array(cut.positions)
     for b in range(B):
         for h in range(H_KV):
@@ -176,10 +178,10 @@ def reference_attention(
     return out
 
 
-@pytest.mark.parametrize("allocation", ["layer", "global"])
-def test_shared_out_rows_pad_slots_are_never_seen(allocation: str) -> None:
-    """Skewed scores give one head most of the rows: the others are padded, and the queries
-    after the cut (a chunk, then single tokens) attend exactly as over the real rows alone."""
+@pytest.mark.parametrize("allocation", ["head", "global"])
+def test_shared_out_rows_are_attended_exactly(allocation: str) -> None:
+    """Skewed scores give one head most of the rows (the other keeps its floor), and the
+    queries after the cut (a chunk, then single tokens) attend exactly over the kept rows."""
     n, budget, scale = 24, 6, D**-0.5
     keys, values, queries = stream(n + 8, seed=7)
     state = feed(
@@ -189,10 +191,10 @@ def test_shared_out_rows_pad_slots_are_never_seen(allocation: str) -> None:
     scores[:, 0] += 1.0  # head 0 outscores head 1 everywhere
     cut = kvzip_compress(state, mx.array(scores))
     kept = real_rows(cut)
-    assert kept == reference_keep(scores, budget, 2, "layer")
-    # head 0 takes every non-sink row of the layer's 2 * budget; head 1 keeps its sinks only
+    assert kept == reference_keep(scores, budget, 2, "head")
+    # head 1 keeps its floor (its 2 sinks, a whole lane of 2 rows); head 0 the rest
     assert [len(h) for h in kept[0]] == [2 * budget - 2, 2]
-    assert cut.padded and cut.n_kept == 2 * budget - 2 and cut.tokens_kept == budget
+    assert cut.lanes is not None and cut.tokens_kept == budget
     assert cut.compression_ratio == n / budget
     start = n
     for size in (5, 1, 1, 1):
@@ -207,18 +209,29 @@ def test_shared_out_rows_pad_slots_are_never_seen(allocation: str) -> None:
 
 
 def test_global_totals_match_numpy() -> None:
-    """One threshold over the non-sink scores of every head of every layer."""
+    """Every head's floor, then one threshold over the other scores of every head of every
+    layer; each layer's total rounded down to whole lanes."""
     rng = np.random.default_rng(11)
-    layers = [rng.random((1, 3, 20)).astype(np.float32) * (i + 1) for i in range(4)]
-    budget, n_sink = 7, 2
-    totals = global_totals([mx.array(x) for x in layers], budget, n_sink)
-    pool = np.sort(np.concatenate([x[..., n_sink:].ravel() for x in layers]))[::-1]
-    threshold = pool[(budget - n_sink) * 3 * 4 - 1]
-    want = [int((x[..., n_sink:] >= threshold).sum()) + n_sink * 3 for x in layers]
-    assert totals == want and sum(totals) == budget * 3 * 4
+    layers = [rng.random((1, 3, 40)).astype(np.float32) * (i + 1) for i in range(4)]
+    budget, n_sink = 16, 2
+    state = KVZIP.init(budget=budget, n_sink=n_sink)
+    totals = global_totals([mx.array(x) for x in layers], state)
+    width = LN.lane_width(budget)
+    least = LN.floor_rows(budget, LN.FLOOR, n_sink, width)
+    pool = []
+    for i, x in enumerate(layers):
+        for h in range(3):
+            order = sorted(range(40), key=lambda p, h=h: (p >= n_sink, -x[0, h, p], -p))
+            pool += [(x[0, h, p], i) for p in order[least:]]
+    pool.sort(key=lambda t: -t[0])
+    won = [0] * 4
+    for _, i in pool[: budget * 3 * 4 - least * 3 * 4]:
+        won[i] += 1
+    want = [width * ((least * 3 + w) // width) for w in won]
+    assert totals == want and sum(totals) <= budget * 3 * 4
     assert totals[-1] > totals[0]  # the layer with the larger scores keeps more
     with pytest.raises(ValueError, match="one sequence"):
-        global_totals([mx.zeros((2, 3, 20))], budget, n_sink)
+        global_totals([mx.zeros((2, 3, 20))], state)
 
 
 @pytest.mark.parametrize("signal", ["query", "key"])
@@ -250,7 +263,7 @@ def test_latest_probe_is_tova_oneshot_bit_for_bit(
     assert mx.array_equal(kvzip_end_prompt(chunked).positions, zipped.positions)
 
 
-@pytest.mark.parametrize("allocation", ["head", "layer", "global"])
+@pytest.mark.parametrize("allocation", ["uniform", "head", "global"])
 def test_budget_is_never_exceeded_and_decode_after_the_cut(allocation: str) -> None:
     keys, values, queries = stream(40, seed=4)
     for budget in (3, 7, 12):
@@ -261,21 +274,27 @@ def test_budget_is_never_exceeded_and_decode_after_the_cut(allocation: str) -> N
         scores = mx.array(np.random.default_rng(budget).random((B, H_KV, 25)).astype(np.float32))
         cut = kvzip_compress(state, scores)
         kept = real_rows(cut)
-        if allocation == "head":
+        if allocation == "uniform":
             assert cut.n_kept == budget
-        # budget per head on average (exactly, per head, with "head"); every head its sinks
-        assert all(sum(map(len, row)) == budget * H_KV for row in kept)
+            assert all(sum(map(len, row)) == budget * H_KV for row in kept)
+        # at most budget per head on average (exactly, per head, uniform); every head its sinks
+        assert all(sum(map(len, row)) <= budget * H_KV for row in kept)
         assert all(h[:2] == [0, 1] for row in kept for h in row)
+        uniform = replace(init, allocation="uniform")
+        assert (
+            cut.nbytes <= kvzip_compress(feed(uniform, keys, values, queries, [25]), scores).nbytes
+        )
         assert kvzip_compress(cut, scores) is cut
         # after="append": questions and answers grow the cache.
         grown = feed(cut, keys[:, :, 25:], values[:, :, 25:], queries[:, :, 25:], [5, 1, 1])
-        assert grown.n_kept == cut.n_kept + 7 and grown.offset == 32
+        assert grown.slots.n_kept == cut.slots.n_kept + 7 and grown.offset == 32
         assert grown.tokens_kept == cut.tokens_kept + 7
 
 
 def test_after_tova_continues_with_tovas_rule() -> None:
     keys, values, queries = stream(40, seed=5)
-    init = KVZIP.init(budget=8, n_sink=1, after="tova", allocation="head")
+    init = KVZIP.init(budget=8, n_sink=1, after="tova")
+    assert init.allocation == "uniform"  # after="tova" takes the cut it needs by default
     state = feed(init, keys, values, queries, [20])
     scores = mx.array(np.random.default_rng(0).random((B, H_KV, 20)).astype(np.float32))
     cut = kvzip_compress(state, scores)
@@ -304,8 +323,8 @@ def test_bad_arguments() -> None:
     state = feed(KVZIP.init(budget=4, n_sink=1), keys, values, queries, [12])
     with pytest.raises(ValueError, match="reconstruction scores"):
         kvzip_compress(state)
-    with pytest.raises(ValueError, match="allocation='head'"):
-        KVZIP.init(budget=8, after="tova")
+    with pytest.raises(ValueError, match="allocation='uniform'"):
+        KVZIP.init(budget=8, after="tova", allocation="global")
     with pytest.raises(ValueError, match="allocation must be one of"):
         KVZIP.init(budget=8, allocation="heads")
     with pytest.raises(ValueError, match="total must be >= 0"):

@@ -6,48 +6,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from core_reference_lanes import order as _order
+from core_reference_lanes import ref_shares
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import lanes as LN
 from velox_cache_core.rows import Quant
 from velox_cache_core.slots import KVSlots
-
-
-def _order(scores: np.ndarray, positions: np.ndarray, protected: np.ndarray) -> list[int]:
-    """Row indices best first: protected, then score, ties won by the newer."""
-    return sorted(
-        range(len(scores)),
-        key=lambda i: (not protected[i], -np.inf if protected[i] else -scores[i], -positions[i]),
-    )
-
-
-def ref_shares(scores, positions, protected, total, least, width):  # type: ignore[no-untyped-def]
-    B, H, n = scores.shape
-    cap = width * (n // width)
-    total = min(total, H * cap)
-    least = min(least, width * (total // H // width))
-    out = np.zeros((B, H), dtype=np.int64)
-    for b in range(B):
-        pool = []
-        for h in range(H):
-            order = _order(scores[b, h], positions[b, h], protected[b, h])
-            pool += [(scores[b, h, i], positions[b, h, i], h) for i in order[least:]]
-        k = max(0, total - H * least)
-        pool.sort(key=lambda t: (-t[0], -t[1], -t[2]))
-        counts = np.full(H, least)
-        for _, _, h in pool[:k]:
-            counts[h] += 1
-        counts = np.clip(counts, least, cap)
-        lanes = counts // width
-        rest = counts - lanes * width
-        free = total // width - lanes.sum()
-        for h in sorted(range(H), key=lambda h: -rest[h]):
-            if free > 0 and (lanes[h] + 1) * width <= cap:
-                lanes[h] += 1
-                free -= 1
-        out[b] = lanes * width
-    return out
 
 
 def _case(seed: int, B: int, H: int, n: int, D: int = 8, ties: bool = False):  # type: ignore[no-untyped-def]
@@ -78,7 +44,9 @@ def test_shares_and_cut_match_reference(
     budget = max(min(share * width, n - 1), n_sink + 1)
     least = LN.floor_rows(budget, 0.2, n_sink, width)
     total = budget * H
-    got = LN.shares(mx.array(scores), mx.array(positions), mx.array(protected), total, least, width)
+    got = np.array(
+        LN.shares(mx.array(scores), mx.array(positions), mx.array(protected), total, least, width)
+    )
     want = ref_shares(scores, positions, protected, total, least, width)
     np.testing.assert_array_equal(got, want)
     assert (got.sum(axis=1) <= total).all()
@@ -86,7 +54,7 @@ def test_shares_and_cut_match_reference(
     if (got.sum(axis=1) != got.sum(axis=1)[0]).any():
         return
     live = KVSlots(mx.array(keys), mx.array(values), mx.array(positions))
-    lanes = LN.cut(live, mx.array(scores), mx.array(protected), got, width)
+    lanes = LN.cut(live, mx.array(scores), mx.array(protected), got.tolist(), width)
     heads = lanes.per_head(H)
     for b in range(B):
         for h in range(H):
@@ -140,13 +108,15 @@ def test_attend_matches_reference(
     n, D = 24, 8
     keys, values, positions, scores = _case(seed, B, H, n, D)
     budget = 2 * width
-    counts = LN.shares(
-        mx.array(scores), mx.array(positions), mx.array(positions < 1), budget * H, width, width
+    counts = np.array(
+        LN.shares(
+            mx.array(scores), mx.array(positions), mx.array(positions < 1), budget * H, width, width
+        )
     )
     if (counts.sum(axis=1) != counts.sum(axis=1)[0]).any():
         return
     live = KVSlots(mx.array(keys), mx.array(values), mx.array(positions))
-    lanes = LN.cut(live, mx.array(scores), mx.array(positions < 1), counts, width)
+    lanes = LN.cut(live, mx.array(scores), mx.array(positions < 1), counts.tolist(), width)
     rng = np.random.default_rng(seed + 1)
     T = max(T, L)
     q = rng.standard_normal((B, H * g, L, D)).astype(np.float32)
@@ -190,8 +160,8 @@ def test_attend_quantized_lanes_reads_the_packed_rows() -> None:
         quant.quantize(mx.array(keys)), quant.quantize(mx.array(values)), mx.array(positions)
     )
     protected = mx.array(positions < 2)
-    counts = LN.shares(mx.array(scores), mx.array(positions), protected, 16 * H, 8, width)
-    lanes = LN.cut(live, mx.array(scores), protected, counts, width)
+    counts = np.array(LN.shares(mx.array(scores), mx.array(positions), protected, 16 * H, 8, width))
+    lanes = LN.cut(live, mx.array(scores), protected, counts.tolist(), width)
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(1))
     tk = quant.quantize(mx.random.normal((B, H, 1, D), key=mx.random.key(2)))
     tv = quant.quantize(mx.random.normal((B, H, 1, D), key=mx.random.key(3)))
@@ -232,4 +202,4 @@ def test_bad_allocation_settings_are_named() -> None:
     with pytest.raises(ValueError, match="whole lanes"):
         keys, values, positions, scores = _case(0, 1, 2, 16)
         live = KVSlots(mx.array(keys), mx.array(values), mx.array(positions))
-        LN.cut(live, mx.array(scores), mx.array(positions < 0), np.array([[3, 5]]), 2)
+        LN.cut(live, mx.array(scores), mx.array(positions < 0), [[3, 5]], 2)

@@ -264,8 +264,10 @@ CASES: dict[str, Case] = {
             ({"kernel": 0}, "kernel"),
             ({"signal": "value"}, "signal"),
             ({"budget": 1, "window": 1}, "budget"),
+            ({"allocation": "global"}, "allocation"),
+            ({"allocation": "head", "allocation_floor": -1}, "allocation_floor"),
         ],
-        ok=[{"budget": 2, "window": 1, "kernel": 1}],
+        ok=[{"budget": 2, "window": 1, "kernel": 1}, {"allocation": "head"}],
     ),
     "morphkv": Case(
         settings={"budget": 6, "n_sink": 1, "window": 3},
@@ -296,13 +298,16 @@ CASES: dict[str, Case] = {
             ({"after": "h2o"}, "after"),
             ({"signal": "value"}, "signal"),
             ({"allocation": "token"}, "allocation"),
-            ({"after": "tova"}, "allocation"),  # TOVA's rule needs one budget per head
+            ({"allocation": "layer"}, "allocation"),  # the old name, only in saved caches
+            ({"allocation_floor": 2.0}, "allocation_floor"),
+            # TOVA's rule needs one budget per head
+            ({"after": "tova", "allocation": "global"}, "allocation"),
         ],
         ok=[
             {"budget": 1, "n_sink": 0},
             {"probe": "reconstruct"},
-            {"after": "tova", "allocation": "head"},
-            {"allocation": "layer"},
+            {"after": "tova"},
+            {"allocation": "head", "allocation_floor": 0.0},
         ],
     ),
 }

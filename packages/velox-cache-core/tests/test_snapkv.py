@@ -9,9 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from core_harness import make_stream, state_positions
+from core_reference_lanes import reference_lanes_keep
 from core_reference_siblings import ReferenceSnapKV
 
 from velox_cache_core import SnapKVState, init_snapkv_state, snapkv_compress, snapkv_update
+from velox_cache_core import lanes as LN
+from velox_cache_core.attention import attend
 
 
 def test_compress_fresh_and_below_budget() -> None:
@@ -85,3 +88,70 @@ def test_explicit_window_is_still_checked() -> None:
         init_snapkv_state(budget=8, window=8)
     with pytest.raises(TypeError, match="window"):
         init_snapkv_state(budget=8, window=2.0)  # type: ignore[arg-type]
+
+
+def _snap_scores(keys, queries, window: int, kernel: int, scale: float) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Loops: the last ``window`` queries' softmax over the keys up to each, summed, averaged
+    over the GQA group, then the prefix pooled (zero padding counted) -> ``[B, H, n]`` with
+    the window's rows at +inf (always kept)."""
+    B, H, n, _ = keys.shape
+    g = queries.shape[1] // H
+    out = np.zeros((B, H, n))
+    for b in range(B):
+        for h in range(H):
+            acc = np.zeros(n)
+            for qh in range(h * g, (h + 1) * g):
+                for t in range(n - window, n):
+                    lg = keys[b, h, : t + 1].astype(np.float64) @ queries[b, qh, t] * scale
+                    p = np.exp(lg - lg.max())
+                    acc[: t + 1] += p / p.sum() / g
+            prefix = acc[: n - window]
+            pad = kernel // 2
+            pooled = np.convolve(np.pad(prefix, pad), np.ones(kernel) / kernel, mode="valid")
+            out[b, h] = np.concatenate([pooled, np.full(window, np.inf)])
+    return out
+
+
+@pytest.mark.parametrize(("budget", "window", "floor"), [(16, 4, 0.2), (24, 8, 0.5), (16, 2, 0.0)])
+def test_head_allocation_matches_the_lanes_reference(
+    budget: int, window: int, floor: float
+) -> None:
+    """AdaKV's shares of SnapKV's scores: every head its window and floor, the layer's
+    ``budget * H`` rows by score, whole lanes; decode attends exactly over the kept rows."""
+    B, H, g, n, D = 2, 3, 2, 70, 8
+    keys, values, queries = make_stream(B, H, g, D, n + 4, seed=9)
+    scale = D**-0.5
+    state = init_snapkv_state(
+        budget=budget, window=window, allocation="head", allocation_floor=floor
+    )
+    k, v, q = (mx.array(x[:, :, :n]) for x in (keys, values, queries))
+    cut = snapkv_compress(snapkv_update(state, k, v, q, scale=scale).state)
+    scores = _snap_scores(keys[:, :, :n], queries[:, :, :n], window, 5, scale)
+    positions = np.broadcast_to(np.arange(n), (B, H, n))
+    width = LN.lane_width(budget)
+    least = LN.floor_rows(budget, floor, window, width)
+    want = reference_lanes_keep(
+        scores, positions, positions >= n - window, budget * H, least, width
+    )
+    got = [[[p for p in row if p < LN.PAD] for row in b] for b in np.array(cut.positions).tolist()]
+    assert got == want
+    assert cut.nbytes == B * sum(len(h) for h in want[0]) * 2 * D * 4 <= B * budget * H * 2 * D * 4
+    # decode: the new token attends over the kept rows and itself
+    step = snapkv_update(cut, *(mx.array(x[:, :, n : n + 1]) for x in (keys, values, queries)))
+    out = np.array(attend(mx.array(queries[:, :, n : n + 1]), step, scale))
+    for b in range(B):
+        for qh in range(H * g):
+            seen = [*want[b][qh // g], n]
+            lg = keys[b, qh // g, seen].astype(np.float64) @ queries[b, qh, n] * scale
+            p = np.exp(lg - lg.max())
+            ref = (p / p.sum()) @ values[b, qh // g, seen]
+            np.testing.assert_allclose(out[b, qh, 0], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_allocation_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="global"):
+        init_snapkv_state(budget=16, allocation="global")
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        init_snapkv_state(budget=16, allocation="layer")
+    with pytest.raises(ValueError, match="allocation_floor"):
+        init_snapkv_state(budget=16, allocation="head", allocation_floor=-0.1)

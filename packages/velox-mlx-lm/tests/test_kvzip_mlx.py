@@ -40,7 +40,7 @@ def answer(model: Any, caches: list[Any], question: list[int], n: int = 6) -> li
 
 @pytest.mark.parametrize(
     ("arch", "allocation"),
-    [("llama", "head"), ("mistral", "head"), ("llama", "global"), ("mistral", "layer")],
+    [("llama", "uniform"), ("mistral", "uniform"), ("llama", "global"), ("mistral", "head")],
 )
 def test_compress_leaves_the_context_alone(
     tiny_model: Any, tiny_tokenizer: Any, arch: str, allocation: str
@@ -59,10 +59,13 @@ def test_compress_leaves_the_context_alone(
         real = positions != PAD
         assert (positions[..., :2] == [0, 1]).all() and (positions[real] < N).all()
         real_rows.append(real.sum(axis=-1))
-        if allocation == "head":
+        if allocation == "uniform":
             assert cache.size() == 12 and real.all()
-        elif allocation == "layer":  # 12 rows per head on average, in every layer
+        elif allocation == "head":  # 12 rows per head on average, in every layer
             assert real.sum() == 12 * positions.shape[1]
+        if allocation != "uniform":  # held as lanes: the bytes of the rows kept, no pads
+            row = 2 * np.array(state.keys).shape[-1] * 4  # a key and a value, float32
+            assert cache.nbytes == int(real.sum()) * row
         # The kept rows are the context's own (rotated at their true positions).
         safe = np.where(real, positions, 0)
         want = np.take_along_axis(np.array(plain.keys[..., :N, :]), safe[..., None], axis=2)
@@ -70,7 +73,7 @@ def test_compress_leaves_the_context_alone(
     # 12 rows per head on average over the whole model ("global": one threshold).
     rows = np.stack(real_rows)
     assert rows.sum() == 12 * rows.size
-    if allocation != "head":  # heads keep different counts
+    if allocation != "uniform":  # heads keep different counts
         assert len(set(rows.ravel().tolist())) > 1
     # Different rows survive per KV head: a per-head budget, not one cut per layer.
     assert any(len({tuple(r) for r in np.array(c.positions)[0].tolist()}) > 1 for c in caches)
@@ -116,9 +119,7 @@ def test_prompt_cache_round_trip_and_many_questions(
 def test_budget_override_and_after_tova(tiny_model: Any, tiny_tokenizer: Any) -> None:
     model = tiny_model("mistral")
     tokens = context(seed=2)
-    config = KVCacheConfig(
-        method="kvzip", kvzip_budget=30, kvzip_n_sink=1, kvzip_after="tova", kvzip_allocation="head"
-    )
+    config = KVCacheConfig(method="kvzip", kvzip_budget=30, kvzip_n_sink=1, kvzip_after="tova")
     caches = KVCacheBuilder.for_model(model, config)
     prefill(model, caches, tokens)
     info = compress(model, tiny_tokenizer, caches, tokens, budget=10, chunk_size=64)
@@ -179,19 +180,19 @@ def test_velox_generate_kvzip(capsys: pytest.CaptureFixture[str], embedded_model
     assert run["compression_ratio"] > 1.0
 
 
-def test_pad_slots_need_the_hook(tiny_model: Any, tiny_tokenizer: Any) -> None:
-    """A cut across heads holds pad slots only the hook's masks hide: a call whose attention
-    never came back through the hook (a model computing attention by hand) is refused at the
-    next use of the cache instead of going on silently."""
+def test_lanes_need_the_hook(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    """A cut across heads holds lanes only the hook attends: a call whose attention never
+    came back through the hook (a model computing attention by hand) is refused at the next
+    use of the cache instead of going on silently."""
     model = tiny_model("mistral")
-    caches = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="layer")
+    caches = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="head")
     cache = caches[0]
-    assert cache.policy_state.padded
+    assert cache.policy_state.lanes is not None
     B, H, _, D = cache.policy_state.keys.shape
     new = mx.zeros((B, H, 1, D))
     cache.update_and_fetch(new, new)  # what a hand-written attention does: no attend() call
-    with pytest.raises(RuntimeError, match="pad slots"):
+    with pytest.raises(RuntimeError, match="only the attention hook"):
         cache.update_and_fetch(new, new)
     # Through the hook the same cut answers as usual.
-    fresh = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="layer")
+    fresh = zipped(model, tiny_tokenizer, context(seed=4), kvzip_allocation="head")
     assert len(answer(model, fresh, [3, 4, 5])) == 6

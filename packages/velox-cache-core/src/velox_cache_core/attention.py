@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from velox_cache_core import lanes
 from velox_cache_core.engine import Step
 from velox_cache_core.rows import QRows, dense
 
@@ -19,7 +20,11 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     packed by ``mx.quantized_matmul`` on every backend (the rule's weights times the values, or
     scores, mask, softmax and values, as mlx-lm's quantized attention computes them).
     ``sinks``: per-head attention sink logits ``[H_q]`` of models that have them (gpt-oss).
+    A step with :attr:`~velox_cache_core.engine.Step.lanes` (heads keeping different row
+    counts) attends over them and the step's rows together (:func:`velox_cache_core.lanes.attend`).
     """
+    if step.lanes is not None:  # heads with different row counts: lanes plus the tail
+        return lanes.attend(queries, step.lanes, step.keys, step.values, step.mask, scale, sinks)
     quantized = isinstance(step.values, QRows)
     if step.probs is not None and sinks is None and (quantized or mx.default_device() == mx.cpu):
         B, H_kv, n, D = step.values.shape

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from velox_cache_core import rows as R
+from velox_cache_core.lanes import Lanes
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
@@ -48,6 +49,9 @@ class Step:
     # float32 [B, H_q, 1, n]: the decode query's attention weights over ``keys`` when the rule
     # computed exactly them (signal query), so the caller can attend without computing them again
     probs: mx.array | None = None
+    # rows an adaptive allocation kept (velox_cache_core.lanes), attended with ``keys``/``values``
+    # (which then hold only the rows after the cut): every call's queries see all of them
+    lanes: Lanes | None = None
 
 
 @dataclass(frozen=True)
@@ -367,8 +371,8 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
         values = R.tie(candidates.values, entry.arrays())
-        return Step(candidates.keys, values, mask, after, log, decision.probs)
-    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs)
+        return Step(candidates.keys, values, mask, after, log, decision.probs, state.lanes)
+    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs, state.lanes)
 
 
 def update(
@@ -411,5 +415,7 @@ def update(
         call = replace(call, row_start=_row_start(policy, call, row_start))
     if call.length == 0:
         live = slots.compact()
-        return Step(live.keys, live.values, None, advance(state, slots, call), log)
+        return Step(
+            live.keys, live.values, None, advance(state, slots, call), log, None, state.lanes
+        )
     return decide(policy, _lay_out(policy, state, slots, call), log)

@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from velox_cache_core import rows as R
 from velox_cache_core.rows import QRows, Rows
@@ -94,17 +93,19 @@ class Lanes:
         """The rows as an ordinary store, each head padded to the fullest one (keys and
         values zero, position :data:`PAD`): for reading and for tests, never for attention."""
         B, N, W = self.positions.shape
-        counts = np.array(self.counts(heads))
-        cap = int(counts.max()) if counts.size else 0
+        owner: list[list[int]] = self.owner.tolist()  # type: ignore[assignment]
+        rows = [
+            [
+                [n * W + r for n, o in enumerate(row) if o == h for r in range(W)]
+                for h in range(heads)
+            ]
+            for row in owner
+        ]
+        cap = max((len(r) for row in rows for r in row), default=0)
         # head h's rows: its lanes in order; the rest of the cap points at a pad row
-        flat = np.full((B, heads, cap), N * W, dtype=np.int32)
-        owner = np.array(self.owner)
-        for b in range(B):
-            for h in range(heads):
-                lanes = np.nonzero(owner[b] == h)[0]
-                idx = (lanes[:, None] * W + np.arange(W)[None, :]).reshape(-1)
-                flat[b, h, : idx.size] = idx
-        index = mx.array(flat)
+        index = mx.array(
+            [[r + [N * W] * (cap - len(r)) for r in row] for row in rows], dtype=mx.int32
+        ).reshape(B, heads, cap)
 
         def gather(rows: mx.array, fill: int) -> mx.array:
             tail = rows.shape[3:]
@@ -142,7 +143,7 @@ def shares(
     total: int,
     least: int,
     width: int,
-) -> np.ndarray:
+) -> list[list[int]]:
     """Rows each head keeps (int ``[B, H]``, whole lanes of ``width``): ``least`` rows per
     head first (its protected rows, then its best), then the rest of ``total`` to the highest
     ``scores`` across the heads (ties lost by the oldest, then by the lower head), rounded to
@@ -158,7 +159,7 @@ def shares(
     rank = _ranks(scores, positions, protected)
     pool = rank >= least
     k = max(0, total - H * least)
-    counts = np.full((B, H), least, dtype=np.int64)
+    counts = [[least] * H for _ in range(B)]
     if k > 0:
         # One row of H * n candidates outside the floors; the best k win.
         age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
@@ -167,48 +168,54 @@ def shares(
         by_age = mx.argsort(age.reshape(B, H * n), axis=-1)
         ordered = mx.take_along_axis(w.reshape(B, H * n), by_age, axis=-1)
         best = mx.take_along_axis(by_age, mx.argsort(ordered, axis=-1)[:, H * n - k :], axis=-1)
-        heads = np.array(best // n)  # [B, k]: the head of every row won
-        counts += np.stack([np.bincount(row, minlength=H) for row in heads])
+        won: list[list[int]] = (best // n).tolist()  # type: ignore[assignment]
+        for b, row in enumerate(won):  # the head of every row won
+            for h in row:
+                counts[b][h] += 1
     return _whole_lanes(counts, total, least, cap, width)
 
 
-def _whole_lanes(counts: np.ndarray, total: int, least: int, cap: int, width: int) -> np.ndarray:
-    """``counts`` (int ``[B, H]``) rounded to multiples of ``width``: down, then the lanes
-    left of ``total // width`` to the largest remainders, within ``[least, cap]``."""
-    counts = np.clip(counts, least, cap)
-    lanes = counts // width
-    rest = counts - lanes * width
-    budget_lanes = total // width
-    for b in range(counts.shape[0]):
-        free = budget_lanes - int(lanes[b].sum())
-        for h in np.argsort(-rest[b], kind="stable"):
+def _whole_lanes(
+    counts: list[list[int]], total: int, least: int, cap: int, width: int
+) -> list[list[int]]:
+    """``counts`` (``[B][H]``) rounded to multiples of ``width``: down, then the lanes left
+    of ``total // width`` to the largest remainders (ties: the lower head), within
+    ``[least, cap]``."""
+    out = []
+    for row in counts:
+        row = [min(max(c, least), cap) for c in row]
+        lanes = [c // width for c in row]
+        free = total // width - sum(lanes)
+        for h in sorted(range(len(row)), key=lambda h: -(row[h] - lanes[h] * width)):
             if free <= 0:
                 break
-            if (lanes[b, h] + 1) * width <= cap:
-                lanes[b, h] += 1
+            if (lanes[h] + 1) * width <= cap:
+                lanes[h] += 1
                 free -= 1
-    return (lanes * width).astype(np.int32)
+        out.append([c * width for c in lanes])
+    return out
 
 
 def cut(
     live: KVSlots,
     scores: mx.array,
     protected: mx.array,
-    counts: np.ndarray,
+    counts: list[list[int]],
     width: int,
 ) -> Lanes:
     """Each head's best ``counts[b, h]`` rows of ``live`` (protected first, by ``scores``,
     ties lost by the oldest), in slot order, as lanes of ``width``. Every batch row keeps the
     same total (``counts.sum(axis=1)`` equal)."""
     B, H, n = live.positions.shape
-    totals = counts.sum(axis=1)
-    if counts.shape != (B, H) or (counts % width).any() or (totals != totals[0]).any():
+    totals = {sum(row) for row in counts}
+    shape_ok = len(counts) == B and all(len(row) == H for row in counts)
+    if not shape_ok or any(c % width for row in counts for c in row) or len(totals) != 1:
         raise ValueError(
             f"counts must be [B, H] = {(B, H)} whole lanes of {width} with equal row totals"
         )
     rank = _ranks(scores, live.positions, protected)
-    keep = rank < mx.array(counts)[..., None]
-    T = int(totals[0])
+    keep = rank < mx.array(counts, dtype=mx.int32)[..., None]
+    T = totals.pop()
     # kept rows first, head by head in slot order: flat index h * n + i
     flat = mx.arange(H * n, dtype=mx.int32).reshape(1, H, n)
     key = mx.where(keep, flat, H * n + flat).reshape(B, H * n)
@@ -343,11 +350,12 @@ def global_totals(
     k = max(0, budget * sum(heads) - sum(floors))
     pool = mx.concatenate(pools)
     k = min(k, int((pool > -mx.inf).sum().item()))  # type: ignore[arg-type]
-    won = np.zeros(len(scores), dtype=np.int64)
+    won = [0] * len(scores)
     if k > 0:
-        best = np.array(mx.argsort(pool)[pool.shape[0] - k :])
-        won = np.bincount(np.searchsorted(np.cumsum(sizes), best, side="right"),
-                          minlength=len(scores))
+        ends = mx.array([sum(sizes[: i + 1]) for i in range(len(sizes))])
+        best = mx.argsort(pool)[pool.shape[0] - k :]
+        layer = (best[:, None] >= ends[None, :]).sum(axis=-1)  # the layer of every row won
+        won = mx.stack([(layer == i).sum() for i in range(len(scores))]).tolist()  # type: ignore[assignment]
     return [
         min(h * c, width * ((f + int(e)) // width))
         for h, c, f, e in zip(heads, caps, floors, won, strict=True)
@@ -367,3 +375,25 @@ def check_allocation(allocation: object, floor: object) -> None:
         raise TypeError(f"allocation_floor must be a float in [0, 1], got {floor!r}")
     if not 0.0 <= float(floor) <= 1.0:
         raise ValueError(f"allocation_floor must be in [0, 1], got {floor!r}")
+
+
+def allot(
+    live: KVSlots,
+    scores: mx.array,
+    protected: mx.array,
+    *,
+    budget: int,
+    floor: float,
+    total: int | None = None,
+) -> Lanes:
+    """``live`` (``[B, H, n]`` rows) cut to adaptive shares, as lanes of
+    :func:`lane_width` ``(budget)``: ``total`` rows per batch row across the heads (default
+    ``budget * H``: the uniform cut's bytes), every head at least ``floor`` of its uniform
+    share and its ``protected`` rows, the rest by ``scores`` (float ``[B, H, n]``)."""
+    H = int(live.positions.shape[1])
+    width = lane_width(budget)
+    n_protected = int(protected.astype(mx.int32).sum(axis=-1).max().item())  # type: ignore[arg-type]
+    least = floor_rows(budget, floor, n_protected, width)
+    total = budget * H if total is None else total
+    counts = shares(scores, live.positions, protected, total, least, width)
+    return cut(live, scores, protected, counts, width)

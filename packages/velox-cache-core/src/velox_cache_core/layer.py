@@ -453,12 +453,14 @@ class Layer:
                 "evict it consistently with the model's other uses of it; serve this model "
                 "with method='full'"
             )
-        if self.policy.traits.hides_rows(self.state):
-            # The model attended by itself, over rows only the hook's masks hide.
+        if self.policy.traits.hides_rows(self.state) or self.state.lanes is not None:
+            # The model attended by itself: over rows only the hook's masks hide, or without
+            # the rows an adaptive allocation keeps per head (lanes), which only it reads.
             raise RuntimeError(
-                f"this {self.policy.name} cache holds pad slots that only the attention hook "
-                "hides, and the last call ran without it: install it "
-                "(velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model does)"
+                f"this {self.policy.name} cache holds rows that only the attention hook "
+                "attends correctly (pad slots or per-head lanes), and the last call ran "
+                "without it: install it (velox_mlx_lm.install_attention_hook(model); "
+                "KVCacheBuilder.for_model does)"
             )
         if isinstance(pending, Decided):  # attention never came back
             self.state = self._after_call(self.state, pending.length)

@@ -43,6 +43,9 @@ class Policy:
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
     (TOVA: ``tova``, ``tova_adapted``); the chosen name is passed to ``init`` as ``preset``.
+    upgrade: optional ``upgrade(settings) -> (settings, fix)`` for prompt caches saved by an
+    older release: the saved settings (and scalar running fields) under today's names, and a
+    function the loaded state goes through (or ``None``).
     packs_rows: whether rows of a batch at different positions can decode as one call
     (``update(..., row_start=...)``): the decode rule and ``evict_before`` read positions only
     from the slots and ``Call.newest``/``Call.positions``, and every running field but the
@@ -65,6 +68,9 @@ class Policy:
     compressor: Compressor | None = None
     help: Mapping[str, str] = field(default_factory=dict)
     summary: Mapping[str, str] = field(default_factory=dict)
+    upgrade: (
+        Callable[[dict[str, Any]], tuple[dict[str, Any], Callable[[Any], Any] | None]] | None
+    ) = None
 
     @property
     def prompt_end_needs_model(self) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.rows import dense, row_bytes
+from velox_cache_core.lanes import Lanes
+from velox_cache_core.rows import concat, dense, row_bytes
 from velox_cache_core.slots import KVSlots, stored_fields
 
 _RUNNING = "velox_running"
@@ -47,6 +48,9 @@ class PolicyState:
     slots: KVSlots | None = running()
     offset: int = running(0)
     tokens_seen: int = running(0)
+    # rows an adaptive allocation kept, heads holding different counts (velox_cache_core.lanes);
+    # ``slots`` then holds the rows that came after the cut
+    lanes: Lanes | None = running()
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -54,12 +58,26 @@ class PolicyState:
         return {name: getattr(self, name) for name in setting_fields(self)}
 
     def _live(self) -> KVSlots | None:
-        return None if self.slots is None else self.slots.compact()
+        """The retained rows per head: with :attr:`lanes`, every head's lane rows padded to
+        the fullest head (zero rows at position :data:`~velox_cache_core.lanes.PAD`), then
+        the rows after the cut (a view to read, never what attention runs over)."""
+        if self.slots is None:
+            return None
+        live = self.slots.compact()
+        if self.lanes is None:
+            return live
+        heads = self.lanes.per_head(int(live.positions.shape[1]))
+        return KVSlots(
+            keys=concat([heads.keys, dense(live.keys)], axis=2),
+            values=concat([heads.values, dense(live.values)], axis=2),
+            positions=mx.concatenate([heads.positions, live.positions], axis=2),
+        )
 
     @property
     def keys(self) -> mx.array | None:
         """``[B, H_kv, n_kept, D]`` retained keys, rows in slot order (same as ``positions``);
-        dequantized when the store holds quantized rows."""
+        dequantized when the store holds quantized rows; with :attr:`lanes`, each head padded
+        as :meth:`_live` says."""
         live = self._live()
         return None if live is None else dense(live.keys)
 
@@ -81,20 +99,25 @@ class PolicyState:
 
     @property
     def tokens_kept(self) -> int:
-        """Retained tokens per (batch row, KV head)."""
-        return self.n_kept
+        """Retained tokens per (batch row, KV head), averaged over the heads when an adaptive
+        allocation gave them different counts (:attr:`lanes`)."""
+        if self.lanes is None or self.slots is None:
+            return self.n_kept
+        heads = int(self.slots.positions.shape[1])
+        return self.n_kept + self.lanes.n_lanes * self.lanes.width // heads
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values the state holds: ``n_held`` rows of keys and values
-        per (batch row, KV head), where ``n_held`` (:attr:`KVSlots.n_held`) is the kept rows
-        plus the dead slot a decode step leaves and the rows a growing store reserves. A row
-        is ``(D + D_v) * itemsize`` bytes at full precision; quantized, its packed words plus
+        """Bytes of the keys and values the state holds: the :attr:`lanes` rows, if any, and
+        ``n_held`` rows of keys and values per (batch row, KV head), where ``n_held``
+        (:attr:`KVSlots.n_held`) is the kept rows plus the dead slot a decode step leaves and
+        the rows a growing store reserves. A row is ``(D + D_v) * itemsize`` bytes at full precision; quantized, its packed words plus
         its scales and biases (:func:`~velox_cache_core.rows.row_bytes`)."""
         if self.slots is None:
             return 0
         per_row = row_bytes(self.slots.keys) + row_bytes(self.slots.values)
-        return self.slots.n_held * per_row
+        lanes = 0 if self.lanes is None else self.lanes.nbytes
+        return self.slots.n_held * per_row + lanes
 
     @property
     def held_nbytes(self) -> int:
@@ -105,8 +128,10 @@ class PolicyState:
             B, H = self.slots.positions.shape[:2]
             total += B * H * self.slots.n_held * self.slots.positions.dtype.size
             total += 0 if self.slots.free is None else int(self.slots.free.nbytes)
+        if self.lanes is not None:  # their keys and values are in nbytes already
+            total += int(self.lanes.positions.nbytes) + int(self.lanes.owner.nbytes)
         for name in running_fields(self):
-            if name != "slots":
+            if name not in ("slots", "lanes"):
                 total += arrays_nbytes(getattr(self, name))
         return total
 

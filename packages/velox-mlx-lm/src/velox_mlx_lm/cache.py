@@ -182,7 +182,9 @@ class PolicyKVCache(VeloxKVCache):
             self._layer.tie(value)
 
     def size(self) -> int:
-        return int(self._layer.view().n_kept)
+        """Rows held per KV head (averaged over the heads when an adaptive allocation gave
+        them different counts)."""
+        return int(self._layer.view().tokens_kept)
 
     def empty(self) -> bool:
         return self._layer.empty()

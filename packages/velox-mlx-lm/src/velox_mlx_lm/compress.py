@@ -16,9 +16,9 @@ context sits in), then the chunk's context tokens, teacher-forced. Each context 
 the largest attention weight the chunk that repeats it gives it (see
 ``velox_cache_core.policies.kvzip.reconstruction_scores``), the rows are cut to ``budget`` per
 KV head on average (``allocation="global"``, the default: one threshold across every head of
-every layer, found here; ``"layer"``; ``"head"``: uniform), and the reconstruction tokens leave
-nothing behind: the cache holds the context alone,
-with its true positions and ``offset == len(context)``.
+every layer, found here; ``"head"``: each layer's heads by score; ``"uniform"``), and the
+reconstruction tokens leave nothing behind: the cache holds the context alone, with its true
+positions and ``offset == len(context)``.
 """
 
 from __future__ import annotations

@@ -125,6 +125,9 @@ def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     skeleton = meta.pop("undo", None)
     bits, group = meta.pop("kv_bits", None), meta.pop("kv_group_size", 64)
     quant = Quant.of(bits, group)
+    fix = None
+    if policy.upgrade is not None:  # saved by an older release
+        meta, fix = policy.upgrade(meta)
     state_type = policy.state_type
     fields = {f.name for f in dataclasses.fields(state_type)}
     unknown = set(meta) - fields
@@ -146,6 +149,8 @@ def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
         if value is not None:
             changes[name] = value
     after = replace(state, **changes)
+    if fix is not None:
+        after = fix(after)
     budget = policy.traits.budget(after)
     if policy.prompt_end is None and budget is not None and after.n_kept > budget:
         raise ValueError(

@@ -54,7 +54,7 @@ class DepthSettings:
     n_trials: int = 6  # the retrieval table's first trials (it runs 30)
     retrieval_tokens: int = 1800  # the document before the facts are planted (as the table)
     budget: int = 512
-    allocations: tuple[str, ...] = ("global", "layer")
+    allocations: tuple[str, ...] = ("global", "head")
     chunk: int = 256  # prefill step (the table's)
     kvzip_chunk: int = CHUNK_SIZE  # reconstruction chunk (``compress(chunk_size=...)``)
     smoke: bool = False
@@ -70,7 +70,7 @@ def kept_share(caches: Sequence[Any], n: int) -> np.ndarray:
     ``0 .. n - 1`` (pad slots, at positions ``>= n``, are not rows of the context)."""
     out = np.zeros((len(caches), n))
     for layer, cache in enumerate(caches):
-        positions = np.array(cache.policy_state.slots.positions)[0]  # [H_kv, S]
+        positions = np.array(cache.policy_state.positions)[0]  # [H_kv, S], pads >= n
         for row in positions:
             out[layer, row[row < n]] += 1.0 / positions.shape[0]
     return out

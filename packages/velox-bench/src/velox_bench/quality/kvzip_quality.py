@@ -68,8 +68,8 @@ __all__ = [
 
 KVZIP_LATEST = Variant("kvzip (latest)", "kvzip", {"probe": "latest"})
 # The other ways to share the rows out (KVZIP: "global", the paper's default).
-KVZIP_LAYER = Variant("kvzip (layer)", "kvzip", {"allocation": "layer"})
-KVZIP_HEAD = Variant("kvzip (head)", "kvzip", {"allocation": "head"})
+KVZIP_LAYER = Variant("kvzip (head)", "kvzip", {"allocation": "head"})
+KVZIP_HEAD = Variant("kvzip (uniform)", "kvzip", {"allocation": "uniform"})
 GOAL = 0.8  # KVzip's accuracy / the full cache's, at every depth
 RESULTS_NAME = "kvzip_quality"
 

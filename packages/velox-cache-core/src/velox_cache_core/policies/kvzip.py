@@ -3,19 +3,19 @@
 
 While the context streams in nothing is evicted (like SnapKV); the last probe row is
 remembered. Compression then keeps, by score, ``budget`` rows per KV head on average: how they
-are shared out is ``allocation``:
+are shared out is ``allocation`` (the vocabulary of :mod:`velox_cache_core.lanes`):
 
 - ``"global"`` (the paper's and kvpress's default): one score threshold across every head of
-  every layer; the mlx-lm orchestration (``velox_mlx_lm.kvzip.compress``) finds it and gives each
+  every layer; the mlx-lm orchestration (``velox_mlx_lm.compress``) finds it and gives each
   layer its row total (:func:`global_totals`); heads and layers keep different counts;
-- ``"layer"``: ``budget * H_kv`` rows per layer, shared out across its heads by score (kvpress's
-  ``layerwise=True``);
-- ``"head"``: exactly ``budget`` rows per head (uniform).
+- ``"head"``: ``budget * H_kv`` rows per layer, shared out across its heads by score (AdaKV;
+  kvpress's ``layerwise=True``);
+- ``"uniform"``: exactly ``budget`` rows per head.
 
-Every head keeps its ``n_sink`` sinks. With ``global``/``layer`` the slot store, which holds one
-row count per layer, pads the heads that keep fewer rows than the layer's largest with *pad
-slots* (position :data:`PAD`, zero keys and values) that every mask hides; ``nbytes`` counts
-them (they are held), ``tokens_kept`` does not. The scores come from:
+Every head keeps its ``n_sink`` sinks and at least ``allocation_floor`` of its uniform share.
+With ``global``/``head`` the kept rows are held as lanes (:class:`~velox_cache_core.lanes.
+Lanes`): no head is padded, so the layer holds its total and not ``H_kv`` times its fullest
+head. The scores come from:
 
 - ``probe="reconstruct"`` (KVzip): the caller feeds a reconstruction prompt (an instruction to
   repeat the context, then the context itself) in chunks and passes each chunk's queries to
@@ -29,17 +29,22 @@ them (they are held), ``tokens_kept`` does not. The scores come from:
 
 After compression, ``after="append"`` keeps every new token (like SnapKV: the questions and
 answers grow the cache), ``after="tova"`` continues with TOVA's rule (scope ``head``,
-sequential prefill) at ``budget``.
+sequential prefill) at ``budget``, which needs the uniform cut (and takes it by default).
+
+Prompt caches saved before the allocation names changed (``"layer"``, and ``"head"`` for the
+equal cut, with pad slots) load under the new names (:func:`upgrade_saved`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from operator import attrgetter
-from typing import Literal
+from math import gcd
+from typing import Any, Literal
 
 import mlx.core as mx
 
+from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision
@@ -48,7 +53,6 @@ from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.registry import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
-from velox_cache_core.sequential import row_visibility
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
 from velox_cache_core.traits import Compressor, Scope, Signal, read_settings
@@ -56,11 +60,11 @@ from velox_cache_core.validation import check_budget_and_sinks, check_choice, ch
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
-ALLOCATIONS = ("global", "layer", "head")
+ALLOCATIONS = LN.ALLOCATIONS
 Probe = Literal["reconstruct", "latest"]
 After = Literal["append", "tova"]
-Allocation = Literal["global", "layer", "head"]
-PAD = 2**30  # position of a pad slot: after every real position, so no query ever sees it
+Allocation = Literal["uniform", "head", "global"]
+PAD = 2**30  # position of a pad slot in prompt caches saved before lanes (see upgrade_saved)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,26 +77,15 @@ class KVzipState(PolicyState):
     signal: Signal
     after: After
     allocation: Allocation = "global"
+    allocation_floor: float = LN.FLOOR
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
-    padded: bool = running(False)  # pad slots present (heads keep different row counts)
 
     @property
     def scope(self) -> Scope:
-        """What the engine reads for the mask layout: per KV head once TOVA decides or pad
-        slots are held."""
-        per_head = self.compressed and (self.after == "tova" or self.padded)
-        return "head" if per_head else "layer"
-
-    @property
-    def tokens_kept(self) -> int:
-        """Retained real rows per (batch row, KV head), averaged (pad slots left out)."""
-        if not self.padded or self.slots is None:
-            return self.n_kept
-        B, H, _ = self.slots.positions.shape
-        real = int((self.slots.positions < PAD).sum().item())  # type: ignore[arg-type]
-        return real // (B * H)
+        """What the engine reads for the mask layout: per KV head once TOVA decides."""
+        return "head" if self.compressed and self.after == "tova" else "layer"
 
     @property
     def rule(self) -> Rule:
@@ -106,20 +99,24 @@ def init_kvzip_state(
     probe: Probe = "reconstruct",
     signal: Signal = "query",
     after: After = "append",
-    allocation: Allocation = "global",
+    allocation: Allocation | None = None,
+    allocation_floor: float = LN.FLOOR,
 ) -> KVzipState:
     """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
-    ``after`` ``append`` or ``tova``; ``allocation`` ``global``, ``layer`` or ``head`` (how the
-    reconstruction scores share the rows out; ``probe="latest"`` always cuts per head, like
-    TOVA's oneshot cut). ``after="tova"`` continues with TOVA's per-head budget, so it needs
-    ``allocation="head"``."""
+    ``after`` ``append`` or ``tova``; ``allocation`` ``uniform``, ``head`` or ``global`` (how
+    the reconstruction scores share the rows out; ``probe="latest"`` always cuts uniformly,
+    like TOVA's oneshot cut; default ``global``, and ``uniform`` with ``after="tova"``, which
+    continues with TOVA's per-head budget and needs it); ``0 <= allocation_floor <= 1``: a
+    head's least share under ``head``/``global``, as a fraction of ``budget``."""
     check_budget_and_sinks(budget, n_sink)
-    check_choice("allocation", allocation, ALLOCATIONS)
     check_choice("after", after, AFTERS)
-    if after == "tova" and allocation != "head":
+    if allocation is None:
+        allocation = "uniform" if after == "tova" else "global"
+    LN.check_allocation(allocation, allocation_floor)
+    if after == "tova" and allocation != "uniform":
         raise ValueError(
-            f"after='tova' keeps exactly budget rows per KV head: it needs allocation='head' "
-            f"(got allocation={allocation!r})"
+            f"after='tova' keeps exactly budget rows per KV head: it needs "
+            f"allocation='uniform' (got allocation={allocation!r})"
         )
     return KVzipState(
         budget=budget,
@@ -128,6 +125,7 @@ def init_kvzip_state(
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
         after=after,
         allocation=allocation,
+        allocation_floor=float(allocation_floor),
     )
 
 
@@ -137,8 +135,6 @@ def kvzip_rule(state: KVzipState, call: Call, slots: KVSlots, candidates: KVSlot
     if state.compressed:
         if state.after == "tova":
             return decide_by_weights(state.rule, call, candidates)[0]
-        if state.padded:  # hide the pad slots: each query sees the positions up to its own
-            return Decision(candidates, mask=row_visibility(candidates.positions, call.positions()))
         return Decision(candidates)
     probe = call.probe(state.signal)
     past = state.history or History(probe[:, :, :0], call.positions()[:0])
@@ -197,62 +193,24 @@ def reconstruction_scores(
     return probs[..., sink : sink + end - start].max(axis=(2, 3))
 
 
-def global_totals(scores: list[mx.array], budget: int, n_sink: int) -> list[int]:
-    """Rows each layer keeps under ``allocation="global"``: one threshold over the non-sink
-    scores of every head of every layer (``scores``: one float ``[1, H_kv, n]`` per layer, the
-    same ``n``), so that ``budget - n_sink`` rows per head are kept on average; each layer's
-    total counts its sinks. Ties at the threshold are all kept. Batch size 1 only."""
+def _protected(state: KVzipState, positions: mx.array) -> mx.array:
+    return sinks(positions, state.n_sink)
+
+
+def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
+    """Rows each layer keeps under ``allocation="global"``: every head's floor, then one
+    threshold over the other scores of every head of every layer (``scores``: one float
+    ``[1, H_kv, n]`` per layer, the same ``n``, context rows in arrival order), so that the
+    model keeps at most ``budget`` rows per head on average
+    (:func:`velox_cache_core.lanes.global_totals`). Batch size 1 only."""
     if not scores:
         raise ValueError("global_totals() needs the scores of at least one layer")
-    if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
-        raise ValueError("global_totals() takes [1, H_kv, n] scores (one sequence)")
-    n = scores[0].shape[2]
-    sink = min(n_sink, n)
-    rest = [s[..., sink:].astype(mx.float32) for s in scores]
-    pool = mx.concatenate([r.reshape(-1) for r in rest])
-    heads = sum(int(s.shape[1]) for s in scores)
-    k = max(0, min(budget - n_sink, n - sink)) * heads
-    if k == 0:
-        return [sink * int(s.shape[1]) for s in scores]
-    threshold = mx.sort(pool)[pool.shape[0] - k]
-    counts: list[int] = mx.stack([(r >= threshold).sum() for r in rest]).tolist()  # type: ignore[assignment]
-    return [c + sink * int(s.shape[1]) for c, s in zip(counts, scores, strict=True)]
-
-
-def _shared_out(live: KVSlots, scores: mx.array, n_sink: int, total: int) -> tuple[KVSlots, bool]:
-    """Keep ``total`` rows per batch row across all its KV heads (sinks first, then the
-    highest ``scores``, ties lost by the oldest, then by the lower head); heads that keep fewer
-    than the most get pad slots. Returns (slots, any pad slot)."""
-    B, H, n = live.positions.shape
-    total = min(total, H * n)
-    positions = live.positions
-    # One row of H * n candidates; the tie-break key orders by position, then head.
-    age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
-    flat = highest_weights(
-        scores.reshape(B, 1, H * n),
-        age.reshape(B, 1, H * n),
-        sinks(positions, n_sink).reshape(B, 1, H * n),
-        total,
-    )[:, 0]
-    keep = mx.zeros((B, H * n), dtype=mx.bool_)
-    keep = mx.put_along_axis(keep, flat, mx.array(True), axis=-1).reshape(B, H, n)
-    counts = keep.sum(axis=-1)
-    cap = int(counts.max().item())  # type: ignore[arg-type]
-    # Per head: the kept rows first (in slot order), then the others, which become pads.
-    order = mx.argsort(mx.where(keep, 0, n) + mx.arange(n, dtype=mx.int32), axis=-1)[..., :cap]
-    chosen = live.take(order)
-    real = mx.arange(cap)[None, None, :] < counts[..., None]
-    padded = bool((counts < cap).any().item())
-    if not padded:
-        return chosen, False
-    return (
-        KVSlots(
-            keys=R.apply(chosen.keys, lambda a: mx.where(real[..., None], a, 0)),
-            values=R.apply(chosen.values, lambda a: mx.where(real[..., None], a, 0)),
-            positions=mx.where(real, chosen.positions, PAD).astype(mx.int32),
-        ),
-        True,
-    )
+    n = int(scores[0].shape[2])
+    width = LN.lane_width(state.budget)
+    positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), s.shape) for s in scores]
+    protected = [_protected(state, p) for p in positions]
+    least = LN.floor_rows(state.budget, state.allocation_floor, min(state.n_sink, n), width)
+    return LN.global_totals(scores, positions, protected, state.budget, least, width)
 
 
 def kvzip_compress(
@@ -262,7 +220,8 @@ def kvzip_compress(
     ``budget`` rows per KV head with ``allocation="head"`` (the sinks, then the highest scores,
     ties lost by the oldest); ``total`` rows across the layer's heads with ``global``/``layer``
     (default ``budget * H_kv``; for ``global``, the ``total`` :func:`global_totals` gives the
-    layer, or the default for a layer compressed alone), padded per head. Without ``scores``
+    layer, or the default for a layer compressed alone), held as lanes (heads keep different
+    counts, :mod:`velox_cache_core.lanes`). Without ``scores``
     (``probe="latest"`` only) the last probe row's weights decide, per head. A no-op on a
     compressed state."""
     if not isinstance(state, KVzipState):
@@ -278,13 +237,22 @@ def kvzip_compress(
     B, H, n = live.positions.shape
     if scores is not None and tuple(scores.shape) != (B, H, n):
         raise ValueError(f"scores must be [B, H_kv, n] = {(B, H, n)}, got {tuple(scores.shape)}")
-    if scores is not None and state.allocation != "head":
-        if total is None:  # a layer alone: "global" over this one layer is "layer"
+    if scores is not None and state.allocation != "uniform":
+        if total is None:  # a layer alone: "global" over this one layer is "head"
             total = state.budget * H
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        slots, padded = _shared_out(live, scores.astype(mx.float32), state.n_sink, total)
-        return replace(done, slots=slots, padded=padded)
+        if n <= state.budget:
+            return done
+        lanes = LN.allot(
+            live,
+            scores.astype(mx.float32),
+            _protected(state, live.positions),
+            budget=state.budget,
+            floor=state.allocation_floor,
+            total=total,
+        )
+        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     if n <= state.budget:
         return done
     if scores is None:
@@ -302,6 +270,35 @@ def kvzip_end_prompt(state: KVzipState) -> KVzipState:
     return kvzip_compress(state)
 
 
+def _from_pads(state: KVzipState) -> KVzipState:
+    """A state saved with pad slots (each head padded to the fullest with position
+    :data:`PAD`) holding the same real rows as lanes."""
+    if state.slots is None:
+        return state
+    live = state.slots.compact()
+    real = live.positions < PAD
+    counts: list[list[int]] = real.astype(mx.int32).sum(axis=-1).tolist()  # type: ignore[assignment]
+    width = 0
+    for c in (c for row in counts for c in row):
+        width = gcd(width, c)
+    lanes = LN.cut(live, real.astype(mx.float32), mx.zeros_like(real), counts, max(width, 1))
+    return replace(state, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
+
+
+def upgrade_saved(meta: dict[str, Any]) -> tuple[dict[str, Any], Callable[[Any], Any] | None]:
+    """Settings of a prompt cache saved before the allocation vocabulary changed (it has a
+    ``padded`` field) under the new names: ``"head"`` (exactly budget per head) is now
+    ``"uniform"``, ``"layer"`` (a layer's heads by score) is ``"head"``; pad slots become
+    lanes (the second value: the fix to apply to the loaded state)."""
+    if "padded" not in meta:
+        return meta, None
+    meta = dict(meta)
+    padded = bool(meta.pop("padded"))
+    old = meta.get("allocation", "global")
+    meta["allocation"] = {"head": "uniform", "layer": "head"}.get(old, old)
+    return meta, _from_pads if padded else None
+
+
 def _check_whole(state: KVzipState) -> None:
     _context(state)
 
@@ -314,7 +311,7 @@ def _shares(scores: list[mx.array], state: KVzipState) -> list[int | None]:
     """One threshold over every layer for ``allocation="global"``; else each layer alone."""
     if state.allocation != "global":
         return [None] * len(scores)
-    return list(global_totals(scores, state.budget, state.n_sink))
+    return list(global_totals(scores, state))
 
 
 KVZIP = Policy(
@@ -324,7 +321,8 @@ KVZIP = Policy(
     kvzip_rule,
     prompt_end=kvzip_end_prompt,
     grows_after_prompt_end=True,
-    traits=read_settings("signal", "budget", "scope", hides_rows=attrgetter("padded")),
+    traits=read_settings("signal", "budget", "scope"),
+    upgrade=upgrade_saved,
     compressor=Compressor(
         needs_pass=_needs_pass,
         check=_check_whole,
@@ -340,8 +338,10 @@ KVZIP = Policy(
         "budget": "rows kept per KV head (on average, with allocation global or layer)",
         "probe": "what scores the context: a reconstruction pass, or its last query",
         "after": "after the cut, keep every new token (append) or evict by TOVA (tova)",
-        "allocation": "how the rows are shared out: over every layer's heads, each layer's, "
-        "or exactly budget per head",
+        "allocation": "how the rows are shared out: exactly budget per head (uniform), a "
+        "layer's heads by score (head, AdaKV) or every layer's heads (global)",
+        "allocation_floor": "a head's least share under head/global allocation, as a "
+        "fraction of budget",
     },
 )
 kvzip_update = KVZIP.update

@@ -6,6 +6,13 @@ While the prompt streams in nothing is evicted; the last ``window`` probe rows a
 (summed over the rows, averaged within each GQA group), smooths the scores with
 ``avg_pool1d`` (``kernel``, zero padding, stride 1), and keeps the window plus the top scores up
 to ``budget`` per KV head. Afterwards the cache grows: decode tokens are never evicted.
+
+``allocation="head"`` (AdaKV) shares the layer's ``budget * H_kv`` rows across its heads by
+the same scores instead, every head keeping its window and at least ``allocation_floor`` of
+its uniform share; the kept rows are then held as lanes (:mod:`velox_cache_core.lanes`), so the
+layer holds no more bytes than the uniform cut. ``global`` needs every layer's scores at once,
+which the per-layer prompt end does not have: it is refused (KVzip, cut by a model-wide pass,
+has it).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call, Decision
@@ -35,6 +43,8 @@ class SnapKVState(PolicyState):
     window: int
     kernel: int
     signal: Signal
+    allocation: str = "uniform"
+    allocation_floor: float = LN.FLOOR
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
@@ -44,10 +54,23 @@ WINDOW = 32  # the paper's observation window, where the budget leaves room for 
 
 
 def init_snapkv_state(
-    budget: int = 512, window: int | None = None, kernel: int = 5, signal: Signal = "query"
+    budget: int = 512,
+    window: int | None = None,
+    kernel: int = 5,
+    signal: Signal = "query",
+    allocation: str = "uniform",
+    allocation_floor: float = LN.FLOOR,
 ) -> SnapKVState:
     """Empty SnapKV state: ``1 <= window < budget`` (``None``: ``min(32, budget - 1)``, so a
-    small budget needs no window of its own), odd ``kernel >= 1``."""
+    small budget needs no window of its own), odd ``kernel >= 1``; ``allocation``
+    ``uniform`` or ``head`` (``global`` is refused: see the module doc), ``0 <=
+    allocation_floor <= 1``."""
+    LN.check_allocation(allocation, allocation_floor)
+    if allocation == "global":
+        raise ValueError(
+            "allocation='global' needs every layer's scores at once, which SnapKV's per-layer "
+            "prompt end does not have: use 'uniform' or 'head' (kvzip offers 'global')"
+        )
     check_int("budget", budget, minimum=2)
     if window is None:
         window = min(WINDOW, budget - 1)
@@ -62,6 +85,8 @@ def init_snapkv_state(
         window=window,
         kernel=kernel,
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
+        allocation=allocation,
+        allocation_floor=float(allocation_floor),
     )
 
 
@@ -106,6 +131,12 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]
     # Prompt slots are in arrival order until the first cut: the last W are the window.
     scores = avg_pool1d(scores[..., : n - W], state.kernel)
+    if state.allocation != "uniform":
+        B, H = scores.shape[:2]
+        window_rows = mx.broadcast_to(mx.arange(n) >= n - W, (B, H, n))
+        full = mx.concatenate([scores, mx.full((B, H, W), mx.inf)], axis=-1)
+        lanes = LN.allot(live, full, window_rows, budget=state.budget, floor=state.allocation_floor)
+        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     top = mx.argsort(-scores, axis=-1)[..., : state.budget - W]
     B, H = scores.shape[:2]
     window = mx.broadcast_to(mx.arange(n - W, n), (B, H, W))
@@ -129,6 +160,9 @@ SNAPKV = Policy(
         "window": "latest prompt queries whose attention decides the cut "
         f"(default: min({WINDOW}, budget - 1))",
         "kernel": "width of the moving average over the scores (odd)",
+        "allocation": "how the cut shares the rows: budget per head (uniform) or a layer's "
+        "heads by score (head, AdaKV)",
+        "allocation_floor": "a head's least share under head allocation, as a fraction of budget",
     },
 )
 snapkv_update = SNAPKV.update
