@@ -112,7 +112,8 @@ class PolicyState:
         ``n_held`` rows of keys and values per (batch row, KV head), where ``n_held``
         (:attr:`KVSlots.n_held`) is the kept rows plus the dead slot a decode step leaves and
         the rows a growing store reserves. A row is ``(D + D_v) * itemsize`` bytes at full
-        precision; quantized, its packed words plus its scales and biases (:func:`~velox_cache_core.rows.row_bytes`)."""
+        precision; quantized, its packed words plus its scales and biases
+        (:func:`~velox_cache_core.rows.row_bytes`)."""
         if self.slots is None:
             return 0
         per_row = row_bytes(self.slots.keys) + row_bytes(self.slots.values)
