@@ -265,7 +265,7 @@ CASES: dict[str, Case] = {
             ({"signal": "value"}, "signal"),
             ({"budget": 1, "window": 1}, "budget"),
             ({"allocation": "global"}, "allocation"),
-            ({"allocation": "head", "allocation_floor": -1}, "allocation_floor"),
+            ({"allocation": "head", "allocation_floor": -1.0}, "allocation_floor"),
         ],
         ok=[{"budget": 2, "window": 1, "kernel": 1}, {"allocation": "head"}],
     ),
