@@ -534,10 +534,18 @@ class Layer:
             self.log = self.log.cleared()
         return ended
 
+    def _forget_call(self) -> None:
+        """Drop what the last call attended over: after a cut outside a forward pass it is
+        the whole uncut context, which nothing reads any more (a layer sharing these keys
+        reads them within the same pass)."""
+        self.fetched = None
+        self.last = None
+
     def end_prompt(self) -> None:
         """End the prompt now (a no-op for policies without a prompt-end step)."""
         self.settle()
         self.state = self._end_prompt(self.state)
+        self._forget_call()
 
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
@@ -603,6 +611,7 @@ class Layer:
         state = self.compressor.cut(state, scores, total)  # raises: unchanged
         self.phase = None
         self.state = state
+        self._forget_call()
         if self.log is not None:  # the cut cannot be undone
             self.log = self.log.cleared()
 
