@@ -1,0 +1,90 @@
+"""One layer's decode step after an adaptive cut (lanes) against the uniform cut, side by side.
+
+B 1, 32 query / 8 KV heads, head_dim 128: a 2,048-token prompt cut by SnapKV to ``budget`` rows
+per KV head, ``allocation="uniform"`` (one ordinary store) or ``"head"`` (AdaKV's shares held as
+lanes, :mod:`velox_cache_core.lanes`); then decode steps (update plus attention through
+``cache.attend``, what the hook calls), everything evaluated, timed in alternating rounds in one
+process. Prints medians and the ratio ``head / uniform`` (issue 34: at most 1.2).
+
+    python tools/adaptive_decode_step.py [--budget 512] [--rounds 7] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from velox_blas import preload_openblas
+
+BLAS = preload_openblas()  # before mlx is imported
+
+import mlx.core as mx  # noqa: E402
+
+from velox_mlx_lm import KVCacheConfig, KVCacheFactory  # noqa: E402
+
+B, H_Q, H_KV, D, PROMPT = 1, 32, 8, 128, 2048
+SCALE = D**-0.5
+MODES = ("uniform", "head")
+
+
+def cut_cache(mode: str, budget: int) -> Any:
+    """A SnapKV cache after a ``PROMPT``-token prompt, cut with ``mode``; per-head key scales
+    differ so that AdaKV's shares do."""
+    config = KVCacheConfig(method="snapkv", snapkv_budget=budget, snapkv_allocation=mode)
+    cache = KVCacheFactory.create(config)
+    spread = mx.linspace(0.5, 2.0, H_KV).reshape(1, H_KV, 1, 1)
+    k = mx.random.normal((B, H_KV, PROMPT, D), key=mx.random.key(0)) * spread
+    v = mx.random.normal((B, H_KV, PROMPT, D), key=mx.random.key(1))
+    q = mx.random.normal((B, H_Q, PROMPT, D), key=mx.random.key(2))
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.attend(q, SCALE, None, None))
+    cache.layer.end_prompt()
+    mx.eval(cache.layer.state.lanes.arrays() if mode != "uniform" else [])
+    return cache
+
+
+def step(cache: Any, k: mx.array, v: mx.array, q: mx.array) -> None:
+    keys, values = cache.update_and_fetch(k, v)
+    del keys, values  # the attention hook ignores them and calls cache.attend
+    out = cache.attend(q, SCALE, None, None)
+    mx.eval(out, *cache.policy_state.slots.arrays())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    print(f"BLAS: {BLAS}; device: {mx.default_device()}")
+    caches = {mode: cut_cache(mode, args.budget) for mode in MODES}
+    lanes = caches["head"].layer.state.lanes
+    counts = lanes.counts(H_KV).tolist()[0]
+    print(f"head allocation: {lanes.n_lanes} lanes of {lanes.width} rows; rows per head {counts}")
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode, cache in caches.items():
+            inputs = [
+                (
+                    mx.random.normal((B, H_KV, 1, D)),
+                    mx.random.normal((B, H_KV, 1, D)),
+                    mx.random.normal((B, H_Q, 1, D)),
+                )
+                for _ in range(args.steps)
+            ]
+            mx.eval(inputs)
+            start = time.perf_counter()
+            for k, v, q in inputs:
+                step(cache, k, v, q)
+            times[mode].append((time.perf_counter() - start) / args.steps)
+    base = statistics.median(times["uniform"])
+    print(f"{'allocation':12}{'median ms':>12}{'vs uniform':>12}")
+    for mode, ts in times.items():
+        median = statistics.median(ts)
+        print(f"{mode:12}{median * 1e3:12.3f}{median / base:12.2f}")
+
+
+if __name__ == "__main__":
+    main()
