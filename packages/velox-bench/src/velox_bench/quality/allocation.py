@@ -1,0 +1,297 @@
+"""Adaptive allocation's quality (issue 34): ``uniform``, ``head`` and ``global`` for every policy
+that offers them, on the embedded model and real text.
+
+The variants come from the registry: every policy whose ``init`` takes ``allocation`` and
+accepts a mode (``velox_cache_core.lanes.ALLOCATIONS``) is run in that mode, so a policy that
+gains the setting joins by itself.
+
+- **Perplexity against budget, after a cut.** A real-text document; its first ``prompt_tokens``
+  are the prompt, cut once (the policy's prompt end, or KVzip's reconstruction pass), then the
+  next ``continuation`` tokens are scored teacher-forced, in one chunk, over the cut cache.
+  SnapKV and KVzip append after their cut, so one chunk scores exactly what token by token
+  would. The full cache scores the same tokens.
+- **Retrieval by depth.** Pass keys planted at 10%, 50% and 90% of a real document
+  (``retrieval.build_prompt``), one question per depth, answered teacher-forced over the cut cache
+  (``retrieval.run_trials``); exact-match accuracy per depth and mean log-probability against
+  the full cache.
+- **Bytes.** The ``nbytes`` each cut holds (summed over layers), against the uniform cut.
+
+``python -m velox_bench.quality.allocation`` (or ``nox -s bench -- allocation_quality``) writes
+``benchmarks/results/allocation_quality.json`` and ``benchmarks/figures/allocation_quality.png``.
+"""
+
+from __future__ import annotations
+
+from velox_bench.blas import preload
+
+preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import math  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from velox_bench.quality import corpus, retrieval  # noqa: E402
+from velox_bench.quality.run import Progress, environment  # noqa: E402
+from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # noqa: E402
+from velox_cache_core import POLICIES  # noqa: E402
+from velox_cache_core.lanes import ALLOCATIONS  # noqa: E402
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_mlx_lm.embedded import load_default  # noqa: E402
+from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402
+
+NAME = "allocation_quality"
+
+
+@dataclass(frozen=True)
+class AllocationSettings:
+    """What one run measures (the defaults are the full run: about 40 minutes on 2 CPUs)."""
+
+    budgets: tuple[int, ...] = (64, 128, 256)
+    prompt_tokens: int = 1536
+    continuation: int = 256
+    retrieval_tokens: int = 1000
+    retrieval_budget: int = 128
+    n_trials: int = 5
+    smoke: bool = False
+
+    @classmethod
+    def smoke_run(cls) -> AllocationSettings:
+        """CI size: one budget, a 200-token prompt, one retrieval trial."""
+        return cls(
+            budgets=(64,),
+            prompt_tokens=200,
+            continuation=32,
+            retrieval_tokens=200,
+            retrieval_budget=64,
+            n_trials=1,
+            smoke=True,
+        )
+
+
+def variants() -> list[tuple[str, str]]:
+    """``(method, allocation)`` for every registered policy that takes ``allocation``, in every
+    mode its ``init`` accepts (a refused mode raises ``ValueError`` and is left out)."""
+    out = []
+    for name in sorted(POLICIES):
+        policy = POLICIES[name]
+        if "allocation" not in inspect.signature(policy.init).parameters:
+            continue
+        method = policy.methods[0]
+        for mode in ALLOCATIONS:
+            try:
+                policy.init_for(method, allocation=mode)
+            except ValueError:
+                continue
+            out.append((method, mode))
+    return out
+
+
+def _config(method: str, allocation: str | None, budget: int) -> KVCacheConfig:
+    if allocation is None:
+        return KVCacheConfig(method="full")
+    return KVCacheConfig(
+        method=method, **{f"{method}_budget": budget, f"{method}_allocation": allocation}
+    )
+
+
+def _cut(model: Any, tokenizer: Any, caches: list[Any], prompt: list[int]) -> None:
+    """Fill ``caches`` with ``prompt`` and cut them once (KVzip's pass, or the prompt end)."""
+    prefill(model, caches, prompt, step=256)
+    if any(
+        getattr(c, "layer", None) is not None and c.layer.policy.name == "kvzip" for c in caches
+    ):
+        compress(model, tokenizer, caches, prompt)
+    for c in caches:
+        if getattr(c, "layer", None) is not None:
+            c.layer.end_prompt()
+
+
+def continuation_nll(
+    model: Any, tokenizer: Any, config: KVCacheConfig, ids: Sequence[int], prompt: int
+) -> tuple[float, int]:
+    """(mean negative log-likelihood of ``ids[prompt + 1:]``, bytes held after the cut): the
+    first ``prompt`` ids cut once, then the rest fed as one chunk."""
+    caches = KVCacheBuilder.for_model(model, config)
+    _cut(model, tokenizer, caches, list(ids[:prompt]))
+    held = sum(int(getattr(c, "nbytes", 0)) for c in caches)
+    rest = mx.array(list(ids[prompt:]), dtype=mx.int32)[None]
+    logits = model(rest, cache=caches)[0, :-1].astype(mx.float32)
+    targets = rest[0, 1:]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logprobs, targets[:, None], axis=-1).mean()
+    return float(nll.item()), held  # type: ignore[arg-type]
+
+
+def evaluate(settings: AllocationSettings) -> dict[str, Any]:
+    model, tokenizer = load_default()
+    encode = tokenizer.encode
+    rows = variants()
+    n_ppl = (1 + len(rows) * len(settings.budgets)) * (
+        settings.prompt_tokens + settings.continuation
+    )
+    n_ret = (1 + len(rows)) * settings.n_trials * settings.retrieval_tokens
+    progress = Progress(n_ppl + n_ret)
+    total = settings.prompt_tokens + settings.continuation
+    document = corpus.most_recent(1, total, encode)[0]
+    ids = encode(document.text())[:total]
+    full_nll, full_bytes = continuation_nll(
+        model, tokenizer, KVCacheConfig(method="full"), ids, settings.prompt_tokens
+    )
+    progress.advance(total)
+    perplexity = [
+        {
+            "method": "full",
+            "allocation": None,
+            "budget": None,
+            "ppl": math.exp(full_nll),
+            "kv_bytes": full_bytes,
+        }
+    ]
+    for budget in settings.budgets:
+        for method, mode in rows:
+            nll, held = continuation_nll(
+                model, tokenizer, _config(method, mode, budget), ids, settings.prompt_tokens
+            )
+            perplexity.append(
+                {
+                    "method": method,
+                    "allocation": mode,
+                    "budget": budget,
+                    "ppl": math.exp(nll),
+                    "kv_bytes": held,
+                }
+            )
+            progress.advance(total)
+    source = corpus.most_recent(1, settings.retrieval_tokens, encode)[0]
+    base = retrieval.cut_document(source.text(), settings.retrieval_tokens, encode)
+    prompts = [
+        retrieval.build_prompt(tokenizer, base, retrieval.facts(t))
+        for t in range(settings.n_trials)
+    ]
+    answers = {}
+    for method, mode in [("full", None), *rows]:
+        config = _config(method, mode, settings.retrieval_budget)
+        answers[(method, mode)] = retrieval.run_trials(model, config, prompts, tokenizer=tokenizer)
+        progress.advance(settings.n_trials * settings.retrieval_tokens)
+    progress.close()
+    reference = [a for trial in answers[("full", None)] for a in trial]
+    by_depth = []
+    for (method, mode), got in answers.items():
+        flat = [a for trial in got for a in trial]
+        depths = {
+            f"{d:.0%}": float(np.mean([trial[i].correct for trial in got]))
+            for i, d in enumerate(retrieval.DEPTHS)
+        }
+        by_depth.append(
+            {
+                "method": method,
+                "allocation": mode,
+                **retrieval.answer_stats(flat, reference),
+                "by_depth": depths,
+            }
+        )
+    return {
+        "settings": asdict(settings),
+        "environment": environment(),
+        "perplexity": perplexity,
+        "retrieval": {"budget": settings.retrieval_budget, "rows": by_depth},
+    }
+
+
+def summary(results: dict[str, Any]) -> str:
+    """Markdown tables: perplexity (and bytes against uniform) per budget; retrieval by depth."""
+    rows = results["perplexity"]
+    full = rows[0]
+    budgets = sorted({r["budget"] for r in rows[1:]})
+    lines = [
+        f"Perplexity of the continuation after the cut (full cache: {full['ppl']:.3f})",
+        "",
+        "| method | allocation | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in budgets) + " |",
+    ]
+    uniform = {
+        (r["method"], r["budget"]): r["kv_bytes"] for r in rows[1:] if r["allocation"] == "uniform"
+    }
+    for key in dict.fromkeys((r["method"], r["allocation"]) for r in rows[1:]):
+        cells = []
+        for b in budgets:
+            r = next(
+                x for x in rows[1:] if (x["method"], x["allocation"], x["budget"]) == (*key, b)
+            )
+            ratio = (
+                r["kv_bytes"] / uniform[(key[0], b)] if uniform.get((key[0], b)) else float("nan")
+            )
+            cells.append(f"{r['ppl']:.3f} ({ratio:.2f}x bytes)")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    ret = results["retrieval"]
+    depths = list(ret["rows"][0]["by_depth"])
+    lines += [
+        "",
+        f"Retrieval at budget {ret['budget']}: exact match by depth, mean log-probability vs full",
+        "",
+        "| method | allocation | " + " | ".join(depths) + " | logprob vs full |",
+        "| --- | --- | " + " | ".join("---:" for _ in depths) + " | ---: |",
+    ]
+    for r in ret["rows"]:
+        cells = " | ".join(f"{r['by_depth'][d]:.0%}" for d in depths)
+        lines.append(
+            f"| {r['method']} | {r['allocation'] or '-'} | {cells} | {r['logprob_vs_full']:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["perplexity"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.axhline(rows[0]["ppl"], color="black", linestyle=":", label="full")
+    for key in dict.fromkeys((r["method"], r["allocation"]) for r in rows[1:]):
+        pts = sorted(
+            (r["budget"], r["ppl"]) for r in rows[1:] if (r["method"], r["allocation"]) == key
+        )
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{key[0]} ({key[1]})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (rows per KV head, on average)")
+    ax.set_ylabel("perplexity of the continuation")
+    ax.set_title("Allocation modes at equal bytes (SmolLM2-135M)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, paths)
+
+
+def write(results: dict[str, Any]) -> list[Path]:
+    json_path = write_json(NAME, results)
+    return [json_path, *plot(results, [d / f"{NAME}.png" for d in figures_dirs()])]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the CI size")
+    parser.add_argument("--budgets", type=int, nargs="+", help="perplexity budgets")
+    parser.add_argument("--trials", type=int, help="retrieval questions per depth")
+    args = parser.parse_args(argv)
+    settings = AllocationSettings.smoke_run() if args.smoke or smoke() else AllocationSettings()
+    if args.budgets:
+        settings = AllocationSettings(**{**asdict(settings), "budgets": tuple(args.budgets)})
+    if args.trials:
+        settings = AllocationSettings(**{**asdict(settings), "n_trials": args.trials})
+    results = evaluate(settings)
+    print(summary(results))
+    for path in write(results):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
