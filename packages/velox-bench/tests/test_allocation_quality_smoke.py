@@ -1,0 +1,40 @@
+"""Allocation quality: the variants come from the registry, and a CI-sized run through pytest
+as `nox -s bench -- allocation_quality` runs it (real caches, the embedded model, real text)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def test_variants_are_read_from_the_registry() -> None:
+    from velox_bench.quality.allocation import variants
+
+    got = variants()
+    assert ("kvzip", "global") in got and ("snapkv", "head") in got
+    assert ("snapkv", "global") not in got  # refused by SnapKV's init
+    assert all(method != "tova" for method, _ in got)  # no allocation setting (yet)
+
+
+@pytest.mark.quality
+@pytest.mark.model
+@pytest.mark.corpus
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedded_corpus")
+def test_allocation_quality_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
+    run_bench_smoke("test_allocation_quality.py")
+    out = json.loads((tmp_path / "allocation_quality.json").read_text())
+    assert out["settings"]["smoke"] is True
+    modes = {(r["method"], r["allocation"]) for r in out["perplexity"]}
+    assert {
+        ("kvzip", "uniform"),
+        ("kvzip", "head"),
+        ("kvzip", "global"),
+        ("snapkv", "head"),
+    } <= modes
+    rows = {(r["method"], r["allocation"]) for r in out["retrieval"]["rows"]}
+    assert ("full", None) in rows and modes - {("full", None)} <= rows
+    assert (tmp_path / "figures" / "allocation_quality.png").stat().st_size > 0
