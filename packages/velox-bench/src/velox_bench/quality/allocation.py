@@ -96,9 +96,8 @@ def variants() -> list[tuple[str, str]]:
 def _config(method: str, allocation: str | None, budget: int) -> KVCacheConfig:
     if allocation is None:
         return KVCacheConfig(method="full")
-    return KVCacheConfig(
-        method=method, **{f"{method}_budget": budget, f"{method}_allocation": allocation}
-    )
+    settings: dict[str, Any] = {f"{method}_budget": budget, f"{method}_allocation": allocation}
+    return KVCacheConfig(method=method, **settings)
 
 
 def _cut(model: Any, tokenizer: Any, caches: list[Any], prompt: list[int]) -> None:
@@ -175,15 +174,16 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
         retrieval.build_prompt(tokenizer, base, retrieval.facts(t))
         for t in range(settings.n_trials)
     ]
-    answers = {}
-    for method, mode in [("full", None), *rows]:
-        config = _config(method, mode, settings.retrieval_budget)
-        answers[(method, mode)] = retrieval.run_trials(model, config, prompts, tokenizer=tokenizer)
+    answers: dict[tuple[str, str | None], list[list[retrieval.Answer]]] = {}
+    compared: list[tuple[str, str | None]] = [("full", None), *rows]
+    for name, alloc in compared:
+        config = _config(name, alloc, settings.retrieval_budget)
+        answers[(name, alloc)] = retrieval.run_trials(model, config, prompts, tokenizer=tokenizer)
         progress.advance(settings.n_trials * settings.retrieval_tokens)
     progress.close()
     reference = [a for trial in answers[("full", None)] for a in trial]
     by_depth = []
-    for (method, mode), got in answers.items():
+    for (name, alloc), got in answers.items():
         flat = [a for trial in got for a in trial]
         depths = {
             f"{d:.0%}": float(np.mean([trial[i].correct for trial in got]))
@@ -191,8 +191,8 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
         }
         by_depth.append(
             {
-                "method": method,
-                "allocation": mode,
+                "method": name,
+                "allocation": alloc,
                 **retrieval.answer_stats(flat, reference),
                 "by_depth": depths,
             }
@@ -240,9 +240,9 @@ def summary(results: dict[str, Any]) -> str:
         "| --- | --- | " + " | ".join("---:" for _ in depths) + " | ---: |",
     ]
     for r in ret["rows"]:
-        cells = " | ".join(f"{r['by_depth'][d]:.0%}" for d in depths)
+        row = " | ".join(f"{r['by_depth'][d]:.0%}" for d in depths)
         lines.append(
-            f"| {r['method']} | {r['allocation'] or '-'} | {cells} | {r['logprob_vs_full']:+.2f} |"
+            f"| {r['method']} | {r['allocation'] or '-'} | {row} | {r['logprob_vs_full']:+.2f} |"
         )
     return "\n".join(lines)
 
