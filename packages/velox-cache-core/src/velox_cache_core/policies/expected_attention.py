@@ -353,8 +353,8 @@ def _score_new(state: ExpectedAttentionState, call: Call) -> mx.array:
     last scoring's normalizer."""
     keys = R.dense(call.keys)
     B, H = int(keys.shape[0]), int(keys.shape[1])
-    assert state.log_norm is not None and state.scale is not None
-    logits = expected_logits(state.stats, keys, state.scale)
+    assert state.log_norm is not None
+    logits = expected_logits(state.stats, keys, call.scale)
     log_norm = state.log_norm.reshape(B, H, -1, 1)
     return scores_from_logits(
         logits, log_norm, call.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
@@ -371,8 +371,8 @@ def expected_attention_rule(
         return Decision(candidates, changes={"queries": window, "scale": call.scale})
     L = call.length
     H = int(call.keys.shape[1])
-    changes: dict[str, Any] = {"queries": window, "steps": state.steps + L}
-    if state.steps + L >= state.refresh_every:
+    changes: dict[str, Any] = {"queries": window, "scale": call.scale, "steps": state.steps + L}
+    if state.mean is None or state.steps + L >= state.refresh_every:  # (a prompt cut empty)
         changes.update(_rescore(state, window, candidates, call.start + L, call.scale))
         scores = changes["scores"]
     else:
