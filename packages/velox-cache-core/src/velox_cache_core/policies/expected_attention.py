@@ -40,10 +40,6 @@ from velox_cache_core.state import PolicyState, running
 from velox_cache_core.traits import Scope, Signal, Traits
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
-# The settings ``velox_mlx_lm``'s builder fills in from the model's RoPE.
-ROPE_SETTINGS = ("rope_base", "rope_dims", "rope_traditional", "rope_scale")
-
-
 @dataclass(frozen=True)
 class RoPE:
     """How the model rotated its queries and keys (mlx's ``nn.RoPE``): the first ``dims``
