@@ -219,8 +219,10 @@ class ExpectedAttentionState(PolicyState):
         """The model's RoPE for heads of ``head_dim`` features; ``ValueError`` when it was
         never given (a cache made without ``KVCacheBuilder.for_model``)."""
         dims = head_dim if self.rope_dims is None else self.rope_dims
-        if dims > head_dim:
-            raise ValueError(f"rope_dims ({dims}) exceeds the head dimension ({head_dim})")
+        if dims > head_dim or dims % 2:
+            raise ValueError(
+                f"rope_dims ({dims}) must be even and at most the head dimension ({head_dim})"
+            )
         if dims and self.rope_base is None:
             raise ValueError(
                 "expected_attention needs the model's RoPE to un-rotate its queries: set "
