@@ -40,6 +40,7 @@ from velox_cache_core.state import PolicyState, running
 from velox_cache_core.traits import Scope, Signal, Traits
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
+
 @dataclass(frozen=True)
 class RoPE:
     """How the model rotated its queries and keys (mlx's ``nn.RoPE``): the first ``dims``
