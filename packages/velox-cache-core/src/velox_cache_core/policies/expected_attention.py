@@ -318,7 +318,7 @@ def _remember(state: ExpectedAttentionState, call: Call) -> History:
 
 
 def _rescore(
-    state: ExpectedAttentionState, window: History, slots: KVSlots, offset: int, scale: float
+    state: ExpectedAttentionState, window: History, slots: KVSlots, *, offset: int, scale: float
 ) -> dict[str, Any]:
     """Fresh statistics from ``window`` (the future starting at ``offset``) and every slot
     re-scored with them: the running fields that change."""
@@ -347,52 +347,60 @@ def _rescore(
     }
 
 
-def _score_new(state: ExpectedAttentionState, call: Call) -> mx.array:
-    """float32 ``[B, H_kv, L]``: the call's keys scored with the current statistics and the
-    last scoring's normalizer."""
-    keys = R.dense(call.keys)
-    B, H = int(keys.shape[0]), int(keys.shape[1])
-    assert state.log_norm is not None
-    logits = expected_logits(state.stats, keys, call.scale)
-    log_norm = state.log_norm.reshape(B, H, -1, 1)
-    return scores_from_logits(
-        logits, log_norm, call.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
+def _scores_with_new(
+    state: ExpectedAttentionState, call: Call, slots: KVSlots, candidates: KVSlots
+) -> mx.array:
+    """float32 ``[B, H_kv, n]`` aligned with ``candidates``: the kept scores, and the call's
+    keys scored with the current statistics and the last scoring's normalizer."""
+    assert state.scores is not None and state.log_norm is not None
+    B, H, L, _ = call.shape
+    logits = expected_logits(state.stats, R.dense(call.keys), call.scale)
+    fresh = scores_from_logits(
+        logits,
+        state.log_norm.reshape(B, H, -1, 1),
+        call.values,
+        use_vnorm=state.use_vnorm,
+        epsilon=state.epsilon,
     )
+    kept = align_scores(state.scores, slots, H, L)
+    if L == 1:  # the new token sits in the dead slot or after the live ones
+        return mx.where(candidates.positions == call.newest(), fresh, kept)
+    return mx.concatenate([kept[..., :-L], fresh], axis=-1)
+
+
+def _evict(
+    state: ExpectedAttentionState, call: Call, candidates: KVSlots, scores: mx.array
+) -> tuple[KVSlots, mx.array]:
+    """(kept slots, their scores): over budget, one token frees the lowest-scored non-sink
+    slot; a chunk keeps the sinks and the highest scores."""
+    if candidates.n_slots <= state.budget:
+        return candidates, scores
+    positions = candidates.positions
+    protected = sinks(positions, state.n_sink)
+    if call.length == 1:
+        return candidates.with_free(lowest_weight(scores, positions, protected)), scores
+    keep = highest_weights(scores, positions, protected, state.budget)
+    return candidates.take(keep), mx.take_along_axis(scores, keep, axis=-1)
 
 
 def expected_attention_rule(
     state: ExpectedAttentionState, call: Call, slots: KVSlots, candidates: KVSlots
 ) -> Decision:
     """Before the prompt's end keep everything and remember the queries; after it score the new
-    keys and evict the lowest (one token) or cut to ``budget`` (a chunk)."""
+    keys and evict the lowest (one token) or cut to ``budget`` (a chunk), re-scoring every
+    candidate with fresh statistics every ``refresh_every`` tokens."""
     window = _remember(state, call)
     if not state.compressed:
         return Decision(candidates, changes={"queries": window, "scale": call.scale})
-    L = call.length
-    H = int(call.keys.shape[1])
-    changes: dict[str, Any] = {"queries": window, "scale": call.scale, "steps": state.steps + L}
-    if state.mean is None or state.steps + L >= state.refresh_every:  # (a prompt cut empty)
-        changes.update(_rescore(state, window, candidates, call.start + L, call.scale))
+    steps = state.steps + call.length
+    changes: dict[str, Any] = {"queries": window, "scale": call.scale, "steps": steps}
+    if state.mean is None or steps >= state.refresh_every:  # (mean: a prompt cut while empty)
+        end = call.start + call.length
+        changes.update(_rescore(state, window, candidates, offset=end, scale=call.scale))
         scores = changes["scores"]
     else:
-        assert state.scores is not None
-        aligned = align_scores(state.scores, slots, H, L)
-        fresh = _score_new(state, call)
-        if L == 1:  # the new token sits in the dead slot or after the live ones
-            scores = mx.where(candidates.positions == call.newest(), fresh, aligned)
-        else:
-            scores = mx.concatenate([aligned[..., :-L], fresh], axis=-1)
-    positions = candidates.positions
-    protected = sinks(positions, state.n_sink)
-    kept = candidates
-    if candidates.n_slots > state.budget:
-        if L == 1:
-            kept = candidates.with_free(lowest_weight(scores, positions, protected))
-        else:
-            keep = highest_weights(scores, positions, protected, state.budget)
-            kept = candidates.take(keep)
-            scores = mx.take_along_axis(scores, keep, axis=-1)
-    changes["scores"] = scores
+        scores = _scores_with_new(state, call, slots, candidates)
+    kept, changes["scores"] = _evict(state, call, candidates, scores)
     return Decision(kept, changes=changes)
 
 
@@ -408,7 +416,7 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
         return done
     assert state.scale is not None
     live = state.slots.compact()
-    changes = _rescore(state, state.queries, live, state.offset, state.scale)
+    changes = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)
     scores = changes.pop("scores")
     if live.n_slots > state.budget:
         positions = live.positions
