@@ -476,7 +476,8 @@ class Layer:
             return
         self._refuse_without_queries(
             pending,
-            "the call came without them: the attention hook never saw it "
+            f"a call of {self.serves or 'this layer'} came without them: the attention hook "
+            "never saw it "
             "(KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
             "attention by hand)",
         )
