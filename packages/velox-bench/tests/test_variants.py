@@ -85,6 +85,7 @@ def test_variant_configs_match_the_former_lists() -> None:
         "streaming_llm": KVCacheConfig("streaming_llm", streaming_llm_budget=b),
         "snapkv": KVCacheConfig("snapkv", snapkv_budget=b),
         "morphkv": KVCacheConfig("morphkv", morphkv_budget=b),
+        "expected_attention": KVCacheConfig("expected_attention", expected_attention_budget=b),
     }
     tova_adapted = methods.variant("tova_adapted (key/head)").config(64)
     assert (

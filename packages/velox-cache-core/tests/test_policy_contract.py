@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from core_reference import ReferenceTova
+from core_reference_expected_attention import ReferenceExpectedAttention
 from core_reference_kvzip import ReferenceKVzip
 from core_reference_siblings import (
     ReferenceH2O,
@@ -58,7 +59,7 @@ from hypothesis import HealthCheck, assume, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from velox_cache_core import POLICIES, Policy, snapkv_compress
+from velox_cache_core import POLICIES, Policy, expected_attention_compress, snapkv_compress
 from velox_cache_core.engine import GROW
 from velox_cache_core.policies.kvzip import kvzip_end_prompt
 from velox_cache_core.rows import Quant
@@ -163,6 +164,26 @@ def kvzip_settings(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+@st.composite
+def expected_attention_settings(draw: st.DrawFn) -> dict[str, Any]:
+    """RoPE over at most 4 features (the smallest head the shapes draw)."""
+    budget = draw(st.integers(1, 10))
+    return {
+        "budget": budget,
+        "n_sink": draw(st.integers(0, budget - 1)),
+        "n_queries": draw(st.integers(1, 6)),
+        "refresh_every": draw(st.integers(1, 4)),
+        "n_future": draw(st.integers(1, 12)),
+        "use_covariance": draw(st.booleans()),
+        "use_vnorm": draw(st.booleans()),
+        "epsilon": draw(st.sampled_from((0.0, 0.1))),
+        "rope_base": draw(st.sampled_from((10.0, 1e4))),
+        "rope_dims": draw(st.sampled_from((0, 2, 4))),
+        "rope_traditional": draw(st.booleans()),
+        "rope_scale": draw(st.sampled_from((1.0, 0.5))),
+    }
+
+
 def tova_step(step, call: Call) -> None:
     """The call attends over everything retained plus the chunk; the mask has one head per
     decision group: 1 for scope layer, else H_q with queries and H_kv without."""
@@ -207,6 +228,27 @@ def snapkv_step(step, call: Call) -> None:
         assert state.compressed and state.n_kept == call.before.n_kept + call.length
     else:
         assert not state.compressed and state.n_kept == state.offset
+
+
+def expected_attention_step(step, call: Call) -> None:
+    """Nothing is evicted before the cut; after it, state.scores [B, H_kv, S] is slot-aligned:
+    each live slot holds its position's score, as the reference computed it."""
+    state = step.state
+    if not call.ended:
+        assert not state.compressed and state.n_kept == state.offset
+        return
+    assert state.n_kept <= state.budget
+    if state.scores is None:  # nothing fed yet
+        assert state.n_kept == 0
+        return
+    scores = np.array(state.scores)
+    positions = np.array(state.slots.positions)
+    free = None if state.slots.free is None else np.array(state.slots.free)
+    assert scores.shape == positions.shape
+    for b, h, s in itertools.product(*map(range, scores.shape)):
+        if free is None or free[b, h] != s:
+            want = call.ref.scores[b][h][int(positions[b, h, s])]
+            np.testing.assert_allclose(scores[b, h, s], want, rtol=1e-4, atol=1e-6)
 
 
 CASES: dict[str, Case] = {
@@ -308,6 +350,55 @@ CASES: dict[str, Case] = {
             {"probe": "reconstruct"},
             {"after": "tova"},
             {"allocation": "head", "allocation_floor": 0.0},
+        ],
+    ),
+    "expected_attention": Case(
+        settings={
+            "budget": 5,
+            "n_sink": 1,
+            "n_queries": 4,
+            "refresh_every": 3,
+            "n_future": 6,
+            "rope_base": 100.0,
+            "rope_dims": 4,
+        },
+        reference=ReferenceExpectedAttention,
+        strategy=expected_attention_settings(),
+        axes={
+            "use_covariance": (True, False),
+            "use_vnorm": (True, False),
+            "rope_traditional": (False, True),
+        },
+        prompt_end=expected_attention_compress,
+        check_step=expected_attention_step,
+        bad=[
+            ({"n_queries": 0}, "n_queries"),
+            ({"n_queries": 2.0}, "n_queries"),
+            ({"refresh_every": 0}, "refresh_every"),
+            ({"refresh_every": None}, "refresh_every"),
+            ({"n_future": 0}, "n_future"),
+            ({"n_future": "512"}, "n_future"),
+            ({"use_covariance": 1}, "use_covariance"),
+            ({"use_vnorm": "yes"}, "use_vnorm"),
+            ({"epsilon": -0.1}, "epsilon"),
+            ({"epsilon": math.inf}, "epsilon"),
+            ({"epsilon": "0"}, "epsilon"),
+            ({"rope_base": 1.0}, "rope_base"),
+            ({"rope_base": math.nan}, "rope_base"),
+            ({"rope_base": "1e4"}, "rope_base"),
+            ({"rope_dims": 3}, "rope_dims"),
+            ({"rope_dims": -2}, "rope_dims"),
+            ({"rope_dims": 4.0}, "rope_dims"),
+            ({"rope_traditional": 0}, "rope_traditional"),
+            ({"rope_scale": 0.0}, "rope_scale"),
+            ({"rope_scale": -1.0}, "rope_scale"),
+        ],
+        ok=[
+            {"budget": 1, "n_sink": 0},
+            {"n_queries": 1, "refresh_every": 1, "n_future": 1},
+            {"epsilon": 0.5, "use_vnorm": False},
+            {"rope_dims": 0},
+            {"rope_base": 1e6, "rope_scale": 0.125, "rope_traditional": True},
         ],
     ),
 }
@@ -484,7 +575,7 @@ def test_budget_holds_over_a_long_decode(name: str) -> None:
     state = finish(name, steps[-1].state)
     steps, _ = feed(name, [1] * 30, state=state, seed=1)
     sizes = [s.state.n_kept for s in steps]
-    if CASES[name].prompt_end is not None:  # after the cut the cache grows
+    if POLICIES[name].grows_after_prompt_end:  # after the cut the cache grows
         assert sizes == [budget + i for i in range(1, 31)]
     else:
         assert sizes == [budget] * 30

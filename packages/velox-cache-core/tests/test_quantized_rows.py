@@ -118,7 +118,9 @@ def _layer_run(name: str, quant: Quant | None, n: int = 40, trim: int = 0) -> La
     values = mx.array(rng.standard_normal((1, 2, 64, 64)).astype(np.float32))
     queries = mx.array(rng.standard_normal((1, 4, 64, 64)).astype(np.float32))
     policy = POLICIES[name]
-    layer = Layer(policy, policy.init(budget=16), new_log(8), quant=quant)
+    # expected_attention un-rotates its queries: it needs the model's RoPE base
+    rope = {"rope_base": 1e4} if "rope_base" in policy.setting_names else {}
+    layer = Layer(policy, policy.init(budget=16, **rope), new_log(8), quant=quant)
     for start, end in [(0, 24), *((i, i + 1) for i in range(24, n))]:
         layer.lay_out(keys[:, :, start:end], values[:, :, start:end])
         layer.attend(queries[:, :, start:end], scale=0.125)

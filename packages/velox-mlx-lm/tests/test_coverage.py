@@ -38,7 +38,7 @@ CHUNKS = (12, 7)
 STEPS = 5  # greedy decode steps after the prompt
 LONG_BUDGET = 64  # above PROMPT + STEPS: nothing is evicted
 SHORT_BUDGET = 8  # under PROMPT: every layer evicts
-EVICTING = ("tova", "h2o", "streaming_llm", "snapkv", "morphkv")
+EVICTING = ("tova", "h2o", "streaming_llm", "snapkv", "morphkv", "expected_attention")
 EXTRA = {"morphkv": {"morphkv_window": 2}}  # its default window (8) leaves nothing to evict at 8
 TOLERANCE = 1e-5
 

@@ -85,7 +85,10 @@ def make_subject(method: str, budget: int, h_kv: int, h_q: int, d: int) -> Subje
     mx.eval(pk, pq, k, q)
     prompt = (pk, pq)
     if variant is not None and policy is not None:
-        return _velox(policy, variant.state(budget), k, q, prompt)
+        # Random rows come from no model: a policy that un-rotates its queries by the model's
+        # RoPE (which the builder reads off a model) turns them by mlx's default one.
+        rope = {f"{policy.name}_rope_base": 1e4} if "rope_base" in policy.setting_names else {}
+        return _velox(policy, variant.config(budget, **rope).state(), k, q, prompt)
     if method == MLX_KVCACHE:
         cache = KVCache()
         mx.eval(cache.update_and_fetch(pk, pk))

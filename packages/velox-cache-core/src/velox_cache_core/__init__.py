@@ -2,6 +2,13 @@
 
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.policies import POLICIES, Policy, register
+from velox_cache_core.policies.expected_attention import (
+    ExpectedAttentionState,
+    expected_attention_compress,
+    expected_attention_update,
+    expected_scores,
+    init_expected_attention_state,
+)
 from velox_cache_core.policies.h2o import H2OState, h2o_update, init_h2o_state
 from velox_cache_core.policies.morphkv import MorphKVState, init_morphkv_state, morphkv_update
 from velox_cache_core.policies.snapkv import (
@@ -33,6 +40,7 @@ __all__ = [
     "PRESETS",
     "Call",
     "Decision",
+    "ExpectedAttentionState",
     "H2OState",
     "KVSlots",
     "MorphKVState",
@@ -43,7 +51,11 @@ __all__ = [
     "StreamingLLMState",
     "TovaState",
     "TovaStep",
+    "expected_attention_compress",
+    "expected_attention_update",
+    "expected_scores",
     "h2o_update",
+    "init_expected_attention_state",
     "init_h2o_state",
     "init_morphkv_state",
     "init_snapkv_state",

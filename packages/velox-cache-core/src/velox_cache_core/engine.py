@@ -187,7 +187,9 @@ def open_call(
     if queries is not None:
         check_queries(queries, keys)
     elif signal == "query":
-        raise ValueError("queries are required when signal='query' (or use signal='key')")
+        if "signal" in state.settings:
+            raise ValueError("queries are required when signal='query' (or use signal='key')")
+        raise ValueError(f"queries are required: a {state_type.__name__} scores by them")
     scale = check_scale(scale, keys.shape[3])
     if check_finite:
         require_finite(keys=keys, values=values, queries=queries)

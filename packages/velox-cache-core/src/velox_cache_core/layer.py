@@ -127,9 +127,8 @@ class Layer:
         if mode is Mode.STEP_SUMS:
             raise ValueError("mode STEP_SUMS is set by share_step_sums(sums, index)")
         if mode is Mode.AT_ONCE and policy.traits.signal(state) == "query":
-            raise ValueError(
-                f"mode AT_ONCE decides without the queries: {policy.name} needs signal='key'"
-            )
+            fix = "needs signal='key'" if "signal" in state.settings else "needs them"
+            raise ValueError(f"mode AT_ONCE decides without the queries: {policy.name} {fix}")
         self.policy = policy
         self.state = state
         self.log = log
@@ -341,6 +340,9 @@ class Layer:
         query = self.policy.traits.signal(state) == "query"
         if query:
             who = self.serves or self.policy.name
+            self._refuse_without_queries(
+                pending, f"{who} attends over keys, values or scores of its own, not the cache's"
+            )
             if who not in _warned_rows:
                 _warned_rows.add(who)
                 warnings.warn(
@@ -474,6 +476,13 @@ class Layer:
             step = self._feed(self.state, keys=pending.keys, values=pending.values)
             self.state = self._after_call(step.state, L)
             return
+        self._refuse_without_queries(
+            pending,
+            f"a call of {self.serves or 'this layer'} came without them: the attention hook "
+            "never saw it "
+            "(KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
+            "attention by hand)",
+        )
         if self.policy.name not in _warned_no_hook:
             _warned_no_hook.add(self.policy.name)
             warnings.warn(
@@ -485,6 +494,18 @@ class Layer:
         keyed = replace(self.state, signal="key")
         step = self._feed(keyed, keys=pending.keys, values=pending.values)
         self.state = self._after_call(replace(step.state, signal="query"), L)
+
+    def _refuse_without_queries(self, pending: Waiting, why: str) -> None:
+        """A policy scoring by the true queries without a ``signal`` setting has no key
+        stand-in (Expected Attention's statistics are the queries'): ``ValueError`` saying
+        ``why`` the queries are missing; the call stays pending."""
+        if "signal" in self.state.settings:
+            return
+        self.pending = pending
+        raise ValueError(
+            f"{self.policy.name} needs the true queries (it has no signal='key' stand-in), "
+            f"but {why}; serve this model with another method"
+        )
 
     def keys_and_values(self) -> tuple[R.Rows, R.Rows]:
         """What the last call attended over (``retained + new``; the retained rows between

@@ -101,14 +101,19 @@ class KVCacheBuilder:
             group = tensor_group(model)
         name = model_type(model)
 
-        def make(label: str, nested: bool) -> PolicyKVCache:
-            cache = KVCacheFactory.create(config, group, mode)
-            cache.layer.serves = f"{name} ({label})"
-            # a nested cache the model might use outside attention: refuse such a use
-            cache.layer.must_attend = nested and reached > 0
-            return cache
+        def maker(index: int) -> Any:
+            layer_config = _with_rope(model, config, index)
 
-        caches = [_convert(base, make, f"layer {i}") for i, base in enumerate(bases)]
+            def make(label: str, nested: bool) -> PolicyKVCache:
+                cache = KVCacheFactory.create(layer_config, group, mode)
+                cache.layer.serves = f"{name} ({label})"
+                # a nested cache the model might use outside attention: refuse such a use
+                cache.layer.must_attend = nested and reached > 0
+                return cache
+
+            return make
+
+        caches = [_convert(base, maker(i), f"layer {i}") for i, base in enumerate(bases)]
         _share_step_sums([c for base in caches for c in _members(base)])
         return caches
 
@@ -185,9 +190,18 @@ def _check_model(model: nn.Module, config: KVCacheConfig) -> None:
 
 def _without_queries(model: nn.Module, config: KVCacheConfig) -> KVCacheConfig:
     """The config for a model the hook does not reach: signal ``key`` where it scored by
-    ``query`` (with a warning)."""
+    ``query`` (with a warning); a policy that scores by the queries without a ``signal``
+    setting (Expected Attention) has no stand-in and is refused."""
     if config.signal != "query":
         return config
+    record = config.record
+    assert record is not None
+    if "signal" not in record.setting_names:
+        raise ValueError(
+            f"{type(model).__module__} computes attention by hand, so the hook cannot give "
+            f"the cache the true queries, and method {config.method!r} needs them (it has no "
+            "signal='key' stand-in); use another method"
+        )
     field = f"{config.policy}_signal"
     warnings.warn(
         f"{type(model).__module__} computes attention by hand, so the hook cannot give "
@@ -205,3 +219,46 @@ def _share_step_sums(caches: list[Any]) -> None:
         sums = StepSums(ours[0].group, len(ours))
         for layer, cache in enumerate(ours):
             cache.share_step_sums(sums, layer)
+
+
+# The settings a policy that un-rotates its queries declares (Expected Attention), and what
+# mlx's ``nn.RoPE`` calls them: the builder fills them in from the model's RoPE.
+ROPE_SETTINGS = {
+    "rope_base": "base",
+    "rope_dims": "dims",
+    "rope_traditional": "traditional",
+    "rope_scale": "scale",
+}
+
+
+def _with_rope(model: nn.Module, config: KVCacheConfig, index: int) -> KVCacheConfig:
+    """``config`` with layer ``index``'s RoPE (base, dims, traditional, scale) in the chosen
+    policy's ``rope_*`` settings, for a policy that declares them and where the config leaves
+    ``rope_base`` unset (set, the config's values are taken as they are)."""
+    record = config.record
+    if record is None or not set(ROPE_SETTINGS) <= set(record.setting_names):
+        return config
+    if config.value(f"{record.name}_rope_base") is not None:
+        return config
+    rope = _rope_module(model, index)
+    if not isinstance(rope, nn.RoPE):
+        found = "no RoPE module" if rope is None else f"a {type(rope).__name__}"
+        raise ValueError(
+            f"{model_type(model)} layer {index} has {found}; {record.name} reads only mlx's "
+            f"nn.RoPE (plain or linearly scaled) off a model: give "
+            f"{', '.join(f'{record.name}_{s}' for s in ROPE_SETTINGS)} yourself "
+            f"({record.name}_rope_dims=0 for a model without RoPE)"
+        )
+    facts = {f"{record.name}_{s}": getattr(rope, name) for s, name in ROPE_SETTINGS.items()}
+    return config.replace(**facts)
+
+
+def _rope_module(model: nn.Module, index: int) -> Any:
+    """The RoPE module of layer ``index`` (its attention's ``rope``), or ``None``."""
+    layers = getattr(model, "layers", [])
+    scopes = [layers[index]] if index < len(layers) else []
+    for scope in [*scopes, model]:
+        for path, module in scope.named_modules():
+            if isinstance(module, nn.RoPE) or path.rsplit(".", 1)[-1] == "rope":
+                return module
+    return None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from velox_cache_core.policies.expected_attention import (
+    EXPECTED_ATTENTION,
+    expected_attention_compress,
+)
 from velox_cache_core.policies.h2o import H2O
 from velox_cache_core.policies.kvzip import KVZIP, kvzip_compress
 from velox_cache_core.policies.morphkv import MORPHKV
@@ -16,5 +20,13 @@ register(STREAMING_LLM)
 register(SNAPKV)
 register(MORPHKV)
 register(KVZIP)
+register(EXPECTED_ATTENTION)
 
-__all__ = ["POLICIES", "Policy", "kvzip_compress", "register", "snapkv_compress"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "expected_attention_compress",
+    "kvzip_compress",
+    "register",
+    "snapkv_compress",
+]

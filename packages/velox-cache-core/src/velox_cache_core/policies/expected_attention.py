@@ -1,0 +1,463 @@
+"""Expected Attention: keep the keys that future queries are expected to attend to (Devoto et
+al., 2025, https://arxiv.org/abs/2510.00636; kvpress's ``ExpectedAttentionPress``).
+
+The recent queries are modelled as a Gaussian: their mean ``mu`` and per-head covariance
+``Sigma``, taken from the last ``n_queries`` queries (positions ``< n_sink`` left out) in
+their un-rotated form, then turned by the RoPE rotation averaged over the next ``n_future``
+positions. For a query ``q ~ N(mu, Sigma)``, ``E[exp(s q.k)] = exp(s mu.k + s^2 k'Sigma k / 2)``
+(``s`` the softmax scale; with ``s = 1/sqrt(d)`` the logit is ``mu.k/sqrt(d) + k'Sigma k/(2d)``).
+A key's score is that logit's softmax over the non-sink keys, averaged over its GQA group, times
+``||v||`` (``use_vnorm``: ``(p + epsilon) * ||v||``). Sinks are never evicted.
+
+While the prompt streams in nothing is evicted (like SnapKV) and the last ``n_queries`` queries
+are kept, un-rotated with their own positions (the attention hook hands over the queries after
+RoPE; ``rope_*`` say how the model rotated them, and ``KVCacheBuilder.for_model`` fills them in).
+At the prompt's end the statistics are computed, every key is scored and each KV head is cut to
+``budget`` (sinks first, then the highest scores, ties lost by the oldest). Each later token's
+key is scored on arrival with the current statistics (the softmax normalizer of the last
+scoring), and the lowest-scored non-sink candidate goes; every ``refresh_every`` tokens the
+statistics are recomputed from the last ``n_queries`` queries and every kept key re-scored. A
+chunk after the prompt's end attends causally and is then cut once by the scores. The scores are
+a running array aligned with the slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from operator import attrgetter
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core import rows as R
+from velox_cache_core.attention_rule import History, align_scores
+from velox_cache_core.engine import Call, Decision
+from velox_cache_core.registry import Policy
+from velox_cache_core.selection import highest_weights, lowest_weight, sinks
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import PolicyState, running
+from velox_cache_core.traits import Scope, Signal, Traits
+from velox_cache_core.validation import check_budget_and_sinks, check_int
+
+
+@dataclass(frozen=True)
+class RoPE:
+    """How the model rotated its queries and keys (mlx's ``nn.RoPE``): the first ``dims``
+    features turn by ``position * scale * base ** (-2i / dims)`` (``dims = 0``: no RoPE), in
+    halves (``traditional=False``) or interleaved pairs."""
+
+    base: float
+    dims: int
+    traditional: bool
+    scale: float
+
+    def angles(self, positions: mx.array) -> mx.array:
+        """float32 ``[..., dims // 2]`` rotation angles of ``positions`` (int ``[...]``)."""
+        exponents = mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims
+        inv_freq = self.scale / (self.base**exponents)
+        return positions.astype(mx.float32)[..., None] * inv_freq
+
+    def turn(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        """``x`` ``[..., D]`` with each rotated pair ``(a, b)`` mapped to ``(a cos - b sin,
+        a sin + b cos)``; ``cos``/``sin`` ``[..., dims // 2]`` broadcast against ``x``."""
+        if self.dims == 0:
+            return x
+        half = self.dims // 2
+        if self.traditional:
+            a, b = x[..., 0 : self.dims : 2], x[..., 1 : self.dims : 2]
+        else:
+            a, b = x[..., :half], x[..., half : self.dims]
+        a, b = a * cos - b * sin, a * sin + b * cos
+        if self.traditional:
+            turned = mx.stack([a, b], axis=-1).reshape(*a.shape[:-1], self.dims)
+        else:
+            turned = mx.concatenate([a, b], axis=-1)
+        return mx.concatenate([turned, x[..., self.dims :]], axis=-1)
+
+    def unrotate(self, x: mx.array, positions: mx.array) -> mx.array:
+        """``x`` ``[B, H, L, D]`` rotated at ``positions`` (int ``[L]``) back to its un-rotated
+        form."""
+        angles = self.angles(positions)
+        return self.turn(x, mx.cos(angles), -mx.sin(angles))
+
+    def mean_turn(self, start: int, n: int) -> tuple[mx.array, mx.array]:
+        """(cos, sin) ``[dims // 2]`` of the rotation averaged over positions
+        ``start .. start + n - 1``: ``turn(x, *mean_turn(...))`` applies it."""
+        angles = self.angles(mx.arange(start, start + n))
+        return mx.cos(angles).mean(axis=0), mx.sin(angles).mean(axis=0)
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    """The statistics of recent queries, turned to the future: ``mean`` float32 ``[B, H_q, D]``,
+    ``cov`` float32 ``[B, H_q, D, D]`` (``None``: covariance left out)."""
+
+    mean: mx.array
+    cov: mx.array | None
+
+
+def query_stats(
+    queries: mx.array,
+    positions: mx.array,
+    *,
+    n_sink: int,
+    rope: RoPE,
+    start: int,
+    n_future: int,
+    use_covariance: bool = True,
+) -> QueryStats:
+    """Mean and (biased) covariance of un-rotated ``queries`` ``[B, H_q, w, D]`` at
+    ``positions`` int ``[w]``, the rows at positions ``< n_sink`` left out (zero statistics
+    when none is left), turned by the RoPE rotation averaged over ``start .. start + n_future
+    - 1``: ``mean = R mu``, ``cov = R Sigma R'``."""
+    q = queries.astype(mx.float32)
+    counted = (positions >= n_sink).astype(mx.float32)[:, None]  # [w, 1]
+    count = mx.maximum(counted.sum(), 1.0)
+    mu = (q * counted).sum(axis=2) / count
+    cos, sin = rope.mean_turn(start, n_future)
+    cov = None
+    if use_covariance:
+        centered = (q - mu[:, :, None]) * counted
+        sigma = centered.swapaxes(-1, -2) @ centered / count
+        turned = rope.turn(sigma, cos, sin)  # Sigma R'
+        cov = rope.turn(turned.swapaxes(-1, -2), cos, sin).swapaxes(-1, -2)  # R Sigma R'
+    return QueryStats(rope.turn(mu, cos, sin), cov)
+
+
+def expected_logits(stats: QueryStats, keys: mx.array, scale: float) -> mx.array:
+    """float32 ``[B, H_kv, G, n]``: ``scale mu.k + scale^2 k'Sigma k / 2`` of every query head
+    (``G`` per KV head) for ``keys`` ``[B, H_kv, n, D]``."""
+    B, H, _, D = keys.shape
+    k = keys.astype(mx.float32)
+    mean = stats.mean.reshape(B, H, -1, D)
+    logits = scale * (mean @ k.swapaxes(-1, -2))
+    if stats.cov is not None:
+        cov = stats.cov.reshape(B, H, -1, D, D)
+        spread = ((k[:, :, None] @ cov) * k[:, :, None]).sum(axis=-1)
+        logits = logits + (scale * scale / 2) * spread
+    return logits
+
+
+def log_normalizer(logits: mx.array, counted: mx.array | None = None) -> mx.array:
+    """``[B, H_kv, G, 1]`` log of the softmax denominator of ``logits`` ``[B, H_kv, G, n]``
+    over the ``counted`` keys (bool ``[B, H_kv, n]``; ``None``: all)."""
+    if counted is not None:  # a head without a counted key counts them all
+        counted = counted | ~counted.any(axis=-1, keepdims=True)
+        logits = mx.where(counted[:, :, None], logits, -mx.inf)
+    return mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def scores_from_logits(
+    logits: mx.array,
+    log_norm: mx.array,
+    values: R.Rows,
+    *,
+    use_vnorm: bool,
+    epsilon: float,
+) -> mx.array:
+    """float32 ``[B, H_kv, n]``: ``exp(logits - log_norm)`` averaged over each GQA group,
+    times ``||v||`` when ``use_vnorm`` (as ``(p + epsilon) * ||v||``)."""
+    probs = mx.exp(logits - log_norm).mean(axis=2)
+    if not use_vnorm:
+        return probs
+    norms = mx.linalg.norm(R.dense(values).astype(mx.float32), axis=-1)
+    return (probs + epsilon) * norms
+
+
+def expected_scores(
+    stats: QueryStats,
+    keys: mx.array,
+    values: R.Rows,
+    *,
+    scale: float,
+    counted: mx.array | None = None,
+    use_vnorm: bool = True,
+    epsilon: float = 0.0,
+) -> mx.array:
+    """float32 ``[B, H_kv, n]``: the attention future queries are expected to give ``keys``
+    ``[B, H_kv, n, D]`` (values ``[B, H_kv, n, D_v]``): the softmax of
+    :func:`expected_logits` over the ``counted`` keys (bool ``[B, H_kv, n]``, e.g. the
+    non-sinks; ``None``: all), averaged over each GQA group, times ``||v||`` when
+    ``use_vnorm``. Scores of one batch row are comparable across its heads."""
+    logits = expected_logits(stats, keys, scale)
+    log_norm = log_normalizer(logits, counted)
+    return scores_from_logits(logits, log_norm, values, use_vnorm=use_vnorm, epsilon=epsilon)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpectedAttentionState(PolicyState):
+    """Expected Attention layer state; ``compressed`` once the prompt has been cut.
+
+    queries: the last ``n_queries`` queries, un-rotated (``probes`` ``[B, H_q, w, D]``);
+    mean/cov: the statistics in use (:class:`QueryStats`); log_norm ``[B, H_q]``: the softmax
+    normalizer of the last scoring; scores float32 ``[B, H_kv, S]``: slot-aligned; steps:
+    tokens since the statistics were last computed.
+    """
+
+    budget: int
+    n_sink: int
+    n_queries: int
+    refresh_every: int
+    n_future: int
+    use_covariance: bool
+    use_vnorm: bool
+    epsilon: float
+    rope_base: float | None
+    rope_dims: int | None
+    rope_traditional: bool
+    rope_scale: float
+    queries: History | None = running()
+    mean: mx.array | None = running()
+    cov: mx.array | None = running()
+    log_norm: mx.array | None = running()
+    scores: mx.array | None = running()
+    scale: float | None = running()
+    steps: int = running(0)
+    compressed: bool = running(False)
+
+    def rope(self, head_dim: int) -> RoPE:
+        """The model's RoPE for heads of ``head_dim`` features; ``ValueError`` when it was
+        never given (a cache made without ``KVCacheBuilder.for_model``)."""
+        dims = head_dim if self.rope_dims is None else self.rope_dims
+        if dims > head_dim or dims % 2:
+            raise ValueError(
+                f"rope_dims ({dims}) must be even and at most the head dimension ({head_dim})"
+            )
+        if dims and self.rope_base is None:
+            raise ValueError(
+                "expected_attention needs the model's RoPE to un-rotate its queries: set "
+                "rope_base (and rope_dims, rope_traditional, rope_scale), or build the caches "
+                "with velox_mlx_lm's KVCacheBuilder.for_model, which reads them off the model "
+                "(rope_dims=0: the model has no RoPE)"
+            )
+        return RoPE(self.rope_base or 1.0, dims, self.rope_traditional, self.rope_scale)
+
+    @property
+    def stats(self) -> QueryStats:
+        assert self.mean is not None
+        return QueryStats(self.mean, self.cov)
+
+
+def _check_float(name: str, value: Any, *, minimum: float, strict: bool = False) -> float:
+    """``value`` must be a finite int or float ``>= minimum`` (``> minimum`` when ``strict``)."""
+    kind = f"a finite float {'>' if strict else '>='} {minimum}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be {kind}, got {value}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def init_expected_attention_state(
+    budget: int = 512,
+    n_sink: int = 4,
+    n_queries: int = 128,
+    refresh_every: int = 64,
+    n_future: int = 512,
+    use_covariance: bool = True,
+    use_vnorm: bool = True,
+    epsilon: float = 0.0,
+    rope_base: float | None = None,
+    rope_dims: int | None = None,
+    rope_traditional: bool = False,
+    rope_scale: float = 1.0,
+) -> ExpectedAttentionState:
+    """Empty Expected Attention state: ``0 <= n_sink < budget``; ``n_queries``,
+    ``refresh_every``, ``n_future >= 1``; ``epsilon >= 0``; ``rope_base > 1`` (``None``: not
+    known yet), ``rope_dims`` even ``>= 0`` (``None``: the whole head; 0: no RoPE),
+    ``rope_scale > 0``."""
+    check_budget_and_sinks(budget, n_sink)
+    check_int("n_queries", n_queries, minimum=1)
+    check_int("refresh_every", refresh_every, minimum=1)
+    check_int("n_future", n_future, minimum=1)
+    _check_bool("use_covariance", use_covariance)
+    _check_bool("use_vnorm", use_vnorm)
+    epsilon = _check_float("epsilon", epsilon, minimum=0.0)
+    if rope_base is not None:
+        rope_base = _check_float("rope_base", rope_base, minimum=1.0, strict=True)
+    if rope_dims is not None:
+        check_int("rope_dims", rope_dims, minimum=0)
+        if rope_dims % 2:
+            raise ValueError(f"rope_dims must be even (features turn in pairs), got {rope_dims}")
+    _check_bool("rope_traditional", rope_traditional)
+    rope_scale = _check_float("rope_scale", rope_scale, minimum=0.0, strict=True)
+    return ExpectedAttentionState(
+        budget=budget,
+        n_sink=n_sink,
+        n_queries=n_queries,
+        refresh_every=refresh_every,
+        n_future=n_future,
+        use_covariance=use_covariance,
+        use_vnorm=use_vnorm,
+        epsilon=epsilon,
+        rope_base=rope_base,
+        rope_dims=rope_dims,
+        rope_traditional=rope_traditional,
+        rope_scale=rope_scale,
+    )
+
+
+def _remember(state: ExpectedAttentionState, call: Call) -> History:
+    """The query window after ``call``: its queries un-rotated at their positions, appended."""
+    assert call.queries is not None
+    D = int(call.queries.shape[3])
+    latest = call.queries[:, :, -state.n_queries :].astype(mx.float32)
+    positions = call.positions()[-state.n_queries :]
+    unrotated = state.rope(D).unrotate(latest, positions)
+    past = state.queries or History(unrotated[:, :, :0], positions[:0])
+    window = past.extend(unrotated, positions, state.n_queries)
+    assert window is not None
+    return window
+
+
+def _rescore(
+    state: ExpectedAttentionState, window: History, slots: KVSlots, *, offset: int, scale: float
+) -> dict[str, Any]:
+    """Fresh statistics from ``window`` (the future starting at ``offset``) and every slot
+    re-scored with them: the running fields that change."""
+    keys = R.dense(slots.keys)
+    stats = query_stats(
+        window.probes,
+        window.positions,
+        n_sink=state.n_sink,
+        rope=state.rope(int(keys.shape[3])),
+        start=offset,
+        n_future=state.n_future,
+        use_covariance=state.use_covariance,
+    )
+    logits = expected_logits(stats, keys, scale)
+    log_norm = log_normalizer(logits, ~sinks(slots.positions, state.n_sink))
+    scores = scores_from_logits(
+        logits, log_norm, slots.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
+    )
+    B = int(keys.shape[0])
+    return {
+        "mean": stats.mean,
+        "cov": stats.cov,
+        "log_norm": log_norm.reshape(B, -1),
+        "scores": scores,
+        "steps": 0,
+    }
+
+
+def _scores_with_new(
+    state: ExpectedAttentionState, call: Call, slots: KVSlots, candidates: KVSlots
+) -> mx.array:
+    """float32 ``[B, H_kv, n]`` aligned with ``candidates``: the kept scores, and the call's
+    keys scored with the current statistics and the last scoring's normalizer."""
+    assert state.scores is not None and state.log_norm is not None
+    B, H, L, _ = call.shape
+    logits = expected_logits(state.stats, R.dense(call.keys), call.scale)
+    fresh = scores_from_logits(
+        logits,
+        state.log_norm.reshape(B, H, -1, 1),
+        call.values,
+        use_vnorm=state.use_vnorm,
+        epsilon=state.epsilon,
+    )
+    kept = align_scores(state.scores, slots, H, L)
+    if L == 1:  # the new token sits in the dead slot or after the live ones
+        return mx.where(candidates.positions == call.newest(), fresh, kept)
+    return mx.concatenate([kept[..., :-L], fresh], axis=-1)
+
+
+def _evict(
+    state: ExpectedAttentionState, call: Call, candidates: KVSlots, scores: mx.array
+) -> tuple[KVSlots, mx.array]:
+    """(kept slots, their scores): over budget, one token frees the lowest-scored non-sink
+    slot; a chunk keeps the sinks and the highest scores."""
+    if candidates.n_slots <= state.budget:
+        return candidates, scores
+    positions = candidates.positions
+    protected = sinks(positions, state.n_sink)
+    if call.length == 1:
+        return candidates.with_free(lowest_weight(scores, positions, protected)), scores
+    keep = highest_weights(scores, positions, protected, state.budget)
+    return candidates.take(keep), mx.take_along_axis(scores, keep, axis=-1)
+
+
+def expected_attention_rule(
+    state: ExpectedAttentionState, call: Call, slots: KVSlots, candidates: KVSlots
+) -> Decision:
+    """Before the prompt's end keep everything and remember the queries; after it score the new
+    keys and evict the lowest (one token) or cut to ``budget`` (a chunk), re-scoring every
+    candidate with fresh statistics every ``refresh_every`` tokens."""
+    window = _remember(state, call)
+    if not state.compressed:
+        return Decision(candidates, changes={"queries": window, "scale": call.scale})
+    steps = state.steps + call.length
+    changes: dict[str, Any] = {"queries": window, "scale": call.scale, "steps": steps}
+    if state.mean is None or steps >= state.refresh_every:  # (mean: a prompt cut while empty)
+        end = call.start + call.length
+        changes.update(_rescore(state, window, candidates, offset=end, scale=call.scale))
+        scores = changes["scores"]
+    else:
+        scores = _scores_with_new(state, call, slots, candidates)
+    kept, changes["scores"] = _evict(state, call, candidates, scores)
+    return Decision(kept, changes=changes)
+
+
+def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttentionState:
+    """End of the prompt: statistics of its last queries, every key scored, each KV head cut to
+    ``budget`` (a no-op once compressed)."""
+    if not isinstance(state, ExpectedAttentionState):
+        raise TypeError(f"state must be an ExpectedAttentionState, got {type(state).__name__}")
+    if state.compressed:
+        return state
+    done = replace(state, compressed=True)
+    if state.slots is None or state.queries is None:
+        return done
+    assert state.scale is not None
+    live = state.slots.compact()
+    changes = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)
+    scores = changes.pop("scores")
+    if live.n_slots > state.budget:
+        positions = live.positions
+        keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
+        live = live.take(keep)
+        scores = mx.take_along_axis(scores, keep, axis=-1)
+    return replace(done, slots=live, scores=scores, **changes)
+
+
+def _query_signal(state: Any) -> Signal:
+    return "query"
+
+
+def _per_head(state: Any) -> Scope:
+    return "head"
+
+
+EXPECTED_ATTENTION = Policy(
+    "expected_attention",
+    ExpectedAttentionState,
+    init_expected_attention_state,
+    expected_attention_rule,
+    prompt_end=expected_attention_compress,
+    # The true queries feed the statistics: there is no key stand-in.
+    traits=Traits(signal=_query_signal, scope=_per_head, budget=attrgetter("budget")),
+    summary={
+        "expected_attention": "keeps the tokens that future queries, modelled from the recent "
+        "ones, are expected to attend to most (Expected Attention)",
+    },
+    help={
+        "budget": "tokens kept per KV head once the prompt has been cut",
+        "n_queries": "latest queries whose mean and covariance model the future ones",
+        "refresh_every": "tokens between two recomputations of the statistics",
+        "n_future": "future positions the RoPE rotation is averaged over",
+        "use_covariance": "add the queries' covariance term to the expected logit",
+        "use_vnorm": "multiply the expected attention by the value's norm",
+        "epsilon": "added to the expected attention before the value norm multiplies it",
+        "rope_base": "the model's RoPE base (filled in by KVCacheBuilder.for_model)",
+        "rope_dims": "features the model's RoPE turns (default: the whole head; 0: no RoPE)",
+        "rope_traditional": "whether the model's RoPE turns interleaved pairs",
+        "rope_scale": "the model's RoPE position scale (linear scaling)",
+    },
+)
+expected_attention_update = EXPECTED_ATTENTION.update
