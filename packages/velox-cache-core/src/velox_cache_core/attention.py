@@ -23,6 +23,8 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     A step with :attr:`~velox_cache_core.engine.Step.lanes` (heads keeping different row
     counts) attends over them and the step's rows together (:func:`velox_cache_core.lanes.attend`).
     """
+    if step.out is not None:  # the decision attended already (a step over evicting lanes)
+        return step.out
     if step.lanes is not None:  # heads with different row counts: lanes plus the tail
         return lanes.attend(queries, step.lanes, step.keys, step.values, step.mask, scale, sinks)
     quantized = isinstance(step.values, QRows)

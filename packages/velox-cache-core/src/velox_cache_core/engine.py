@@ -15,7 +15,8 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from velox_cache_core import rows as R
-from velox_cache_core.lanes import Lanes
+from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, victims
+from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
@@ -52,6 +53,9 @@ class Step:
     # rows an adaptive allocation kept (velox_cache_core.lanes), attended with ``keys``/``values``
     # (which then hold only the rows after the cut): every call's queries see all of them
     lanes: Lanes | None = None
+    # [B, H_q, L, D_v]: the call's attention output, when the decision computed it (a step over
+    # lanes that evict, velox_cache_core.lanes), so the caller does not attend again
+    out: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -342,7 +346,23 @@ def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array
     return mx.array(starts, dtype=mx.int32)
 
 
+def _lane_rule(policy: Policy) -> LaneRule | None:
+    return getattr(policy, "lane_rule", None)
+
+
+def _evicts_on_lanes(state: Any) -> bool:
+    lanes = getattr(state, "lanes", None)
+    return lanes is not None and lanes.free is not None
+
+
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
+    rule = _lane_rule(policy)
+    if rule is not None and state.lanes is None and call.length == 1:
+        cut = rule.cut(state, call)  # a held prompt shared out at its end (adaptive allocation)
+        if cut is not state:
+            state, slots = cut, cut.slots
+    if _evicts_on_lanes(state):  # nothing to lay out: the token goes into a head's dead row
+        return Laid(state, call, slots, slots, slots)
     before = slots
     if call.length == 1 and policy.evict_before is not None:
         slots = policy.evict_before(state, slots, call)
@@ -354,6 +374,8 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
     after (recorded in ``log`` when given; see :func:`update`). Deciding the same ``laid``
     twice builds two decisions over the same candidates: the layout is not repeated."""
     state, call, candidates = laid.state, laid.call, laid.candidates
+    if _evicts_on_lanes(state):
+        return _decide_on_lanes(policy, laid, log)
     decision = policy.rule(state, call, laid.slots, candidates)
     mask = _full_mask(decision.mask, call, candidates.n_slots, policy.traits.scope(state))
     after = advance(state, decision.kept, call, **decision.changes)
@@ -375,6 +397,49 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         values = R.tie(candidates.values, entry.arrays())
         return Step(candidates.keys, values, mask, after, log, decision.probs, state.lanes)
     return Step(candidates.keys, candidates.values, mask, after, log, decision.probs, state.lanes)
+
+
+def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
+    """A call over lanes whose heads keep different row counts and evict at every step
+    (:mod:`velox_cache_core.lanes`): token by token, the token is written into each head's
+    dead row, attends over the head's rows, and the policy's lowest-scored row of each head
+    becomes the dead row. A chunk runs token by token (each sees the rows the previous ones
+    left: sequential prefill). The undo log cannot follow lanes: it is cleared."""
+    rule = _lane_rule(policy)
+    assert rule is not None
+    state, call, tail = laid.state, laid.call, laid.slots
+    B, H, L, _ = call.shape
+    if L > 1 and call.queries is None:
+        raise ValueError(
+            f"a chunk over a {policy.name} cache with per-head shares (allocation head or "
+            "global) needs the queries (the attention hook)"
+        )
+    probe = rule.probe(state)
+    lanes = state.lanes
+    outs: list[mx.array | None] = []
+    for i in range(L):
+        at = call.start + i if call.row_start is None else call.row_start + i
+        lanes = write_row(lanes, call.keys[:, :, i : i + 1], call.values[:, :, i : i + 1], at)
+        q = None if call.queries is None else call.queries[:, :, i : i + 1]
+        out = weights = None
+        if probe == "query":
+            assert q is not None
+            out, weights = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)
+        else:
+            if probe == "key":
+                key = R.dense(call.keys[:, :, i : i + 1])
+                weights = attend_weights(key, lanes, tail.keys, tail.values, None, call.scale)[1]
+            if q is not None:
+                out = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)[0]
+        evict_by, running = rule.score(state, lanes, weights)
+        newest = at if isinstance(at, int) else at.reshape(B, 1, 1)
+        protected = rule.protect(state, lanes.positions, newest)
+        lanes = replace(lanes, free=victims(lanes, evict_by, protected, H), scores=running)
+        outs.append(out)
+    after = advance(state, tail, call, lanes=lanes)
+    out = None if any(o is None for o in outs) else mx.concatenate(outs, axis=2)  # type: ignore[misc]
+    cleared = None if log is None else log.cleared()
+    return Step(tail.keys, tail.values, None, after, cleared, None, lanes, out)
 
 
 def update(

@@ -24,7 +24,9 @@ the total.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -34,6 +36,30 @@ from velox_cache_core.scoring import exp
 from velox_cache_core.slots import KVSlots
 
 ALLOCATIONS = ("uniform", "head", "global")
+
+
+@dataclass(frozen=True)
+class LaneRule:
+    """How a policy that evicts at every decode step decides over lanes (the engine's lanes
+    path, ``velox_cache_core.engine``); a policy declares one in its registry record.
+
+    cut(state, call): at a single-token call, the state cut to lanes if it holds a prompt to
+    share out (its ``allocation`` is not ``uniform``), else the same state.
+    probe(state): what scores the rows by attention: ``"query"``, ``"key"`` or ``None``
+    (the lanes' stored scores alone).
+    protect(state, positions, newest): bool ``[B, N, W]``, the rows no step may evict (sinks,
+    a recent window); ``newest``: the new token's position (int, or int ``[B, 1, 1]``).
+    score(state, lanes, weights): (the scores the lowest of which goes, the running scores the
+    lanes keep or ``None``), from the rows' attention ``weights`` ``[B, N, W]`` (``None`` when
+    ``probe`` is).
+    """
+
+    cut: Callable[[Any, Any], Any]
+    probe: Callable[[Any], str | None]
+    protect: Callable[[Any, mx.array, Any], mx.array]
+    score: Callable[[Any, Lanes, mx.array | None], tuple[mx.array, mx.array | None]]
+
+
 FLOOR = 0.2  # a head's least share, as a fraction of the uniform one (AdaKV's floor)
 LANES_PER_SHARE = 8  # lanes in a uniform share: a lane is budget // 8 rows
 
@@ -57,12 +83,19 @@ class Lanes:
     keys ``[B, N, W, D]``, values ``[B, N, W, D_v]`` (full precision or
     :class:`~velox_cache_core.rows.QRows`), positions int32 ``[B, N, W]``, owner int32
     ``[B, N]``: the KV head each lane belongs to (a head's lanes in ascending order).
+
+    For a policy that evicts at every decode step (TOVA, H2O, Expected Attention): ``free``
+    int32 ``[B, H]``, each head's dead row (a flat index into the ``N * W`` rows, where the
+    next token is written, as the slot store's dead slot), and ``scores`` float32 ``[B, N, W]``,
+    the running score of each row when the policy keeps one (``None`` otherwise).
     """
 
     keys: Rows
     values: Rows
     positions: mx.array
     owner: mx.array
+    free: mx.array | None = None
+    scores: mx.array | None = None
 
     @property
     def n_lanes(self) -> int:
@@ -73,7 +106,12 @@ class Lanes:
         return int(self.positions.shape[2])
 
     def arrays(self) -> list[mx.array]:
-        return [*R.arrays(self.keys), *R.arrays(self.values), self.positions, self.owner]
+        out = [*R.arrays(self.keys), *R.arrays(self.values), self.positions, self.owner]
+        return out + [a for a in (self.free, self.scores) if a is not None]
+
+    def row_heads(self) -> mx.array:
+        """int32 ``[B, N * W]``: the KV head of every row."""
+        return mx.repeat(self.owner, self.width, axis=1)
 
     def member(self, heads: int) -> mx.array:
         """bool ``[B, H, N]``: lane ``n`` belongs to head ``h``."""
@@ -116,7 +154,11 @@ class Lanes:
             return mx.take_along_axis(flat_rows, idx, axis=1).reshape(B, heads, cap, *tail)
 
         keys, values = R.dense(self.keys), R.dense(self.values)
-        positions = gather(self.positions, PAD)
+        live = self.positions
+        if self.free is not None:  # a dead row is no row of the head's
+            dead = mx.arange(N * W)[None, None, :] == self.free[..., None]  # [B, H, N * W]
+            live = mx.where(dead.any(axis=1).reshape(B, N, W), PAD, live)
+        positions = gather(live, PAD)
         return KVSlots(gather(keys, 0), gather(values, 0), positions.astype(mx.int32))
 
 
@@ -202,10 +244,12 @@ def cut(
     protected: mx.array,
     counts: list[list[int]],
     width: int,
+    keep_scores: mx.array | None = None,
 ) -> Lanes:
     """Each head's best ``counts[b, h]`` rows of ``live`` (protected first, by ``scores``,
     ties lost by the oldest), in slot order, as lanes of ``width``. Every batch row keeps the
-    same total (``counts.sum(axis=1)`` equal)."""
+    same total (``counts.sum(axis=1)`` equal). ``keep_scores`` (float ``[B, H, n]``), if
+    given, become the lanes' running :attr:`Lanes.scores`."""
     B, H, n = live.positions.shape
     totals = {sum(row) for row in counts}
     shape_ok = len(counts) == B and all(len(row) == H for row in counts)
@@ -234,6 +278,61 @@ def cut(
         values=R.apply(live.values, gather),
         positions=gather(live.positions),
         owner=owner,
+        scores=None if keep_scores is None else gather(keep_scores.astype(mx.float32)),
+    )
+
+
+def victims(lanes: Lanes, scores: mx.array, protected: mx.array, heads: int) -> mx.array:
+    """Each head's row to evict: int32 ``[B, H]`` flat indices into the ``N * W`` rows, the
+    lowest of ``scores`` (float ``[B, N, W]``) among the head's rows that are not
+    ``protected`` (bool ``[B, N, W]``), ties lost by the oldest position."""
+    B, N, W = lanes.positions.shape
+    w = mx.where(protected, mx.inf, scores.astype(mx.float32)).reshape(B, 1, N * W)
+    mine = lanes.row_heads()[:, None, :] == mx.arange(heads, dtype=mx.int32)[None, :, None]
+    w = mx.where(mine, w, mx.inf)
+    tied = mine & (w == w.min(axis=-1, keepdims=True))
+    age = mx.where(tied, lanes.positions.reshape(B, 1, N * W), _NO_POSITION)
+    return mx.argmin(age, axis=-1).astype(mx.int32)
+
+
+_NO_POSITION = 2**31 - 1
+
+
+def write(
+    lanes: Lanes,
+    keys: Rows,
+    values: Rows,
+    position: int | mx.array,
+    score: float = 0.0,
+) -> Lanes:
+    """One new token per head (keys ``[B, H, 1, D]``, values ``[B, H, 1, D_v]``, at
+    ``position``, an int or int ``[B]``) written into each head's dead row, in place; its
+    running score (when the lanes keep scores) is ``score``. The result has no dead row."""
+    assert lanes.free is not None
+    B, N, W = lanes.positions.shape
+    H = int(lanes.free.shape[1])
+    idx = lanes.free
+
+    def put(rows: mx.array, new: mx.array) -> mx.array:
+        tail = rows.shape[3:]
+        flat = rows.reshape(B, N * W, *tail)
+        at = idx.reshape(B, H, *([1] * len(tail)))
+        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(rows.shape)
+
+    if isinstance(position, mx.array):
+        pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1), (B, H))
+    else:
+        pos = mx.full((B, H), position, dtype=mx.int32)
+    scores = lanes.scores
+    if scores is not None:
+        scores = put(scores[..., None], mx.full((B, H, 1), score, dtype=mx.float32))[..., 0]
+    return Lanes(
+        keys=R.write(lanes.keys, keys, put),
+        values=R.write(lanes.values, values, put),
+        positions=put(lanes.positions[..., None], pos[..., None])[..., 0],
+        owner=lanes.owner,
+        free=None,
+        scores=scores,
     )
 
 
@@ -265,11 +364,27 @@ def attend(
     scale: float,
     sinks: mx.array | None = None,
 ) -> mx.array:
+    """Attention over lanes and a tail (see :func:`attend_weights`, which also returns the
+    lanes' weights)."""
+    return attend_weights(queries, lanes, keys, values, mask, scale, sinks)[0]
+
+
+def attend_weights(
+    queries: mx.array,
+    lanes: Lanes,
+    keys: Rows,
+    values: Rows,
+    mask: mx.array | None,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
     """Attention of ``queries [B, H_q, L, D]`` over ``lanes`` (every lane row visible to every
     query: they precede the call) and the tail ``keys``/``values`` ``[B, H, T, D]`` under
     ``mask`` (bool ``[B, 1, H_q or H, L, T]``-like: ``[B, M, L, T]`` with ``M`` in
     ``{1, H_q, H}``, or ``None``: all visible). ``sinks``: per-query-head sink logits
-    ``[H_q]`` (gpt-oss). Returns ``[B, H_q, L, D_v]`` in the queries' dtype."""
+    ``[H_q]`` (gpt-oss). Returns ``[B, H_q, L, D_v]`` in the queries' dtype, and the softmax
+    weight of every lane row averaged over each KV head's query heads and the queries: float32
+    ``[B, N, W]`` (TOVA's decision weights, per head)."""
     B, H_q, L, D = queries.shape
     H, T = int(keys.shape[1]), int(keys.shape[2])
     g = H_q // H
@@ -317,7 +432,9 @@ def attend(
     if sink_logits is not None:
         total = total + exp(sink_logits - peak)
     out = out / total[..., None]
-    return out.reshape(B, H_q, L, Dv).astype(queries.dtype)
+    lane_total = mx.take_along_axis(total, owner[:, :, None], axis=1)  # [B, N, M]
+    weights_per_row = (p / lane_total[..., None]).mean(axis=2)  # [B, N, W]
+    return out.reshape(B, H_q, L, Dv).astype(queries.dtype), weights_per_row
 
 
 def global_totals(
@@ -385,6 +502,8 @@ def allot(
     budget: int,
     floor: float,
     total: int | None = None,
+    keep_scores: mx.array | None = None,
+    spare: int = 0,
 ) -> Lanes:
     """``live`` (``[B, H, n]`` rows) cut to adaptive shares, as lanes of
     :func:`lane_width` ``(budget)``: ``total`` rows per batch row across the heads (default
@@ -393,7 +512,43 @@ def allot(
     H = int(live.positions.shape[1])
     width = lane_width(budget)
     n_protected = int(protected.astype(mx.int32).sum(axis=-1).max().item())  # type: ignore[arg-type]
-    least = floor_rows(budget, floor, n_protected, width)
+    least = floor_rows(budget, floor, n_protected + spare, width)
     total = budget * H if total is None else total
     counts = shares(scores, live.positions, protected, total, least, width)
-    return cut(live, scores, protected, counts, width)
+    return cut(live, scores, protected, counts, width, keep_scores)
+
+
+def allot_evicting(
+    live: KVSlots,
+    scores: mx.array,
+    protect: Callable[[mx.array], mx.array],
+    *,
+    budget: int,
+    floor: float,
+    keep_scores: bool,
+) -> Lanes:
+    """:func:`allot` for a policy that evicts at every decode step: each head's share holds
+    one dead row (its weakest kept row, where the next token goes, as the slot store's dead
+    slot) and at least one row more than its protected ones (``protect(positions)``: bool,
+    the rows no decision may evict). ``keep_scores``: the lanes carry ``scores`` on as their
+    running scores (H2O's sums)."""
+    H = int(live.positions.shape[1])
+    lanes = allot(
+        live,
+        scores,
+        protect(live.positions),
+        budget=budget,
+        floor=floor,
+        keep_scores=scores,
+        spare=2,
+    )
+    assert lanes.scores is not None
+    free = victims(lanes, lanes.scores, protect(lanes.positions), H)
+    return Lanes(
+        lanes.keys,
+        lanes.values,
+        lanes.positions,
+        lanes.owner,
+        free=free,
+        scores=lanes.scores if keep_scores else None,
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from velox_cache_core import undo
 from velox_cache_core.engine import Call, Decision, Step, update
+from velox_cache_core.lanes import LaneRule
 from velox_cache_core.settings import Setting, policy_settings
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
@@ -43,6 +44,9 @@ class Policy:
     (StreamingLLM drops its oldest token first, as mlx-lm's ``RotatingKVCache`` does).
     presets: method name -> settings it fixes, for policies offered under several names
     (TOVA: ``tova``, ``tova_adapted``); the chosen name is passed to ``init`` as ``preset``.
+    lane_rule: how the policy decides at every decode step over lanes, when an adaptive
+    allocation gave its heads different row counts
+    (:class:`~velox_cache_core.lanes.LaneRule`), or ``None``.
     upgrade: optional ``upgrade(settings) -> (settings, fix)`` for prompt caches saved by an
     older release: the saved settings (and scalar running fields) under today's names, and a
     function the loaded state goes through (or ``None``).
@@ -71,6 +75,7 @@ class Policy:
     upgrade: (
         Callable[[dict[str, Any]], tuple[dict[str, Any], Callable[[Any], Any] | None]] | None
     ) = None
+    lane_rule: LaneRule | None = None
 
     @property
     def prompt_end_needs_model(self) -> bool:

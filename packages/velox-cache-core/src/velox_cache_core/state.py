@@ -104,7 +104,8 @@ class PolicyState:
         if self.lanes is None or self.slots is None:
             return self.n_kept
         heads = int(self.slots.positions.shape[1])
-        return self.n_kept + self.lanes.n_lanes * self.lanes.width // heads
+        rows = self.lanes.n_lanes * self.lanes.width - (0 if self.lanes.free is None else heads)
+        return self.n_kept + rows // heads
 
     @property
     def nbytes(self) -> int:

@@ -3,18 +3,31 @@
 At every step the model attends over ``retained + new``; if that exceeds ``budget`` the token
 with the lowest current-step attention weight is dropped (sinks excepted, the newest token
 included). Nothing is carried between steps: the state holds no scores.
+
+``allocation="head"`` (AdaKV), with scope ``head``: the prompt is held whole
+(as SnapKV holds it) and cut at its end by its last token's weights, the layer's
+``budget * H_kv`` rows shared across its heads by score, each keeping at least
+``allocation_floor`` of the uniform share (:mod:`velox_cache_core.lanes`); every decode step
+then evicts within each head's share (the engine's lanes path). The cut happens at the first
+single-token call, so the prompt's last token is already decided over the shares. ``global``
+needs every layer's weights at once, which a layer's own step does not have: it is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from velox_cache_core.attention_rule import Rule, decide_by_weights
+import mlx.core as mx
+
+from velox_cache_core import lanes as LN
+from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.registry import Policy
-from velox_cache_core.scoring import Scope
+from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
+from velox_cache_core.selection import sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState
+from velox_cache_core.state import PolicyState, running
 from velox_cache_core.traits import Prefill, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
@@ -42,6 +55,16 @@ class TovaState(PolicyState):
     signal: Signal
     scope: Scope
     prefill: Prefill
+    allocation: str = "uniform"
+    allocation_floor: float = LN.FLOOR
+    # the last probe row while an adaptive allocation holds the prompt (None otherwise)
+    history: History | None = running()
+
+    @property
+    def holds_prompt(self) -> bool:
+        """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
+        held = self.slots is None or self.history is not None
+        return self.allocation != "uniform" and self.lanes is None and held
 
     @property
     def rule(self) -> Rule:
@@ -59,10 +82,20 @@ def init_tova_state(
     scope: Scope | None = None,
     prefill: Prefill | None = None,
     preset: str = "tova",
+    allocation: str = "uniform",
+    allocation_floor: float = LN.FLOOR,
 ) -> TovaState:
-    """An empty TOVA state. ``signal``/``scope``/``prefill`` override the preset's values."""
+    """An empty TOVA state. ``signal``/``scope``/``prefill`` override the preset's values;
+    ``allocation`` ``uniform`` or, with scope ``head``, ``head`` (see the module doc);
+    ``0 <= allocation_floor <= 1``."""
     check_choice("preset", preset, PRESETS)
     check_budget_and_sinks(budget, n_sink)
+    LN.check_allocation(allocation, allocation_floor)
+    if allocation == "global":
+        raise ValueError(
+            "allocation='global' needs every layer's weights at once, which TOVA's per-layer "
+            "steps do not have: use 'uniform' or 'head' (kvzip offers 'global')"
+        )
     chosen = {**PRESETS[preset]}
     for name, value, options in (
         ("signal", signal, SIGNALS),
@@ -71,12 +104,65 @@ def init_tova_state(
     ):
         if value is not None:
             chosen[name] = check_choice(name, value, options)
-    return TovaState(budget=budget, n_sink=n_sink, **chosen)  # type: ignore[arg-type]
+    if allocation != "uniform" and chosen["scope"] != "head":
+        raise ValueError(
+            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
+            f"(got scope={chosen['scope']!r})"
+        )
+    return TovaState(
+        budget=budget,
+        n_sink=n_sink,
+        allocation=allocation,
+        allocation_floor=float(allocation_floor),
+        **chosen,  # type: ignore[arg-type]
+    )
 
 
 def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
-    """Evict the lowest current-step weight (memoryless)."""
+    """Evict the lowest current-step weight (memoryless); while an adaptive allocation holds
+    the prompt, keep everything and remember the last probe row."""
+    if state.holds_prompt:
+        probe = call.probe(state.signal)
+        last = History(probe[:, :, -1:], call.positions()[-1:])
+        return Decision(candidates, changes={"history": last})
     return decide_by_weights(state.rule, call, candidates)[0]
+
+
+def tova_cut(state: TovaState, call: Call) -> TovaState:
+    """The held prompt cut at its end (the first single-token call): the last probe row's
+    weights over it, per KV head, share the layer's rows out (lanes, each head with one dead
+    row for the next token). A prompt within ``budget`` is not cut: TOVA then goes on
+    uniformly."""
+    if not state.holds_prompt or state.slots is None or state.history is None:
+        return state
+    live = state.slots.compact()
+    if live.n_slots <= state.budget:
+        return replace(state, history=None)
+    logits = grouped_logits(state.history.probes, live.keys, call.scale, "head")
+    scores = decision_weights(logits)[:, :, 0]  # [B, H_kv, n]
+    lanes = LN.allot_evicting(
+        live,
+        scores,
+        lambda positions: sinks(positions, state.n_sink),
+        budget=state.budget,
+        floor=state.allocation_floor,
+        keep_scores=False,
+    )
+    empty = KVSlots.empty_like(live.keys, live.values)
+    return replace(state, slots=empty, lanes=lanes, history=None)
+
+
+def _tova_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, None]:
+    assert weights is not None
+    return weights, None
+
+
+TOVA_LANES = LN.LaneRule(
+    cut=tova_cut,
+    probe=lambda state: state.signal,
+    protect=lambda state, positions, newest: sinks(positions, state.n_sink),
+    score=_tova_score,
+)
 
 
 TOVA = Policy(
@@ -87,9 +173,15 @@ TOVA = Policy(
     presets=PRESETS,
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
+    lane_rule=TOVA_LANES,
     summary={
         "tova": "drops the token the newest query attends to least (TOVA)",
         "tova_adapted": "TOVA scored with the new key in place of the query, per KV head",
+    },
+    help={
+        "allocation": "uniform: budget rows per KV head; head (scope head only): the prompt is "
+        "held, then its end shares the layer's rows across heads by score (AdaKV)",
+        "allocation_floor": "a head's least share under head allocation, a fraction of budget",
     },
 )
 tova_update = TOVA.update
