@@ -16,7 +16,8 @@ def test_variants_are_read_from_the_registry() -> None:
     got = variants()
     assert ("kvzip", "global") in got and ("snapkv", "head") in got
     assert ("snapkv", "global") not in got  # refused by SnapKV's init
-    assert all(method != "tova" for method, _ in got)  # no allocation setting (yet)
+    assert ("tova", "head") in got and ("tova_adapted", "head") in got  # in scope head
+    assert ("tova", "global") not in got
 
 
 @pytest.mark.quality

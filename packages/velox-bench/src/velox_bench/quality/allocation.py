@@ -8,8 +8,9 @@ gains the setting joins by itself.
 - **Perplexity against budget, after a cut.** A real-text document; its first ``prompt_tokens``
   are the prompt, cut once (the policy's prompt end, or KVzip's reconstruction pass), then the
   next ``continuation`` tokens are scored teacher-forced, in one chunk, over the cut cache.
-  SnapKV and KVzip append after their cut, so one chunk scores exactly what token by token
-  would. The full cache scores the same tokens.
+  SnapKV and KVzip append after their cut; TOVA (scope ``head``) cuts at the chunk's first
+  token and evicts within the shares token by token, so one chunk scores exactly what token by
+  token would. The full cache scores the same tokens.
 - **Retrieval by depth.** Pass keys planted at 10%, 50% and 90% of a real document
   (``retrieval.build_prompt``), one question per depth, answered teacher-forced over the cut cache
   (``retrieval.run_trials``); exact-match accuracy per depth and mean log-probability against
@@ -75,38 +76,58 @@ class AllocationSettings:
         )
 
 
+def _fixed(policy_name: str) -> dict[str, Any]:
+    """Settings every run of a policy fixes: scope ``head`` where the policy has a scope (the
+    allocation modes share rows across a layer's KV heads, so they need per-head decisions)."""
+    params = inspect.signature(POLICIES[policy_name].init).parameters
+    return {"scope": "head"} if "scope" in params else {}
+
+
 def variants() -> list[tuple[str, str]]:
-    """``(method, allocation)`` for every registered policy that takes ``allocation``, in every
-    mode its ``init`` accepts (a refused mode raises ``ValueError`` and is left out)."""
+    """``(method, allocation)`` for every method of every registered policy that takes
+    ``allocation``, in every mode its ``init`` accepts (a refused mode raises ``ValueError``
+    and is left out); policies with a scope run in scope ``head``."""
     out = []
     for name in sorted(POLICIES):
         policy = POLICIES[name]
         if "allocation" not in inspect.signature(policy.init).parameters:
             continue
-        method = policy.methods[0]
-        for mode in ALLOCATIONS:
-            try:
-                policy.init_for(method, allocation=mode)
-            except ValueError:
-                continue
-            out.append((method, mode))
+        for method in policy.methods:
+            for mode in ALLOCATIONS:
+                try:
+                    policy.init_for(method, allocation=mode, **_fixed(name))
+                except ValueError:
+                    continue
+                out.append((method, mode))
     return out
 
 
 def _config(method: str, allocation: str | None, budget: int) -> KVCacheConfig:
     if allocation is None:
         return KVCacheConfig(method="full")
-    settings: dict[str, Any] = {f"{method}_budget": budget, f"{method}_allocation": allocation}
+    policy = next(p for p in POLICIES.values() if method in p.methods).name
+    fixed = {f"{policy}_{k}": v for k, v in _fixed(policy).items()}
+    settings: dict[str, Any] = {
+        f"{policy}_budget": budget,
+        f"{policy}_allocation": allocation,
+        **fixed,
+    }
     return KVCacheConfig(method=method, **settings)
 
 
 def _cut(model: Any, tokenizer: Any, caches: list[Any], prompt: list[int]) -> None:
-    """Fill ``caches`` with ``prompt`` and cut them once (KVzip's pass, or the prompt end)."""
-    prefill(model, caches, prompt, step=256)
-    if any(
+    """Fill ``caches`` with ``prompt`` and cut them once: KVzip by its pass; the others as
+    generation does, the prompt's last token fed alone (the first single-token call, where
+    a held prompt is shared out), then the prompt end."""
+    zips = any(
         getattr(c, "layer", None) is not None and c.layer.policy.name == "kvzip" for c in caches
-    ):
+    )
+    if zips:
+        prefill(model, caches, prompt, step=256)
         compress(model, tokenizer, caches, prompt)
+    else:
+        prefill(model, caches, prompt[:-1], step=256)
+        prefill(model, caches, prompt[-1:], step=1)
     for c in caches:
         if getattr(c, "layer", None) is not None:
             c.layer.end_prompt()
