@@ -42,7 +42,11 @@ class ReferenceTova:
         signal: str,
         scope: str,
         prefill: str,
+        allocation: str = "uniform",
+        allocation_floor: float = 0.2,
     ) -> None:
+        # the uniform cut (head allocation has its own reference: test_tova_allocation.py)
+        assert allocation == "uniform" and 0 <= allocation_floor <= 1
         assert signal in SIGNALS and scope in SCOPES and prefill in PREFILLS
         assert 0 <= n_sink < budget
         self.budget = budget

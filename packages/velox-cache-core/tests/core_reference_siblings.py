@@ -202,8 +202,12 @@ class ReferenceH2O(_Reference):
         signal: str,
         scope: str,
         prefill: str,
+        allocation: str = "uniform",
+        allocation_floor: float = 0.2,
     ) -> None:
         super().__init__(budget, n_sink)
+        # the uniform cut (head allocation has its own reference: test_h2o_allocation.py)
+        assert allocation == "uniform" and 0 <= allocation_floor <= 1
         assert 0 <= recent <= budget - n_sink
         assert signal in SIGNALS and scope in SCOPES and prefill in PREFILLS
         self.recent, self.signal, self.scope, self.prefill = recent, signal, scope, prefill

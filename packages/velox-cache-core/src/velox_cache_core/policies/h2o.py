@@ -3,18 +3,27 @@
 Every retained token accumulates the attention it receives from every query that sees it (the
 prompt's too); the lowest running sum is evicted, except sinks and the ``recent`` newest
 tokens. Inertial where TOVA is memoryless: the state carries the scores.
+
+``allocation="head"`` (AdaKV; scope ``head``): the prompt is held whole while its sums
+accumulate, then cut at its end (the first single-token call) into per-head shares by those
+sums, each head keeping its sinks, its recent window and at least ``allocation_floor`` of the
+uniform share (:mod:`velox_cache_core.lanes`); decode steps then evict within each head's share,
+the sums carried on the lanes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.attention_rule import Rule, align_scores, decide_by_weights
+from velox_cache_core import lanes as LN
+from velox_cache_core.attention_rule import History, Rule, align_scores, decide_by_weights
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
 from velox_cache_core.registry import Policy
+from velox_cache_core.selection import sinks
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
 from velox_cache_core.traits import Prefill, Scope, Signal, read_settings
@@ -32,7 +41,22 @@ class H2OState(PolicyState):
     signal: Signal
     scope: Scope
     prefill: Prefill
+    allocation: str = "uniform"
+    allocation_floor: float = LN.FLOOR
     scores: mx.array | None = running()
+    # the last probe row while an adaptive allocation holds the prompt (a marker: None once
+    # the prompt is cut, or always with the uniform allocation)
+    history: History | None = running()
+
+    @property
+    def holds_prompt(self) -> bool:
+        """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
+        held = self.slots is None or self.history is not None
+        return self.allocation != "uniform" and self.lanes is None and held
+
+    def protect(self, positions: mx.array, newest: Any) -> mx.array:
+        """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
+        return sinks(positions, self.n_sink) | (positions > newest - self.recent)
 
     @property
     def rule(self) -> Rule:
@@ -53,10 +77,24 @@ def init_h2o_state(
     signal: Signal = "query",
     scope: Scope = "head",
     prefill: Prefill = "sequential",
+    allocation: str = "uniform",
+    allocation_floor: float = LN.FLOOR,
 ) -> H2OState:
     """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
-    ``n_sink + recent <= budget``."""
+    ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
+    ``head`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
+    LN.check_allocation(allocation, allocation_floor)
+    if allocation == "global":
+        raise ValueError(
+            "allocation='global' needs every layer's sums at once, which H2O's per-layer "
+            "steps do not have: use 'uniform' or 'head' (kvzip offers 'global')"
+        )
+    if allocation != "uniform" and scope != "head":
+        raise ValueError(
+            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
+            f"(got scope={scope!r})"
+        )
     recent = budget // 2 if recent is None else recent
     check_int("recent", recent, minimum=0)
     if n_sink + recent > budget:
@@ -71,6 +109,8 @@ def init_h2o_state(
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
         scope=check_choice("scope", scope, SCOPES),  # type: ignore[arg-type]
         prefill=check_choice("prefill", prefill, PREFILLS),  # type: ignore[arg-type]
+        allocation=allocation,
+        allocation_floor=float(allocation_floor),
     )
 
 
@@ -82,8 +122,52 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     if scores is None:
         scores = mx.zeros((B, G, 0), dtype=mx.float32)
     scores = align_scores(scores, slots, G, L)
+    if state.holds_prompt:  # the sums accumulate over the whole prompt: nothing goes yet
+        held = replace(state.rule, budget=_NEVER)
+        decision, scores = decide_by_weights(held, call, candidates, scores=scores)
+        probe = call.probe(state.signal)
+        last = History(probe[:, :, -1:], call.positions()[-1:])
+        return replace(decision, changes={"scores": scores, "history": last})
     decision, scores = decide_by_weights(state.rule, call, candidates, scores=scores)
     return replace(decision, changes={"scores": scores})
+
+
+_NEVER = 2**30  # a budget no prompt reaches
+
+
+def h2o_cut(state: H2OState, call: Call) -> H2OState:
+    """The held prompt cut at its end (the first single-token call) into per-head shares by
+    its attention sums (lanes carrying the sums, one dead row per head). A prompt within
+    ``budget`` is not cut: H2O then goes on uniformly."""
+    if not state.holds_prompt or state.slots is None or state.scores is None:
+        return state
+    live = state.slots.compact()
+    if live.n_slots <= state.budget:
+        return replace(state, history=None)
+    lanes = LN.allot_evicting(
+        live,
+        state.scores,
+        lambda positions: state.protect(positions, call.start),
+        budget=state.budget,
+        floor=state.allocation_floor,
+        keep_scores=True,
+    )
+    empty = KVSlots.empty_like(live.keys, live.values)
+    return replace(state, slots=empty, lanes=lanes, history=None, scores=None)
+
+
+def _h2o_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
+    assert weights is not None and lanes.scores is not None
+    sums = lanes.scores + weights
+    return sums, sums
+
+
+H2O_LANES = LN.LaneRule(
+    cut=h2o_cut,
+    probe=lambda state: state.signal,
+    protect=lambda state, positions, newest: state.protect(positions, newest),
+    score=_h2o_score,
+)
 
 
 H2O = Policy(
@@ -93,11 +177,15 @@ H2O = Policy(
     h2o_rule,
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
+    lane_rule=H2O_LANES,
     summary={
         "h2o": "keeps the tokens with the most attention summed so far plus the recent ones (H2O)",
     },
     help={
         "recent": "latest tokens always kept (default: budget // 2)",
+        "allocation": "uniform: budget rows per KV head; head (scope head only): the prompt is "
+        "held, then its end shares the layer's rows across heads by the sums (AdaKV)",
+        "allocation_floor": "a head's least share under head allocation, a fraction of budget",
     },
 )
 h2o_update = H2O.update
