@@ -158,3 +158,22 @@ def test_allocation_settings_are_checked() -> None:
         TOVA.init_for("tova", scope="head", allocation="layer")
     state = TOVA.init_for("tova_adapted", allocation="head")  # key signal, head scope
     assert state.holds_prompt and state.allocation == "head"
+
+
+def test_trim_after_the_cut_is_refused_with_the_reason() -> None:
+    from velox_cache_core.layer import Layer
+    from velox_cache_core.undo import UndoLog
+
+    B, H, g, D = 1, 2, 2, 8
+    rng = np.random.default_rng(1)
+    k, v, q = (
+        mx.array(rng.standard_normal((B, h, 40, D)).astype(np.float32)) for h in (H, H, H * g)
+    )
+    init = TOVA.init_for("tova", budget=8, scope="head", allocation="head", n_sink=1)
+    layer = Layer(TOVA, init, UndoLog(8))
+    for a, b in ((0, 30), (30, 31), (31, 32)):
+        layer.lay_out(k[:, :, a:b], v[:, :, a:b])
+        layer.attend(q[:, :, a:b], D**-0.5)
+    assert layer.state.lanes is not None
+    with pytest.raises(ValueError, match="different row counts"):
+        layer.trim(1)

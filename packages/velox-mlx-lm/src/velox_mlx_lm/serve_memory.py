@@ -171,7 +171,8 @@ class AdmissionCost:
     A Velox layer holds ``budget + 1`` rows (the dead slot of a decode step); a policy that
     grows after the prompt (``grows_after_prompt_end``) adds ``max_tokens`` and the rows a
     growing store sets aside, and one with a prompt-end step (a cut once the prompt is in)
-    holds the whole prompt until then. The undo log adds up to ``2 * trim_window`` rows with
+    holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
+    (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to ``2 * trim_window`` rows with
     their queries. An mlx-lm ``KVCache`` (``--method full``) holds ``prompt + max_tokens``
     rows in 256-row steps; a window ``max_size`` rows. The sum is taken times :data:`MARGIN`.
     """
@@ -181,7 +182,12 @@ class AdmissionCost:
         self.config = config
         policy = None if config.policy is None else POLICIES[config.policy]
         self.grows = bool(policy is not None and policy.grows_after_prompt_end)
-        self.holds_prompt = bool(policy is not None and policy.prompt_end is not None)
+        # a prompt-end step, or an adaptive allocation that holds the prompt until its end
+        held = False
+        if policy is not None and config.policy is not None:
+            state = policy.init_for(config.method, **config.settings())
+            held = bool(getattr(state, "holds_prompt", False))
+        self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
         budget = config.settings().get("budget") if policy is not None else None
         self.budget = int(budget) if isinstance(budget, int) else 0
         self.window = int(config.trim_window)
