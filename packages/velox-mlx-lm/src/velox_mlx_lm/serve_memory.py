@@ -173,8 +173,8 @@ class AdmissionCost:
     growing store sets aside, and one with a prompt-end step (a cut once the prompt is in)
     holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
     (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to
-    ``2 * trim_window`` rows with their queries. An mlx-lm ``KVCache`` (``--method full``) holds ``prompt + max_tokens``
-    rows in 256-row steps; a window ``max_size`` rows. The sum is taken times :data:`MARGIN`.
+    ``2 * trim_window`` rows with their queries. An mlx-lm ``KVCache`` (``--method full``)
+    holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum is taken times :data:`MARGIN`.
     """
 
     def __init__(self, layers: list[LayerGeometry], config: Any) -> None:
