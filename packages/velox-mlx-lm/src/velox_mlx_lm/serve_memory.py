@@ -174,7 +174,8 @@ class AdmissionCost:
     holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
     (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to
     ``2 * trim_window`` rows with their queries. An mlx-lm ``KVCache`` (``--method full``)
-    holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum is taken times :data:`MARGIN`.
+    holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum
+    is taken times :data:`MARGIN`.
     """
 
     def __init__(self, layers: list[LayerGeometry], config: Any) -> None:
