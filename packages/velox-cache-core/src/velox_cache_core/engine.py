@@ -437,7 +437,8 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
         lanes = replace(lanes, free=victims(lanes, evict_by, protected, H), scores=running)
         outs.append(out)
     after = advance(state, tail, call, lanes=lanes)
-    out = None if any(o is None for o in outs) else mx.concatenate(outs, axis=2)  # type: ignore[misc]
+    done = [o for o in outs if o is not None]
+    out = mx.concatenate(done, axis=2) if len(done) == L else None
     cleared = None if log is None else log.cleared()
     return Step(tail.keys, tail.values, None, after, cleared, None, lanes, out)
 
