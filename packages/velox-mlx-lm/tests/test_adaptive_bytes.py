@@ -1,5 +1,5 @@
-"""Adaptive allocation keeps the memory a budget promises (issue 34): at budgets of at least 64
-and in every allocation mode, the bytes a cut cache holds (``nbytes``, and the MLX active memory
+"""Adaptive allocation keeps the memory a budget promises (issue 34): for every policy that has
+the modes, at budgets of at least 64 and in every allocation mode, the bytes a cut cache holds (``nbytes``, and the MLX active memory
 freed when the caches go) are at most 1.05x the uniform cut's at the same budget."""
 
 from __future__ import annotations
@@ -15,19 +15,31 @@ from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.compress import compress, prefill
 
 PROMPT_TOKENS = 400
-MODES = {"kvzip": ("uniform", "head", "global"), "snapkv": ("uniform", "head")}
+SLACK = 16 * 1024  # bytes: allocator rounding of the tiny model's small arrays
+MODES = {
+    "kvzip": ("uniform", "head", "global"),
+    "snapkv": ("uniform", "head"),
+    "tova": ("uniform", "head"),
+    "h2o": ("uniform", "head"),
+}
 
 
 def _held(model: Any, tokenizer: Any, tokens: list[int], method: str, budget: int, mode: str):  # type: ignore[no-untyped-def]
     """(sum of nbytes, MLX active memory the caches free, per-head row counts) of a cut."""
-    settings = {f"{method}_budget": budget, f"{method}_allocation": mode}
+    settings: dict[str, Any] = {f"{method}_budget": budget, f"{method}_allocation": mode}
+    if method == "tova":
+        settings["tova_scope"] = "head"
+    if method == "h2o":  # its default recent window (budget // 2) leaves little to share
+        settings["h2o_recent"] = 8
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **settings))
-    prefill(model, caches, tokens)
     if method == "kvzip":
+        prefill(model, caches, tokens)
         compress(model, tokenizer, caches, tokens)
-    else:
+    else:  # the prompt's last token alone, as generation feeds it (TOVA/H2O cut there)
+        prefill(model, caches, tokens[:-1])
+        prefill(model, caches, tokens[-1:])
         for c in caches:
-            c.layer.end_prompt()
+            c.finish_prefill()
     mx.eval([c.state for c in caches])
     heads = int(caches[0].policy_state.slots.positions.shape[1])
     held = sum(c.nbytes for c in caches)
@@ -53,11 +65,13 @@ def test_every_mode_holds_at_most_the_uniform_bytes(
     tokens = np.random.default_rng(budget).integers(2, 128, PROMPT_TOKENS).tolist()
     results = {m: _held(model, tiny_tokenizer, tokens, method, budget, m) for m in MODES[method]}
     uniform_held, uniform_freed, _ = results["uniform"]
-    # What the caches free is their rows plus what every mode holds alike besides them (the
-    # layers' bookkeeping); a mode that padded its heads would show here as in nbytes.
-    assert uniform_freed >= uniform_held > 0
+    assert uniform_held > 0
     for mode, (held, freed, counts) in results.items():
         assert held <= 1.05 * uniform_held, (mode, held, uniform_held)
-        assert freed <= 1.05 * uniform_freed, (mode, freed, uniform_freed)
+        # MLX's active memory: what deleting the caches frees. The tiny model's arrays are a
+        # few KiB, where the allocator's rounding shows, hence the slack; a mode that padded
+        # its heads, or kept the uncut prompt alive (as the prompt-end step's returned rows
+        # did before finish_prefill dropped them: 3.4x here), shows far beyond it.
+        assert freed <= 1.05 * max(uniform_freed, uniform_held) + SLACK, (mode, freed)
         if mode != "uniform":  # the heads really keep different counts
             assert len({c for layer in counts for row in layer for c in row}) > 1, mode

@@ -72,9 +72,14 @@ class KVSlots:
     def empty_like(cls, keys: Rows, values: Rows) -> KVSlots:
         """Zero-row store with the batch, head and feature shape of ``keys``/``values``."""
         B, H, _, _ = keys.shape
+
+        def empty(a: mx.array) -> mx.array:
+            # new zero-row arrays, not a slice: a view would keep ``keys``' buffer alive
+            return mx.zeros((B, H, 0, *a.shape[3:]), dtype=a.dtype)
+
         return cls(
-            keys=keys[:, :, :0],
-            values=values[:, :, :0],
+            keys=R.apply(keys, empty),
+            values=R.apply(values, empty),
             positions=mx.zeros((B, H, 0), dtype=mx.int32),
         )
 

@@ -254,8 +254,11 @@ class PolicyKVCache(VeloxKVCache):
         return for_mlx(keys), for_mlx(values)
 
     def finish_prefill(self) -> None:
-        """End the prompt now (for callers that do not end it with a 1-token call)."""
+        """End the prompt now (for callers that do not end it with a 1-token call), and drop
+        what the last call returned to the model: after a prompt that is the whole prompt,
+        which nothing reads again once its forward pass is over."""
         self._layer.end_prompt()
+        self._returned = None
 
     @property
     def serves(self) -> str | None:

@@ -161,6 +161,8 @@ def _score_and_cut(
         totals = first.compressor.shares(scores, first.policy.rebudget(first.state, budget))
         for layer, total in zip(layers, totals, strict=True):
             layer.finish_phase(budget, total)
+        for cache in phase_caches(caches):  # the pass's last chunk is no longer needed
+            cache.finish_prefill()
     finally:
         for layer in layers:
             layer.abort_phase()

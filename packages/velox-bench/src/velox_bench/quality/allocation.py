@@ -130,7 +130,7 @@ def _cut(model: Any, tokenizer: Any, caches: list[Any], prompt: list[int]) -> No
         prefill(model, caches, prompt[-1:], step=1)
     for c in caches:
         if getattr(c, "layer", None) is not None:
-            c.layer.end_prompt()
+            c.finish_prefill()
 
 
 def continuation_nll(
