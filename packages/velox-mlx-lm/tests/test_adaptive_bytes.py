@@ -1,6 +1,7 @@
 """Adaptive allocation keeps the memory a budget promises (issue 34): for every policy that has
-the modes, at budgets of at least 64 and in every allocation mode, the bytes a cut cache holds (``nbytes``, and the MLX active memory
-freed when the caches go) are at most 1.05x the uniform cut's at the same budget."""
+the modes, at budgets of at least 64 and in every allocation mode, the bytes a cut cache holds
+(``nbytes``, and the MLX active memory freed when the caches go) are at most 1.05x the uniform
+cut's at the same budget."""
 
 from __future__ import annotations
 
