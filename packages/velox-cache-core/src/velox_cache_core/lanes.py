@@ -287,11 +287,24 @@ def victims(lanes: Lanes, scores: mx.array, protected: mx.array, heads: int) -> 
     lowest of ``scores`` (float ``[B, N, W]``) among the head's rows that are not
     ``protected`` (bool ``[B, N, W]``), ties lost by the oldest position."""
     B, N, W = lanes.positions.shape
-    w = mx.where(protected, mx.inf, scores.astype(mx.float32)).reshape(B, 1, N * W)
     mine = lanes.row_heads()[:, None, :] == mx.arange(heads, dtype=mx.int32)[None, :, None]
-    w = mx.where(mine, w, mx.inf)
+    return _victims(
+        scores.astype(mx.float32).reshape(B, 1, N * W),
+        protected.reshape(B, 1, N * W),
+        lanes.positions.reshape(B, 1, N * W),
+        mine,
+    )
+
+
+@mx.compile
+def _victims(
+    scores: mx.array, protected: mx.array, positions: mx.array, mine: mx.array
+) -> mx.array:
+    """:func:`victims` over flat rows (``[B, 1, R]``; ``mine`` bool ``[B, H, R]``), compiled:
+    one fused kernel per shape instead of a dozen ops built every step."""
+    w = mx.where(mine & ~protected, scores, mx.inf)
     tied = mine & (w == w.min(axis=-1, keepdims=True))
-    age = mx.where(tied, lanes.positions.reshape(B, 1, N * W), _NO_POSITION)
+    age = mx.where(tied, positions, _NO_POSITION)
     return mx.argmin(age, axis=-1).astype(mx.int32)
 
 
