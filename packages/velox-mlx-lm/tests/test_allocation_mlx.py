@@ -57,3 +57,19 @@ def test_head_allocation_generates_within_the_uniform_bytes(
         assert (la.scores is None) == (lb.scores is None)
     follow = [5, 9, 17]
     assert _generate(model, loaded, follow, 4) == _generate(model, adaptive, follow, 4)
+
+
+def test_a_held_prompt_round_trips_before_its_cut(tiny_model: Any) -> None:
+    """A prompt cache saved while TOVA holds its prompt for the cut (more rows than budget)
+    loads, and cuts at the next single token as the original would."""
+    from mlx_lm.models.cache import KVCache  # noqa: F401  (mlx-lm's cache module is loaded)
+
+    model = tiny_model("llama")
+    prompt = np.random.default_rng(1).integers(2, 128, 60).tolist()
+    config = KVCacheConfig(**CASES["tova"], tova_allocation="head")
+    caches = KVCacheBuilder.for_model(model, config)
+    model(mx.array(prompt)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    assert caches[0].policy_state.holds_prompt and caches[0].size() == 60
+    copies = [type(c).from_state(c.state) for c in caches]
+    assert _generate(model, copies, [7], 3) == _generate(model, caches, [7], 3)

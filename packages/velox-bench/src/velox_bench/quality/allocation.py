@@ -301,12 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the CI size")
     parser.add_argument("--budgets", type=int, nargs="+", help="perplexity budgets")
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt cut before the continuation")
     args = parser.parse_args(argv)
     settings = AllocationSettings.smoke_run() if args.smoke or smoke() else AllocationSettings()
     if args.budgets:
         settings = AllocationSettings(**{**asdict(settings), "budgets": tuple(args.budgets)})
     if args.trials:
         settings = AllocationSettings(**{**asdict(settings), "n_trials": args.trials})
+    if args.prompt_tokens:
+        settings = AllocationSettings(**{**asdict(settings), "prompt_tokens": args.prompt_tokens})
     results = evaluate(settings)
     print(summary(results))
     for path in write(results):
