@@ -18,6 +18,8 @@ from typing import Any
 __all__ = [
     "REPO_ROOT",
     "SuiteResults",
+    "add_rows",
+    "adding_rows",
     "figures_dirs",
     "loglog_slope",
     "machine_info",
@@ -130,6 +132,69 @@ class SuiteResults:
         }
         path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n", encoding="utf-8")
         return path
+
+
+ROW_IDENTITY = ("config", "phase", "context", "method")  # what a row measured, not how long
+
+
+def adding_rows() -> list[str]:
+    """``VELOX_BENCH_ADD_ROWS=m1,m2``: the methods whose rows a run adds to the committed
+    results (see :func:`add_rows`); empty: the run writes its suites whole."""
+    return [m for m in os.environ.get("VELOX_BENCH_ADD_ROWS", "").split(",") if m]
+
+
+def add_rows(
+    saved: dict[str, Any],
+    fresh: SuiteResults,
+    methods: Sequence[str],
+    blas: dict[str, Any],
+    order: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``saved`` (a committed ``<suite>.json``) with the rows of ``methods`` measured now by
+    ``fresh`` put in, without rerunning the whole suite.
+
+    The run must use the saved settings (else ``ValueError``: the rows would not be
+    comparable). Saved rows of ``methods`` are replaced; the rows are then ordered by method as
+    in ``order`` (methods not in it keep their place, after those in it). ``fresh`` rows of
+    other methods are not added: they are the run's baselines, and ``added_rows`` records each
+    one's median time now over its saved time (the drift of the machine between the two runs)
+    with the run's machine, BLAS and methods. The summary is computed again by the caller.
+    """
+    if saved.get("smoke") or smoke():
+        raise ValueError("rows are added to a real run, with a real run")
+    for key, value in fresh.settings.items():
+        if json.loads(json.dumps(value)) != saved["settings"].get(key):
+            raise ValueError(
+                f"{fresh.suite} setting {key} is {value!r} now but "
+                f"{saved['settings'].get(key)!r} in the saved run: not comparable"
+            )
+    missing = [m for m in methods if not any(r["method"] == m for r in fresh.rows)]
+    if missing:
+        raise ValueError(f"{fresh.suite}: no rows measured for {missing}")
+
+    def key(row: dict[str, Any]) -> str:
+        return " ".join(str(row[k]) for k in ROW_IDENTITY if k in row)
+
+    before = {key(r): r["seconds"] for r in saved["rows"]}
+    drift = {
+        key(r): r["seconds"] / before[key(r)]
+        for r in fresh.rows
+        if r["method"] not in methods and key(r) in before
+    }
+    kept = [r for r in saved["rows"] if r["method"] not in methods]
+    new = [r for r in fresh.rows if r["method"] in methods]
+    rank = {m: i for i, m in enumerate(order)}
+    rows = sorted(kept + new, key=lambda r: rank.get(r["method"], len(rank)))
+    out: dict[str, Any] = json.loads(json.dumps({**saved, "rows": rows}, default=_jsonable))
+    out.setdefault("added_rows", []).append(
+        {
+            "methods": list(methods),
+            "machine": machine_info(),
+            "blas": blas,
+            "baseline_seconds_now_over_saved": drift,
+        }
+    )
+    return out
 
 
 def _jsonable(value: Any) -> Any:
