@@ -64,12 +64,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from velox_bench.plots import plot_all
     from velox_bench.results import add_rows, adding_rows, results_dir
     from velox_bench.summary import summarize
-    from velox_bench.variants import micro_methods, model_methods
+    from velox_bench.variants import model_methods
 
     blas: dict[str, Any] = blas_report()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     added = adding_rows()
-    orders = {"micro": micro_methods(), "model": model_methods()}
+    orders = {"model": model_methods()}  # test_variants checks the model rows' order
     for name, suite in suites.items():
         if added:
             path = results_dir() / f"{name}.json"
