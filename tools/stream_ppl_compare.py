@@ -109,8 +109,8 @@ def docs_table(saved: dict[str, Any]) -> str:
     env = saved["environment"]
     return (
         f"{table(saved['ppl'], s['budgets'])}\n\n"
-        f"Perplexity of {s['stream']} tokens fed one at a time after a {s['prompt']}-token "
-        f"prompt ({saved['text']}), {env['model']}, {env['machine']}, mlx {env['mlx']}: "
+        f"Perplexity of {s['stream']} tokens fed one at a time after a prompt of {s['prompt']} "
+        f"tokens ({saved['text']}), {env['model']}, {env['machine']}, mlx {env['mlx']}: "
         f"`python tools/stream_ppl_compare.py` (`benchmarks/results/stream_ppl.json`)."
     )
 
