@@ -19,8 +19,9 @@ to budget (the lowest non-sinks go, equal scores losing the lower position). Aft
 adds its L tokens to a count; when the count reaches refresh_every, the statistics are recomputed
 (at t = offset + L, the call's queries included), every candidate is scored and the count restarts
 at 0; otherwise the new keys are scored with the current statistics and denominators. One token:
-the lowest non-sink candidate goes when over budget. A chunk attends causally, then the lowest go
-down to budget.
+the lowest candidate goes when over budget, sinks and the `recent` newest positions (those after
+the call's last position minus `recent`) never. A chunk attends causally, then the lowest of the
+same evictable ones go down to budget. The prompt's cut spares only the sinks.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ReferenceExpectedAttention(_Reference):
         self,
         budget: int,
         n_sink: int,
+        recent: int,
         n_queries: int,
         refresh_every: int,
         n_future: int,
@@ -63,6 +65,7 @@ class ReferenceExpectedAttention(_Reference):
         rope_scale: float,
     ) -> None:
         super().__init__(budget, n_sink)
+        self.recent = recent
         self.n_queries, self.refresh_every, self.n_future = n_queries, refresh_every, n_future
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, epsilon
         self.rope = {
@@ -113,8 +116,9 @@ class ReferenceExpectedAttention(_Reference):
             for h in range(self.n_kv):
                 for t in chunk:
                     self.scores[b][h][t] = self._score(b, h, t)
+        newest = self.offset + length - 1
         for h in range(self.n_kv):
-            self._cut(b, h)
+            self._cut(b, h, spared=newest - self.recent)
 
     def compress(self) -> None:
         if self.compressed:
@@ -130,12 +134,13 @@ class ReferenceExpectedAttention(_Reference):
 
     # ---------------------------------------------------------------- scoring
 
-    def _cut(self, b: int, h: int) -> None:
+    def _cut(self, b: int, h: int, spared: float = math.inf) -> None:
+        """Down to budget; positions after `spared` are never evicted."""
         assert self.kept is not None
         excess = len(self.kept[b][h]) - self.budget
         if excess <= 0:
             return
-        evictable = {p: s for p, s in self.scores[b][h].items() if p >= self.n_sink}
+        evictable = {p: s for p, s in self.scores[b][h].items() if self.n_sink <= p and p <= spared}
         evictable = {p: s for p, s in evictable.items() if p in self.kept[b][h]}
         gone = self._lowest(evictable, excess)
         self.kept[b][h] = [p for p in self.kept[b][h] if p not in gone]

@@ -194,10 +194,12 @@ def test_zero_statistics_without_a_counted_query() -> None:
 @st.composite
 def runs(draw: st.DrawFn) -> dict[str, Any]:
     budget = draw(st.integers(2, 10))
+    n_sink = draw(st.integers(0, budget - 1))
     return {
         "settings": {
             "budget": budget,
-            "n_sink": draw(st.integers(0, budget - 1)),
+            "n_sink": n_sink,
+            "recent": draw(st.integers(0, budget - n_sink - 1)),
             "n_queries": draw(st.integers(1, 8)),
             "refresh_every": draw(st.integers(1, 6)),
             "n_future": draw(st.integers(1, 32)),
@@ -252,6 +254,71 @@ def test_token_by_token_matches_reference(run: dict[str, Any]) -> None:
     )
     every = run["settings"]["refresh_every"]
     assert steps == [(i + 1) % every for i in range(run["decode"])]
+
+
+@pytest.mark.parametrize("recent", [0, 3])
+def test_decode_keeps_the_recent_window_as_the_reference_does(recent: int) -> None:
+    """A fixed stream, cut at its prompt's end, then 30 tokens one at a time and a chunk of 5:
+    kept positions, rows, outputs and scores equal the float64 reference's after every call, and
+    the ``recent`` newest positions (past the prompt, which is cut by score alone) are kept."""
+    settings = {"budget": 8, "n_sink": 2, "recent": recent, "n_queries": 5, "refresh_every": 4}
+    state = POLICY.init(**settings, **ROPE)
+    ref = ReferenceExpectedAttention(**state.settings)
+    stream = harness.make_stream(1, 2, 2, 8, 55, seed=11)
+    state = harness.run_stream(POLICY.update, state, ref, stream, [12, 8], close_call=_clear)
+    state = expected_attention_compress(state)
+    ref.compress()
+    _clear(ref.min_margin > harness.MIN_MARGIN)
+    harness.check_state(state, ref, 20)
+
+    def after_call(step: Any, ref: Any, before: Any) -> None:
+        newest = np.arange(max(20, step.state.offset - recent), step.state.offset)  # past the cut
+        kept = np.array(step.state.positions)
+        assert (kept[..., None] == newest).any(-2).all()
+
+    chunks = [1] * 30 + [5]
+    harness.run_stream(
+        POLICY.update,
+        state,
+        ref,
+        stream,
+        chunks,
+        start=20,
+        close_call=_clear,
+        after_call=after_call,
+    )
+
+
+def _clear(clear: bool) -> None:
+    assert clear, "two scores too close to call: pick another seed"
+
+
+def test_the_recent_window_spares_what_the_scores_would_evict() -> None:
+    """The same stream with and without the window: without it some of the newest tokens go
+    (a new key scores low against statistics of older queries), with it none does."""
+    stream = [mx.array(x) for x in harness.make_stream(1, 2, 2, 8, 60, seed=12)]
+    keys, values, queries = stream
+
+    def newest_kept(recent: int) -> int:
+        state = POLICY.init(budget=10, n_sink=2, recent=recent, refresh_every=8, **ROPE)
+        state = POLICY.update(state, keys[:, :, :30], values[:, :, :30], queries[:, :, :30]).state
+        state = POLICY.end_prompt(state)
+        for t in range(30, 60):
+            part = slice(t, t + 1)
+            state = POLICY.update(
+                state, keys[:, :, part], values[:, :, part], queries[:, :, part]
+            ).state
+        kept = np.array(state.positions)
+        return int(min(((kept >= 56).sum(-1)).min(), 4))
+
+    assert newest_kept(4) == 4
+    assert newest_kept(0) < 4
+
+
+def test_recent_defaults_to_16_within_the_budget() -> None:
+    assert POLICY.init().recent == 16
+    assert POLICY.init(budget=8, n_sink=4).recent == 3
+    assert POLICY.init(budget=1, n_sink=0).recent == 0
 
 
 def test_statistics_change_only_at_a_refresh() -> None:
@@ -348,6 +415,9 @@ BAD_SETTINGS: list[tuple[str, Any, type[Exception], str]] = [
     ("budget", 2.0, TypeError, "an int >= 1"),
     ("n_sink", 8, ValueError, "< budget"),
     ("n_sink", -1, ValueError, ">= 0"),
+    ("recent", 4, ValueError, "< budget - n_sink (4)"),
+    ("recent", -1, ValueError, ">= 0"),
+    ("recent", 2.0, TypeError, "an int >= 0"),
     ("n_queries", 0, ValueError, ">= 1"),
     ("n_queries", "128", TypeError, "an int >= 1"),
     ("refresh_every", 0, ValueError, ">= 1"),

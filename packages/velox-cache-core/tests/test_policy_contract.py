@@ -168,9 +168,11 @@ def kvzip_settings(draw: st.DrawFn) -> dict[str, Any]:
 def expected_attention_settings(draw: st.DrawFn) -> dict[str, Any]:
     """RoPE over at most 4 features (the smallest head the shapes draw)."""
     budget = draw(st.integers(1, 10))
+    n_sink = draw(st.integers(0, budget - 1))
     return {
         "budget": budget,
-        "n_sink": draw(st.integers(0, budget - 1)),
+        "n_sink": n_sink,
+        "recent": draw(st.integers(0, budget - n_sink - 1)),
         "n_queries": draw(st.integers(1, 6)),
         "refresh_every": draw(st.integers(1, 4)),
         "n_future": draw(st.integers(1, 12)),
@@ -356,9 +358,10 @@ CASES: dict[str, Case] = {
         settings={
             "budget": 5,
             "n_sink": 1,
-            "n_queries": 4,
+            "recent": 2,
+            "n_queries": 3,  # with n_future 8: no near tie on the fixed streams
             "refresh_every": 3,
-            "n_future": 6,
+            "n_future": 8,
             "rope_base": 100.0,
             "rope_dims": 4,
         },
@@ -372,6 +375,9 @@ CASES: dict[str, Case] = {
         prompt_end=expected_attention_compress,
         check_step=expected_attention_step,
         bad=[
+            ({"budget": 6, "n_sink": 2, "recent": 4}, "recent"),
+            ({"recent": -1}, "recent"),
+            ({"recent": 1.0}, "recent"),
             ({"n_queries": 0}, "n_queries"),
             ({"n_queries": 2.0}, "n_queries"),
             ({"refresh_every": 0}, "refresh_every"),
@@ -394,7 +400,9 @@ CASES: dict[str, Case] = {
             ({"rope_scale": -1.0}, "rope_scale"),
         ],
         ok=[
-            {"budget": 1, "n_sink": 0},
+            {"budget": 1, "n_sink": 0, "recent": 0},
+            {"budget": 8, "n_sink": 4, "recent": 3},
+            {"budget": 8, "n_sink": 0, "recent": 0},
             {"n_queries": 1, "refresh_every": 1, "n_future": 1},
             {"epsilon": 0.5, "use_vnorm": False},
             {"rope_dims": 0},

@@ -110,6 +110,27 @@ def _real_shape(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _added(data: dict[str, Any]) -> list[str]:
+    """A note per later addition of rows (``velox_bench.results.add_rows``): their ratios to
+    the saved baselines carry the machine's drift between the runs, which it states."""
+    lines = []
+    for added in data.get("added_rows", []):
+        drift = added.get("baseline_seconds_now_over_saved", {})
+        baselines = ", ".join(sorted({k.split()[-1] for k in drift}))
+        span = (
+            f"the baselines measured alongside ({baselines}) "
+            f"took {min(drift.values()):.2f}-{max(drift.values()):.2f}x their saved times, "
+            "so these rows' ratios to the saved baselines carry that factor"
+            if drift
+            else "no baseline was measured alongside"
+        )
+        lines.append(
+            f"Rows of {', '.join(added['methods'])} were added later by a run of those methods "
+            f"alone (`VELOX_BENCH_ADD_ROWS`); {span}."
+        )
+    return [*lines, ""] if lines else []
+
+
 def _targets(datas: list[dict[str, Any]]) -> list[str]:
     lines = ["| target | measured | bound | met |", "| --- | ---: | ---: | --- |"]
     for data in datas:
@@ -128,11 +149,12 @@ def perf_markdown(directory: Path | None = None) -> str:
     if datas:
         out += ["### Targets", "", *_targets(datas), ""]
     if loaded["micro"]:
-        out += ["### Micro: update time / SDPA time", "", *_micro(loaded["micro"]), ""]
+        micro = loaded["micro"]
+        out += ["### Micro: update time / SDPA time", "", *_micro(micro), "", *_added(micro)]
     if loaded["prefill"]:
         out += ["### Prefill", "", *_prefill(loaded["prefill"]), ""]
     if loaded["model"]:
-        out += ["### Model", "", *_model(loaded["model"]), ""]
+        out += ["### Model", "", *_model(loaded["model"]), "", *_added(loaded["model"])]
     if loaded["real_shape"]:
         out += ["### Real attention shape", "", *_real_shape(loaded["real_shape"]), ""]
     if loaded["soak"]:

@@ -18,6 +18,8 @@ from typing import Any
 __all__ = [
     "REPO_ROOT",
     "SuiteResults",
+    "add_rows",
+    "adding_rows",
     "figures_dirs",
     "loglog_slope",
     "machine_info",
@@ -130,6 +132,87 @@ class SuiteResults:
         }
         path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n", encoding="utf-8")
         return path
+
+
+ROW_IDENTITY = ("config", "phase", "context", "method")  # what a row measured, not how long
+
+
+def adding_rows() -> list[str]:
+    """``VELOX_BENCH_ADD_ROWS=m1,m2``: the methods whose rows a run adds to the committed
+    results (see :func:`add_rows`); empty: the run writes its suites whole."""
+    return [m for m in os.environ.get("VELOX_BENCH_ADD_ROWS", "").split(",") if m]
+
+
+def _check_comparable(saved: dict[str, Any], fresh: SuiteResults, methods: Sequence[str]) -> None:
+    """``ValueError`` unless ``fresh`` is a real run of ``saved``'s settings measuring every one
+    of ``methods``."""
+    if saved.get("smoke") or smoke():
+        raise ValueError("rows are added to a real run, with a real run")
+    for key, value in fresh.settings.items():
+        if json.loads(json.dumps(value)) != saved["settings"].get(key):
+            raise ValueError(
+                f"{fresh.suite} setting {key} is {value!r} now but "
+                f"{saved['settings'].get(key)!r} in the saved run: not comparable"
+            )
+    missing = [m for m in methods if not any(r["method"] == m for r in fresh.rows)]
+    if missing:
+        raise ValueError(f"{fresh.suite}: no rows measured for {missing}")
+
+
+def _row_key(row: dict[str, Any]) -> str:
+    return " ".join(str(row[k]) for k in ROW_IDENTITY if k in row)
+
+
+def _drift(saved: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> dict[str, float]:
+    """Each baseline row's seconds now over its saved seconds, by row."""
+    before = {_row_key(r): r["seconds"] for r in saved}
+    return {
+        _row_key(r): r["seconds"] / before[_row_key(r)] for r in baselines if _row_key(r) in before
+    }
+
+
+def _in_order(rows: list[dict[str, Any]], order: Sequence[str]) -> list[dict[str, Any]]:
+    """``rows`` as they are if their methods first appear as in ``order`` (methods not in it
+    after those in it), else stably sorted by method that way."""
+    rank = {m: i for i, m in enumerate(order)}
+    present = list(dict.fromkeys(r["method"] for r in rows))
+    if present == sorted(present, key=lambda m: rank.get(m, len(rank))):
+        return rows
+    return sorted(rows, key=lambda r: rank.get(r["method"], len(rank)))
+
+
+def add_rows(
+    saved: dict[str, Any],
+    fresh: SuiteResults,
+    methods: Sequence[str],
+    blas: dict[str, Any],
+    order: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``saved`` (a committed ``<suite>.json``) with the rows of ``methods`` measured now by
+    ``fresh`` put in, without rerunning the whole suite.
+
+    The run must use the saved settings (else ``ValueError``: the rows would not be
+    comparable). Saved rows of ``methods`` are replaced, new ones go last, and the rows are
+    reordered by method only where ``order`` says otherwise (:func:`_in_order`). ``fresh`` rows of
+    other methods are not added: they are the run's baselines, and ``added_rows`` records each
+    one's median time now over its saved time (the drift of the machine between the two runs)
+    with the run's machine, BLAS and methods. The summary is computed again by the caller.
+    """
+    _check_comparable(saved, fresh, methods)
+    drift = _drift(saved["rows"], [r for r in fresh.rows if r["method"] not in methods])
+    kept = [r for r in saved["rows"] if r["method"] not in methods]
+    new = [r for r in fresh.rows if r["method"] in methods]
+    rows = _in_order(kept + new, order)
+    out: dict[str, Any] = json.loads(json.dumps({**saved, "rows": rows}, default=_jsonable))
+    out.setdefault("added_rows", []).append(
+        {
+            "methods": list(methods),
+            "machine": machine_info(),
+            "blas": blas,
+            "baseline_seconds_now_over_saved": drift,
+        }
+    )
+    return out
 
 
 def _jsonable(value: Any) -> Any:

@@ -270,7 +270,9 @@ def add_retrieval_rows(saved: dict[str, Any], rows: Sequence[Variant]) -> dict[s
     The run repeats the saved retrieval settings (documents, questions, budgets) with the full
     cache first; its answers must equal the saved full-cache answers exactly (else
     ``ValueError``: the two runs would not be comparable). Perplexity is not measured again
-    (``perplexity.excluded`` says why a row has none)."""
+    (``perplexity.excluded`` says why a row has none, as the registry says it now). The
+    retrieval rows keep the order of :func:`~velox_bench.quality.methods.retrieval_variants`,
+    the full cache first; a row that is not one of them goes last."""
     kept: dict[str, Any] = {
         k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items()
     }
@@ -281,8 +283,15 @@ def add_retrieval_rows(saved: dict[str, Any], rows: Sequence[Variant]) -> dict[s
     if any(full_now[d]["correct"] != full_then[d]["correct"] for d in full_then):
         raise ValueError("the full cache answers differently from the saved run: not comparable")
     out = json.loads(json.dumps(saved))
+    results = out["retrieval"]["results"]
     for row in rows:
-        out["retrieval"]["results"][row.name] = fresh["retrieval"]["results"][row.name]
+        results[row.name] = fresh["retrieval"]["results"][row.name]
+    order = [FULL.name, *(v.name for v in methods.retrieval_variants())]
+    rank = {name: i for i, name in enumerate(order)}
+    out["retrieval"]["results"] = dict(
+        sorted(results.items(), key=lambda item: rank.get(item[0], len(order)))
+    )
+    out["perplexity"]["excluded"] = methods.excluded_from_perplexity()
     out.setdefault("added_rows", []).append(
         {
             "rows": [row.name for row in rows],

@@ -7,7 +7,8 @@ their un-rotated form, then turned by the RoPE rotation averaged over the next `
 positions. For a query ``q ~ N(mu, Sigma)``, ``E[exp(s q.k)] = exp(s mu.k + s^2 k'Sigma k / 2)``
 (``s`` the softmax scale; with ``s = 1/sqrt(d)`` the logit is ``mu.k/sqrt(d) + k'Sigma k/(2d)``).
 A key's score is that logit's softmax over the non-sink keys, averaged over its GQA group, times
-``||v||`` (``use_vnorm``: ``(p + epsilon) * ||v||``). Sinks are never evicted.
+``||v||`` (``use_vnorm``: ``(p + epsilon) * ||v||``). Sinks are never evicted, nor, after the
+prompt's cut, the ``recent`` newest tokens.
 
 While the prompt streams in nothing is evicted (like SnapKV) and the last ``n_queries`` queries
 are kept, un-rotated with their own positions (the attention hook hands over the queries after
@@ -15,10 +16,12 @@ RoPE; ``rope_*`` say how the model rotated them, and ``KVCacheBuilder.for_model`
 At the prompt's end the statistics are computed, every key is scored and each KV head is cut to
 ``budget`` (sinks first, then the highest scores, ties lost by the oldest). Each later token's
 key is scored on arrival with the current statistics (the softmax normalizer of the last
-scoring), and the lowest-scored non-sink candidate goes; every ``refresh_every`` tokens the
+scoring), and the lowest-scored candidate that is neither a sink nor among the ``recent`` newest
+goes (a new key scores low against statistics of older queries: without that window a small
+budget evicts the tokens just generated); every ``refresh_every`` tokens the
 statistics are recomputed from the last ``n_queries`` queries and every kept key re-scored. A
-chunk after the prompt's end attends causally and is then cut once by the scores. The scores are
-a running array aligned with the slots.
+chunk after the prompt's end attends causally and is then cut once by the scores (its ``recent``
+newest kept). The scores are a running array aligned with the slots.
 """
 
 from __future__ import annotations
@@ -197,6 +200,7 @@ class ExpectedAttentionState(PolicyState):
 
     budget: int
     n_sink: int
+    recent: int
     n_queries: int
     refresh_every: int
     n_future: int
@@ -255,9 +259,13 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+RECENT = 16  # the default recent window, when the budget has room for it
+
+
 def init_expected_attention_state(
     budget: int = 512,
     n_sink: int = 4,
+    recent: int | None = None,
     n_queries: int = 128,
     refresh_every: int = 64,
     n_future: int = 512,
@@ -269,11 +277,19 @@ def init_expected_attention_state(
     rope_traditional: bool = False,
     rope_scale: float = 1.0,
 ) -> ExpectedAttentionState:
-    """Empty Expected Attention state: ``0 <= n_sink < budget``; ``n_queries``,
+    """Empty Expected Attention state: ``0 <= n_sink < budget``; ``0 <= recent < budget -
+    n_sink`` (``None``: 16, or ``budget - n_sink - 1`` when that is smaller); ``n_queries``,
     ``refresh_every``, ``n_future >= 1``; ``epsilon >= 0``; ``rope_base > 1`` (``None``: not
     known yet), ``rope_dims`` even ``>= 0`` (``None``: the whole head; 0: no RoPE),
     ``rope_scale > 0``."""
     check_budget_and_sinks(budget, n_sink)
+    recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
+    check_int("recent", recent, minimum=0)
+    if recent >= budget - n_sink:
+        raise ValueError(
+            f"recent must be an int >= 0 and < budget - n_sink ({budget - n_sink}) so a scored "
+            f"token is kept, got {recent}"
+        )
     check_int("n_queries", n_queries, minimum=1)
     check_int("refresh_every", refresh_every, minimum=1)
     check_int("n_future", n_future, minimum=1)
@@ -291,6 +307,7 @@ def init_expected_attention_state(
     return ExpectedAttentionState(
         budget=budget,
         n_sink=n_sink,
+        recent=recent,
         n_queries=n_queries,
         refresh_every=refresh_every,
         n_future=n_future,
@@ -371,12 +388,12 @@ def _scores_with_new(
 def _evict(
     state: ExpectedAttentionState, call: Call, candidates: KVSlots, scores: mx.array
 ) -> tuple[KVSlots, mx.array]:
-    """(kept slots, their scores): over budget, one token frees the lowest-scored non-sink
-    slot; a chunk keeps the sinks and the highest scores."""
+    """(kept slots, their scores): over budget, one token frees the lowest-scored slot that is
+    neither a sink nor among the ``recent`` newest; a chunk keeps those and the highest scores."""
     if candidates.n_slots <= state.budget:
         return candidates, scores
     positions = candidates.positions
-    protected = sinks(positions, state.n_sink)
+    protected = sinks(positions, state.n_sink) | (positions > call.newest() - state.recent)
     if call.length == 1:
         return candidates.with_free(lowest_weight(scores, positions, protected)), scores
     keep = highest_weights(scores, positions, protected, state.budget)
@@ -448,6 +465,8 @@ EXPECTED_ATTENTION = Policy(
     },
     help={
         "budget": "tokens kept per KV head once the prompt has been cut",
+        "recent": "latest tokens never evicted after the prompt's cut (default: 16, fewer when "
+        "budget - n_sink - 1 is smaller)",
         "n_queries": "latest queries whose mean and covariance model the future ones",
         "refresh_every": "tokens between two recomputations of the statistics",
         "n_future": "future positions the RoPE rotation is averaged over",
