@@ -399,6 +399,33 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
     return Step(candidates.keys, candidates.values, mask, after, log, decision.probs, state.lanes)
 
 
+def _lane_token(
+    rule: LaneRule, state: Any, call: Call, tail: KVSlots, lanes: Lanes, i: int
+) -> tuple[Lanes, mx.array | None]:
+    """Token ``i`` of ``call`` over ``lanes``: written into each head's dead row, attended,
+    and each head's lowest row made the next dead row. Returns the lanes after it and its
+    attention output (``None`` without queries)."""
+    B, H = call.shape[:2]
+    at = call.start + i if call.row_start is None else call.row_start + i
+    lanes = write_row(lanes, call.keys[:, :, i : i + 1], call.values[:, :, i : i + 1], at)
+    q = None if call.queries is None else call.queries[:, :, i : i + 1]
+    probe = rule.probe(state)
+    out = weights = None
+    if probe == "query":
+        assert q is not None
+        out, weights = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)
+    else:
+        if probe == "key":
+            key = R.dense(call.keys[:, :, i : i + 1])
+            weights = attend_weights(key, lanes, tail.keys, tail.values, None, call.scale)[1]
+        if q is not None:
+            out = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)[0]
+    evict_by, running = rule.score(state, lanes, weights)
+    newest = at if isinstance(at, int) else at.reshape(B, 1, 1)
+    protected = rule.protect(state, lanes.positions, newest)
+    return replace(lanes, free=victims(lanes, evict_by, protected, H), scores=running), out
+
+
 def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
     """A call over lanes whose heads keep different row counts and evict at every step
     (:mod:`velox_cache_core.lanes`): token by token, the token is written into each head's
@@ -408,33 +435,16 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
     rule = _lane_rule(policy)
     assert rule is not None
     state, call, tail = laid.state, laid.call, laid.slots
-    B, H, L, _ = call.shape
+    L = call.length
     if L > 1 and call.queries is None:
         raise ValueError(
             f"a chunk over a {policy.name} cache with per-head shares (allocation head or "
             "global) needs the queries (the attention hook)"
         )
-    probe = rule.probe(state)
     lanes = state.lanes
     outs: list[mx.array | None] = []
     for i in range(L):
-        at = call.start + i if call.row_start is None else call.row_start + i
-        lanes = write_row(lanes, call.keys[:, :, i : i + 1], call.values[:, :, i : i + 1], at)
-        q = None if call.queries is None else call.queries[:, :, i : i + 1]
-        out = weights = None
-        if probe == "query":
-            assert q is not None
-            out, weights = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)
-        else:
-            if probe == "key":
-                key = R.dense(call.keys[:, :, i : i + 1])
-                weights = attend_weights(key, lanes, tail.keys, tail.values, None, call.scale)[1]
-            if q is not None:
-                out = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)[0]
-        evict_by, running = rule.score(state, lanes, weights)
-        newest = at if isinstance(at, int) else at.reshape(B, 1, 1)
-        protected = rule.protect(state, lanes.positions, newest)
-        lanes = replace(lanes, free=victims(lanes, evict_by, protected, H), scores=running)
+        lanes, out = _lane_token(rule, state, call, tail, lanes, i)
         outs.append(out)
     after = advance(state, tail, call, lanes=lanes)
     done = [o for o in outs if o is not None]

@@ -137,24 +137,33 @@ def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     changes = {k: meta.pop(k) for k in running if k in meta}
     state = policy.init(**meta)  # validates the settings
     for name in running - set(changes):
-        member_type = _array_type(state_type, name)
-        if member_type is None:
-            value = data.get(name)
-        else:
-            members = {
-                m.name: _get(data, f"{name}_{m.name}", quant) for m in stored_fields(member_type)
-            }
-            first = stored_fields(member_type)[0].name
-            value = None if members[first] is None else member_type(**members)
+        value = _array_field(state_type, name, data, quant)
         if value is not None:
             changes[name] = value
     after = replace(state, **changes)
     if fix is not None:
         after = fix(after)
-    budget = policy.traits.budget(after)
-    held = bool(getattr(after, "holds_prompt", False))  # an adaptive cut still to come
-    if policy.prompt_end is None and not held and budget is not None and after.n_kept > budget:
-        raise ValueError(
-            f"saved {policy.name} state holds more rows ({after.n_kept}) than budget {budget}"
-        )
+    _check_rows(policy, after)
     return after, None if skeleton is None else _unpack(skeleton, data)
+
+
+def _array_field(state_type: type, name: str, data: dict[str, Any], quant: Quant | None) -> Any:
+    """A running field saved as arrays: one array, or a dataclass of them (slots, lanes,
+    history) saved as ``<field>_<member>``; ``None`` when it was ``None``."""
+    member_type = _array_type(state_type, name)
+    if member_type is None:
+        return data.get(name)
+    members = {m.name: _get(data, f"{name}_{m.name}", quant) for m in stored_fields(member_type)}
+    first = stored_fields(member_type)[0].name
+    return None if members[first] is None else member_type(**members)
+
+
+def _check_rows(policy: Policy, state: Any) -> None:
+    """A loaded state of a policy without a prompt end holds at most ``budget`` rows, unless
+    it holds its prompt for an adaptive cut still to come."""
+    budget = policy.traits.budget(state)
+    held = bool(getattr(state, "holds_prompt", False))
+    if policy.prompt_end is None and not held and budget is not None and state.n_kept > budget:
+        raise ValueError(
+            f"saved {policy.name} state holds more rows ({state.n_kept}) than budget {budget}"
+        )

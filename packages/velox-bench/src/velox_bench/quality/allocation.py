@@ -226,9 +226,8 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
     }
 
 
-def summary(results: dict[str, Any]) -> str:
-    """Markdown tables: perplexity (and bytes against uniform) per budget; retrieval by depth."""
-    rows = results["perplexity"]
+def _perplexity_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: the continuation's perplexity per budget, and the bytes against uniform."""
     full = rows[0]
     budgets = sorted({r["budget"] for r in rows[1:]})
     lines = [
@@ -240,17 +239,20 @@ def summary(results: dict[str, Any]) -> str:
     uniform = {
         (r["method"], r["budget"]): r["kv_bytes"] for r in rows[1:] if r["allocation"] == "uniform"
     }
+    by_key = {(r["method"], r["allocation"], r["budget"]): r for r in rows[1:]}
     for key in dict.fromkeys((r["method"], r["allocation"]) for r in rows[1:]):
         cells = []
         for b in budgets:
-            r = next(
-                x for x in rows[1:] if (x["method"], x["allocation"], x["budget"]) == (*key, b)
-            )
-            ratio = (
-                r["kv_bytes"] / uniform[(key[0], b)] if uniform.get((key[0], b)) else float("nan")
-            )
+            r = by_key[(key[0], key[1], b)]
+            ratio = r["kv_bytes"] / uniform[(key[0], b)]
             cells.append(f"{r['ppl']:.3f} ({ratio:.2f}x bytes)")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary(results: dict[str, Any]) -> str:
+    """Markdown tables: perplexity (and bytes against uniform) per budget; retrieval by depth."""
+    lines = _perplexity_table(results["perplexity"])
     ret = results["retrieval"]
     depths = list(ret["rows"][0]["by_depth"])
     lines += [
