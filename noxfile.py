@@ -156,7 +156,8 @@ def bench_selection(posargs: list[str]) -> tuple[list[str], list[str]]:
     - an argument starting with `-` goes to pytest unchanged (`--benchmark-disable`, `-x`);
     - an existing path is used as given;
     - a bare word NAME selects `benchmarks/NAME/`, `benchmarks/test_NAME.py` (with its
-      variants `benchmarks/test_*_NAME.py`: `quality` also runs `test_kvzip_quality.py`) or
+      variants `benchmarks/test_*_NAME.py`: `quality` also runs `test_allocation_quality.py`
+      and `test_kvzip_quality.py`) or
       `benchmarks/bench_NAME.py` when one exists, otherwise it becomes `-k NAME`
       (several such words are joined with `or`).
     """

@@ -28,9 +28,13 @@ def _noxfile():  # type: ignore[no-untyped-def]
     return module
 
 
-def test_quality_also_selects_the_kvzip_quality_run() -> None:
+def test_quality_also_selects_its_variants() -> None:
     paths, args = bench_selection()(["quality"])
-    assert [Path(p).name for p in paths] == ["test_quality.py", "test_kvzip_quality.py"]
+    assert [Path(p).name for p in paths] == [
+        "test_quality.py",
+        "test_allocation_quality.py",
+        "test_kvzip_quality.py",
+    ]
     assert args == []
 
 

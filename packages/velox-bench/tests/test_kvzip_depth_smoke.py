@@ -14,8 +14,7 @@ import pytest
 
 
 def _cache(positions: list[list[int]]) -> Any:
-    slots = SimpleNamespace(positions=np.array([positions]))
-    return SimpleNamespace(policy_state=SimpleNamespace(slots=slots))
+    return SimpleNamespace(policy_state=SimpleNamespace(positions=np.array([positions])))
 
 
 def test_kept_share_counts_heads_and_leaves_pads_out() -> None:

@@ -186,10 +186,23 @@ def test_global_totals_keep_the_model_within_budget() -> None:
     protected = [p < 2 for p in positions]
     least = LN.floor_rows(budget, 0.2, 2, width)
     totals = LN.global_totals(scores, positions, protected, budget, least, width)
-    assert sum(totals) <= budget * H * 4
-    assert sum(totals) >= budget * H * 4 - 4 * width
+    assert sum(totals) == budget * H * 4  # whole lanes: the rounding loses nothing
     assert all(t % width == 0 and t >= least * H for t in totals)
     assert totals[-1] > totals[0]  # the layer with the largest scores wins rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_lane_totals_round_without_losing_rows(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    width, layers = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+    caps = [width * int(c) for c in rng.integers(1, 10, layers)]
+    raw = [int(rng.integers(0, c + 1)) for c in caps]
+    totals = LN._whole_lane_totals(raw, caps, width)
+    assert all(t % width == 0 and 0 <= t <= c for t, c in zip(totals, caps, strict=True))
+    assert sum(raw) - width < sum(totals) <= sum(raw) or all(
+        t == c for t, c in zip(totals, caps, strict=True)
+    )
+    assert all(abs(t - r) < width for t, r in zip(totals, raw, strict=True))
 
 
 def test_bad_allocation_settings_are_named() -> None:

@@ -73,6 +73,8 @@ def test_within_budget_every_setting_on_llama(
         "signal": signal,
         "scope": scope,
         "prefill": prefill,
+        "allocation": "uniform",
+        "allocation_floor": 0.2,
     }
     got = h.forward_chunks(model, cache, tokens, h.split(N, CHUNKINGS[chunking]))
     _check_equal(got, want("llama", chunking))

@@ -377,6 +377,8 @@ def test_config_is_frozen_and_fills_preset_defaults():
         "signal": "key",
         "scope": "layer",
         "prefill": "sequential",
+        "allocation": "uniform",
+        "allocation_floor": 0.2,
     }
     cache = KVCacheFactory.create(config)
     assert isinstance(cache, TOVAKVCache) and cache.settings == config.tova_settings()

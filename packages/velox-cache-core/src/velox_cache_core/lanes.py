@@ -52,12 +52,16 @@ class LaneRule:
     score(state, lanes, weights): (the scores the lowest of which goes, the running scores the
     lanes keep or ``None``), from the rows' attention ``weights`` ``[B, N, W]`` (``None`` when
     ``probe`` is).
+    observe(state, call): optional; the running fields a call over lanes changes before its
+    tokens are decided (Expected Attention's query window and refreshed statistics), as a
+    dict for ``dataclasses.replace``.
     """
 
     cut: Callable[[Any, Any], Any]
     probe: Callable[[Any], str | None]
     protect: Callable[[Any, mx.array, Any], mx.array]
     score: Callable[[Any, Lanes, mx.array | None], tuple[mx.array, mx.array | None]]
+    observe: Callable[[Any, Any], dict[str, Any]] | None = None
 
 
 FLOOR = 0.2  # a head's least share, as a fraction of the uniform one (AdaKV's floor)
@@ -460,8 +464,10 @@ def global_totals(
 ) -> list[int]:
     """Rows each layer keeps under a model-wide allocation: every head's ``least`` rows,
     then the highest scores across every head of every layer (each layer's ``[1, H, n]``
-    ``scores``), ``budget`` rows per head on average in all; each layer's total rounded down
-    to whole lanes of ``width``, so the model holds at most ``budget`` rows per head."""
+    ``scores``), ``budget`` rows per head on average in all; each layer's total rounded to
+    whole lanes of ``width`` (down, then the freed lanes handed back by largest remainder),
+    so the model holds at most ``budget`` rows per head, and exactly that when the budget
+    rows of the whole model fill whole lanes and no layer runs out of rows."""
     if not scores:
         raise ValueError("global_totals() needs the scores of at least one layer")
     if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
@@ -486,10 +492,23 @@ def global_totals(
         best = mx.argsort(pool)[pool.shape[0] - k :]
         layer = (best[:, None] >= ends[None, :]).sum(axis=-1)  # the layer of every row won
         won = mx.stack([(layer == i).sum() for i in range(len(scores))]).tolist()  # type: ignore[assignment]
-    return [
-        min(h * c, width * ((f + int(e)) // width))
-        for h, c, f, e in zip(heads, caps, floors, won, strict=True)
-    ]
+    raw = [f + int(e) for f, e in zip(floors, won, strict=True)]
+    return _whole_lane_totals(raw, [h * c for h, c in zip(heads, caps, strict=True)], width)
+
+
+def _whole_lane_totals(raw: list[int], caps: list[int], width: int) -> list[int]:
+    """Each layer's ``raw`` row count rounded to whole lanes of ``width`` (at most its
+    ``caps``), the sum at most ``sum(raw)``: every layer rounded down, then the lanes the
+    rounding freed handed back, largest remainder first (no layer above its cap)."""
+    totals = [min(c, width * (r // width)) for r, c in zip(raw, caps, strict=True)]
+    spare = sum(raw) - sum(totals)
+    for i in sorted(range(len(raw)), key=lambda i: (totals[i] - raw[i], i)):
+        if spare < width:
+            break
+        if totals[i] + width <= caps[i]:
+            totals[i] += width
+            spare -= width
+    return totals
 
 
 def retained(lanes: Lanes | None) -> int:

@@ -6,11 +6,12 @@ all the questions (30 by default). KVzip prefills it, compresses it once by the 
 pass, saves it with mlx-lm's ``save_prompt_cache``, and every question is answered from a fresh
 ``load_prompt_cache`` of that file (``retrieval.ask``: teacher-forced, exact match and
 log-probability). The full cache, ``kvzip (latest)`` (the last context query's cut, compressed
-once the same way), ``kvzip (layer)`` and ``kvzip (head)`` (the other ways to share the rows
-out: per layer, or exactly ``budget`` per head; ``kvzip`` itself is the paper's global
-threshold) and the retrieval table's policies answer the same questions at the same
-budget; those run as in the retrieval table (``retrieval.run_trials``: the document prefilled
-once, each question from a copy of its cache; SnapKV compresses with each question's window).
+once the same way), ``kvzip (head)`` and ``kvzip (uniform)`` (the other ways to share the
+rows out: by head within each layer, or exactly ``budget`` per head; ``kvzip`` itself is the
+paper's global threshold, rounded to whole lanes) and the retrieval table's policies answer
+the same questions at the same budget; those run as in the retrieval table
+(``retrieval.run_trials``: the document prefilled once, each question from a copy of its
+cache; SnapKV compresses with each question's window).
 
 Cost: in each of ``timing_rounds`` rounds (order alternating) a plain full-cache prefill of the
 document, then KVzip's own prefill and its scoring pass (``velox_mlx_lm.kvzip.compress``), each
@@ -54,9 +55,9 @@ from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402
 __all__ = [
     "GOAL",
     "KVZIP",
-    "KVZIP_HEAD",
+    "KVZIP_BY_HEAD",
     "KVZIP_LATEST",
-    "KVZIP_LAYER",
+    "KVZIP_UNIFORM",
     "KVzipQualitySettings",
     "build_document",
     "evaluate",
@@ -68,8 +69,8 @@ __all__ = [
 
 KVZIP_LATEST = Variant("kvzip (latest)", "kvzip", {"probe": "latest"})
 # The other ways to share the rows out (KVZIP: "global", the paper's default).
-KVZIP_LAYER = Variant("kvzip (head)", "kvzip", {"allocation": "head"})
-KVZIP_HEAD = Variant("kvzip (uniform)", "kvzip", {"allocation": "uniform"})
+KVZIP_BY_HEAD = Variant("kvzip (head)", "kvzip", {"allocation": "head"})
+KVZIP_UNIFORM = Variant("kvzip (uniform)", "kvzip", {"allocation": "uniform"})
 GOAL = 0.8  # KVzip's accuracy / the full cache's, at every depth
 RESULTS_NAME = "kvzip_quality"
 
@@ -270,7 +271,7 @@ def _other_compressions(
     """KVzip's other variants (the last context query's cut, per layer, per head), each
     compressed once."""
     out = []
-    for variant, passes in ((KVZIP_LATEST, 1), (KVZIP_LAYER, 2), (KVZIP_HEAD, 2)):
+    for variant, passes in ((KVZIP_LATEST, 1), (KVZIP_BY_HEAD, 2), (KVZIP_UNIFORM, 2)):
         caches, info, _, _ = _compressed(model, tokenizer, variant, doc, settings)
         out.append((variant, caches, info))
         progress.advance(passes * len(doc))
