@@ -22,6 +22,13 @@ at 0; otherwise the new keys are scored with the current statistics and denomina
 the lowest candidate goes when over budget, sinks and the `recent` newest positions (those after
 the call's last position minus `recent`) never. A chunk attends causally, then the lowest of the
 same evictable ones go down to budget. The prompt's cut spares only the sinks.
+
+allocation "head" (AdaKV): the prompt's cut gives each KV head a share of the layer's
+budget * H_kv rows by the same scores (`core_reference_lanes.ref_shares`, whole lanes, every head
+at least its floor; protected: the sinks and the prompt's `recent` newest), keeps each head's
+best rows of its share, then drops its lowest unprotected one (the lanes' dead row). Each head
+then keeps share - 1 rows: every token is a candidate, and that head's lowest evictable goes.
+The denominators run per head over its own rows, as always.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from core_reference_lanes import order, ref_shares
 from core_reference_siblings import _Reference
+
+from velox_cache_core import lanes as LN
 
 
 def rotation(position: float, dim: int, rope: dict) -> np.ndarray:
@@ -63,8 +73,12 @@ class ReferenceExpectedAttention(_Reference):
         rope_dims: int | None,
         rope_traditional: bool,
         rope_scale: float,
+        allocation: str = "uniform",
+        allocation_floor: float = LN.FLOOR,
     ) -> None:
         super().__init__(budget, n_sink)
+        self.allocation, self.floor = allocation, allocation_floor
+        self.shares: list[list[int]] | None = None  # [b][h]: rows kept after each step (head)
         self.recent = recent
         self.n_queries, self.refresh_every, self.n_future = n_queries, refresh_every, n_future
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, epsilon
@@ -127,17 +141,51 @@ class ReferenceExpectedAttention(_Reference):
         self.count = 0
         if self.kept is None or self.offset == 0:
             return
+        share_out = self.allocation == "head" and len(self.kept[0][0]) > self.budget
         for b in range(len(self.kept)):
             self._rescore(b, self.offset)
+            if share_out:
+                self._share_out(b)
+                continue
             for h in range(self.n_kv):
                 self._cut(b, h)
+
+    def _share_out(self, b: int) -> None:
+        """The head allocation's cut of batch row b (see the module doc)."""
+        assert self.kept is not None
+        H, newest = self.n_kv, self.offset - 1
+        positions = np.array(self.kept[b][0])  # the prompt, uncut: the same in every head
+        scores = np.array([[self.scores[b][h][p] for p in positions] for h in range(H)])
+        protected = (positions < self.n_sink) | (positions > newest - self.recent)
+        width = LN.lane_width(self.budget)
+        least = LN.floor_rows(self.budget, self.floor, int(protected.sum()) + 2, width)
+        pos3, prot3 = (
+            np.broadcast_to(positions, (1, H, len(positions))),
+            np.array([[protected] * H]),
+        )
+        counts = ref_shares(scores[None], pos3, prot3, self.budget * H, least, width)[0]
+        shares = []
+        for h in range(H):
+            ranked = order(scores[h], positions, protected)
+            best = [int(positions[i]) for i in ranked[: counts[h]]]
+            evictable = {
+                p: self.scores[b][h][p] for p in best if self.n_sink <= p <= newest - self.recent
+            }
+            dead = min(evictable, key=lambda p: (evictable[p], p))
+            self.kept[b][h] = sorted(p for p in best if p != dead)
+            self.scores[b][h] = {p: self.scores[b][h][p] for p in self.kept[b][h]}
+            shares.append(int(counts[h]) - 1)
+        if self.shares is None:
+            self.shares = [[] for _ in self.kept]
+        self.shares[b] = shares
 
     # ---------------------------------------------------------------- scoring
 
     def _cut(self, b: int, h: int, spared: float = math.inf) -> None:
         """Down to budget; positions after `spared` are never evicted."""
         assert self.kept is not None
-        excess = len(self.kept[b][h]) - self.budget
+        keeps = self.budget if self.shares is None else self.shares[b][h]
+        excess = len(self.kept[b][h]) - keeps
         if excess <= 0:
             return
         evictable = {p: s for p, s in self.scores[b][h].items() if self.n_sink <= p and p <= spared}

@@ -18,6 +18,7 @@ from velox_mlx_lm.compress import compress, prefill
 PROMPT_TOKENS = 400
 SLACK = 16 * 1024  # bytes: allocator rounding of the tiny model's small arrays
 MODES = {
+    "expected_attention": ("uniform", "head"),
     "kvzip": ("uniform", "head", "global"),
     "snapkv": ("uniform", "head"),
     "tova": ("uniform", "head"),
@@ -32,6 +33,8 @@ def _held(model: Any, tokenizer: Any, tokens: list[int], method: str, budget: in
         settings["tova_scope"] = "head"
     if method == "h2o":  # its default recent window (budget // 2) leaves little to share
         settings["h2o_recent"] = 8
+    if method == "expected_attention":  # room in the heads' shares past sinks and the window
+        settings["expected_attention_recent"] = 8
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **settings))
     if method == "kvzip":
         prefill(model, caches, tokens)

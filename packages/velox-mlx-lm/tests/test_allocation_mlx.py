@@ -1,4 +1,5 @@
-"""Adaptive allocation end to end on tiny mlx-lm models: TOVA and H2O (scope head) with
+"""Adaptive allocation end to end on tiny mlx-lm models: TOVA, H2O (scope head) and Expected
+Attention with
 ``allocation="head"`` generate through the hook, hold no more bytes than the uniform cut,
 and survive a prompt-cache round trip (lanes, dead rows and sums included)."""
 
@@ -19,7 +20,14 @@ CASES = {
     "tova": {"method": "tova", "tova_scope": "head", "tova_budget": 16},
     "tova_adapted": {"method": "tova_adapted", "tova_budget": 16},
     "h2o": {"method": "h2o", "h2o_budget": 16, "h2o_recent": 4},
+    "expected_attention": {
+        "method": "expected_attention",
+        "expected_attention_budget": 16,
+        "expected_attention_recent": 4,
+        "expected_attention_refresh_every": 3,  # refreshes among the tokens generated
+    },
 }
+POLICY = {"tova": "tova", "tova_adapted": "tova", "h2o": "h2o"}
 
 
 def _generate(model: Any, caches: list[Any], prompt: list[int], n: int) -> list[int]:
@@ -34,7 +42,7 @@ def test_head_allocation_generates_within_the_uniform_bytes(
     model = tiny_model("llama")
     prompt = np.random.default_rng(0).integers(2, 128, 80).tolist()
     settings = dict(CASES[name])
-    policy = "tova" if name.startswith("tova") else "h2o"
+    policy = POLICY.get(name, name)
     uniform = KVCacheBuilder.for_model(model, KVCacheConfig(**settings))
     adaptive = KVCacheBuilder.for_model(
         model, KVCacheConfig(**settings, **{f"{policy}_allocation": "head"})

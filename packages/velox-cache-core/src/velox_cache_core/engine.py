@@ -441,6 +441,8 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
             f"a chunk over a {policy.name} cache with per-head shares (allocation head or "
             "global) needs the queries (the attention hook)"
         )
+    if rule.observe is not None:
+        state = replace(state, **rule.observe(state, call))
     lanes = state.lanes
     outs: list[mx.array | None] = []
     for i in range(L):

@@ -22,6 +22,16 @@ budget evicts the tokens just generated); every ``refresh_every`` tokens the
 statistics are recomputed from the last ``n_queries`` queries and every kept key re-scored. A
 chunk after the prompt's end attends causally and is then cut once by the scores (its ``recent``
 newest kept). The scores are a running array aligned with the slots.
+
+``allocation="head"`` (AdaKV): the prompt's cut shares the layer's ``budget * H_kv`` rows
+across its heads by the same scores (every head keeping its sinks, its ``recent`` newest and
+at least ``allocation_floor`` of its uniform share), held as lanes with one dead row per head
+(:mod:`velox_cache_core.lanes`); every later token goes into its head's dead row, is scored on
+arrival, and each head's lowest evictable row becomes the next dead row. The statistics are
+refreshed every ``refresh_every`` tokens as before, every held row re-scored, the softmax
+normalised per head across its lanes (a chunk over lanes runs token by token; its refresh, when
+due, comes with its first token). ``global`` needs every layer's scores at once, which the
+per-layer prompt end does not have: it is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, align_scores
 from velox_cache_core.engine import Call, Decision
@@ -211,6 +222,8 @@ class ExpectedAttentionState(PolicyState):
     rope_dims: int | None
     rope_traditional: bool
     rope_scale: float
+    allocation: str = "uniform"
+    allocation_floor: float = LN.FLOOR
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()
@@ -219,6 +232,13 @@ class ExpectedAttentionState(PolicyState):
     scale: float | None = running()
     steps: int = running(0)
     compressed: bool = running(False)
+    # over lanes: the position whose step refreshed the statistics (``scores`` then holds the
+    # lanes' fresh scores, ``[B, N, W]``), None otherwise
+    refreshed_at: int | None = running()
+
+    def protect(self, positions: mx.array, newest: Any) -> mx.array:
+        """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
+        return sinks(positions, self.n_sink) | (positions > newest - self.recent)
 
     def rope(self, head_dim: int) -> RoPE:
         """The model's RoPE for heads of ``head_dim`` features; ``ValueError`` when it was
@@ -276,13 +296,22 @@ def init_expected_attention_state(
     rope_dims: int | None = None,
     rope_traditional: bool = False,
     rope_scale: float = 1.0,
+    allocation: str = "uniform",
+    allocation_floor: float = LN.FLOOR,
 ) -> ExpectedAttentionState:
     """Empty Expected Attention state: ``0 <= n_sink < budget``; ``0 <= recent < budget -
     n_sink`` (``None``: 16, or ``budget - n_sink - 1`` when that is smaller); ``n_queries``,
     ``refresh_every``, ``n_future >= 1``; ``epsilon >= 0``; ``rope_base > 1`` (``None``: not
     known yet), ``rope_dims`` even ``>= 0`` (``None``: the whole head; 0: no RoPE),
-    ``rope_scale > 0``."""
+    ``rope_scale > 0``; ``allocation`` ``uniform`` or ``head`` (``global`` is refused: see the
+    module doc), ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
+    LN.check_allocation(allocation, allocation_floor)
+    if allocation == "global":
+        raise ValueError(
+            "allocation='global' needs every layer's scores at once, which Expected Attention's "
+            "per-layer prompt end does not have: use 'uniform' or 'head' (kvzip offers 'global')"
+        )
     recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
     check_int("recent", recent, minimum=0)
     if recent >= budget - n_sink:
@@ -318,6 +347,8 @@ def init_expected_attention_state(
         rope_dims=rope_dims,
         rope_traditional=rope_traditional,
         rope_scale=rope_scale,
+        allocation=allocation,
+        allocation_floor=float(allocation_floor),
     )
 
 
@@ -435,12 +466,139 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
     live = state.slots.compact()
     changes = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)
     scores = changes.pop("scores")
+    if live.n_slots > state.budget and state.allocation != "uniform":
+        newest = state.offset - 1
+        lanes = LN.allot_evicting(
+            live,
+            scores,
+            lambda positions: state.protect(positions, newest),
+            budget=state.budget,
+            floor=state.allocation_floor,
+            keep_scores=True,
+        )
+        empty = KVSlots.empty_like(live.keys, live.values)
+        return replace(done, slots=empty, lanes=lanes, scores=None, **changes)
     if live.n_slots > state.budget:
         positions = live.positions
         keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
         live = live.take(keep)
         scores = mx.take_along_axis(scores, keep, axis=-1)
     return replace(done, slots=live, scores=scores, **changes)
+
+
+def _lane_stats(state: ExpectedAttentionState, stats: QueryStats, lanes: LN.Lanes) -> QueryStats:
+    """``stats`` of each lane's owner: mean ``[B, N * G, D]`` (cov ``[B, N * G, D, D]``), so
+    :func:`expected_logits` scores the lanes as ``N`` heads."""
+    B, H_q, D = stats.mean.shape
+    H = int(state.slots.keys.shape[1]) if state.slots is not None else H_q
+    G, N = H_q // H, lanes.n_lanes
+    at = lanes.owner[:, :, None, None]
+    mean = mx.take_along_axis(stats.mean.reshape(B, H, G, D), at, axis=1)
+    cov = None
+    if stats.cov is not None:
+        cov = mx.take_along_axis(stats.cov.reshape(B, H, G, D, D), at[..., None], axis=1)
+        cov = cov.reshape(B, N * G, D, D)
+    return QueryStats(mean.reshape(B, N * G, D), cov)
+
+
+def _rescore_lanes(
+    state: ExpectedAttentionState, window: History, lanes: LN.Lanes, *, offset: int, scale: float
+) -> dict[str, Any]:
+    """Fresh statistics from ``window`` and every row of ``lanes`` (none dead) re-scored, the
+    softmax normalised per head across its lanes (non-sinks counted): the fields that change."""
+    keys = R.dense(lanes.keys)  # [B, N, W, D]
+    B, D = int(keys.shape[0]), int(keys.shape[3])
+    stats = query_stats(
+        window.probes,
+        window.positions,
+        n_sink=state.n_sink,
+        rope=state.rope(D),
+        start=offset,
+        n_future=state.n_future,
+        use_covariance=state.use_covariance,
+    )
+    H_q = int(stats.mean.shape[1])
+    H = int(state.slots.keys.shape[1]) if state.slots is not None else H_q
+    logits = expected_logits(_lane_stats(state, stats, lanes), keys, scale)  # [B, N, G, W]
+    counted = ~sinks(lanes.positions, state.n_sink)[:, :, None]
+    per_lane = mx.logsumexp(mx.where(counted, logits, -mx.inf), axis=-1)  # [B, N, G]
+    member = lanes.member(H)[..., None]  # [B, H, N, 1]
+    per_head = mx.logsumexp(mx.where(member, per_lane[:, None], -mx.inf), axis=2)  # [B, H, G]
+    lane_norm = mx.take_along_axis(per_head, lanes.owner[:, :, None], axis=1)[..., None]
+    scores = scores_from_logits(
+        logits, lane_norm, lanes.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
+    )
+    return {
+        "mean": stats.mean,
+        "cov": stats.cov,
+        "log_norm": per_head.reshape(B, H_q),
+        "scores": scores,
+        "steps": 0,
+    }
+
+
+def _lanes_observe(state: ExpectedAttentionState, call: Call) -> dict[str, Any]:
+    """A call over lanes: its queries join the window; when the statistics are due, they are
+    recomputed with the call's first token written into its heads' dead rows, every row
+    re-scored (``scores``, read by :func:`_lane_score` at that token)."""
+    window = _remember(state, call)
+    steps = state.steps + call.length
+    changes: dict[str, Any] = {
+        "queries": window,
+        "scale": call.scale,
+        "steps": steps,
+        "refreshed_at": None,
+    }
+    if steps < state.refresh_every or state.lanes is None:
+        return changes
+    at = call.start if call.row_start is None else call.row_start
+    written = LN.write(state.lanes, call.keys[:, :, :1], call.values[:, :, :1], at)
+    end = call.start + call.length
+    changes.update(_rescore_lanes(state, window, written, offset=end, scale=call.scale))
+    changes["refreshed_at"] = call.start
+    return changes
+
+
+def _lane_score(
+    state: ExpectedAttentionState, lanes: LN.Lanes, weights: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """The lanes' scores with the newest token's row (one per head) scored on arrival with the
+    current statistics, or every row's fresh scores at the step that refreshed them."""
+    assert lanes.scores is not None and state.log_norm is not None and state.scale is not None
+    B, N, W = lanes.positions.shape
+    H = int(state.slots.keys.shape[1]) if state.slots is not None else 1
+    flat = lanes.positions.reshape(B, N * W)
+    newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
+    mine = lanes.row_heads()[:, None, :] == mx.arange(H, dtype=mx.int32)[None, :, None]
+    idx = mx.argmax(mx.where(mine & (flat == newest)[:, None], 1, 0), axis=-1)  # [B, H]
+
+    def pick(a: mx.array) -> mx.array:
+        tail = a.shape[3:]
+        rows = a.reshape(B, N * W, *tail)
+        return mx.take_along_axis(rows, idx.reshape(B, H, *([1] * len(tail))), axis=1)[:, :, None]
+
+    keys, values = R.dense(R.apply(lanes.keys, pick)), R.apply(lanes.values, pick)
+    fresh = scores_from_logits(
+        expected_logits(state.stats, keys, state.scale),
+        state.log_norm.reshape(B, H, -1, 1),
+        values,
+        use_vnorm=state.use_vnorm,
+        epsilon=state.epsilon,
+    )  # [B, H, 1]
+    scores = mx.put_along_axis(lanes.scores.reshape(B, N * W), idx, fresh.reshape(B, H), axis=1)
+    scores = scores.reshape(B, N, W)
+    if state.refreshed_at is not None and state.scores is not None:
+        scores = mx.where(newest.reshape(B, 1, 1) == state.refreshed_at, state.scores, scores)
+    return scores, scores
+
+
+EA_LANES = LN.LaneRule(
+    cut=lambda state, call: state,  # the prompt's end cuts (expected_attention_compress)
+    probe=lambda state: None,
+    protect=lambda state, positions, newest: state.protect(positions, newest),
+    score=_lane_score,
+    observe=_lanes_observe,
+)
 
 
 def _query_signal(state: Any) -> Signal:
@@ -459,6 +617,7 @@ EXPECTED_ATTENTION = Policy(
     prompt_end=expected_attention_compress,
     # The true queries feed the statistics: there is no key stand-in.
     traits=Traits(signal=_query_signal, scope=_per_head, budget=attrgetter("budget")),
+    lane_rule=EA_LANES,
     summary={
         "expected_attention": "keeps the tokens that future queries, modelled from the recent "
         "ones, are expected to attend to most (Expected Attention)",
@@ -477,6 +636,9 @@ EXPECTED_ATTENTION = Policy(
         "rope_dims": "features the model's RoPE turns (default: the whole head; 0: no RoPE)",
         "rope_traditional": "whether the model's RoPE turns interleaved pairs",
         "rope_scale": "the model's RoPE position scale (linear scaling)",
+        "allocation": "how the prompt's cut shares the rows: budget per head (uniform) or a "
+        "layer's heads by score (head, AdaKV)",
+        "allocation_floor": "a head's least share under head allocation, as a fraction of budget",
     },
 )
 expected_attention_update = EXPECTED_ATTENTION.update
