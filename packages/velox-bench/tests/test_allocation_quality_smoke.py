@@ -15,9 +15,9 @@ def test_variants_are_read_from_the_registry() -> None:
 
     got = variants()
     assert ("kvzip", "global") in got and ("snapkv", "head") in got
-    assert ("snapkv", "global") not in got  # refused by SnapKV's init
-    assert ("tova", "head") in got and ("tova_adapted", "head") in got  # in scope head
-    assert ("tova", "global") not in got
+    assert ("snapkv", "global") in got and ("expected_attention", "global") in got
+    assert ("tova", "head") in got and ("tova_adapted", "global") in got  # in scope head
+    assert ("streaming_llm", "uniform") not in got  # no allocation setting
 
 
 @pytest.mark.quality
@@ -35,6 +35,8 @@ def test_allocation_quality_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
         ("kvzip", "head"),
         ("kvzip", "global"),
         ("snapkv", "head"),
+        ("snapkv", "global"),
+        ("tova", "global"),
     } <= modes
     rows = {(r["method"], r["allocation"]) for r in out["retrieval"]["rows"]}
     assert ("full", None) in rows and modes - {("full", None)} <= rows

@@ -439,7 +439,6 @@ BAD_SETTINGS: list[tuple[str, Any, type[Exception], str]] = [
     ("rope_scale", 0.0, ValueError, "> 0.0"),
     ("rope_scale", "1", TypeError, "a finite float"),
     ("allocation", "layer", ValueError, "['uniform', 'head', 'global']"),
-    ("allocation", "global", ValueError, "'uniform' or 'head'"),
     ("allocation_floor", 1.5, ValueError, "[0, 1]"),
     ("allocation_floor", "0.2", TypeError, "a float in [0, 1]"),
 ]

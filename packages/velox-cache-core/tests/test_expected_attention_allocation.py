@@ -108,9 +108,13 @@ def test_heads_keep_different_counts_within_the_uniform_bytes() -> None:
     assert states[0].nbytes <= states[1].nbytes * 1.05
 
 
-def test_global_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="per-layer prompt end"):
-        POLICY.init(allocation="global")
+def test_global_alone_is_refused_with_the_reason() -> None:
+    rng = np.random.default_rng(0)
+    k, v, q = (mx.array(rng.standard_normal((1, 2, 20, 8)).astype(np.float32)) for _ in range(3))
+    state = POLICY.init(budget=8, n_sink=1, recent=2, rope_base=1e4, allocation="global")
+    state = POLICY.update(state, k, v, queries=q).state
+    with pytest.raises(ValueError, match="not linked to the others"):  # one layer alone
+        expected_attention_compress(state)
     with pytest.raises(ValueError, match="allocation must be one of"):
         POLICY.init(allocation="layer")
     with pytest.raises(ValueError, match="allocation_floor"):

@@ -116,7 +116,7 @@ def test_head_allocation_matches_reference(
 def test_allocation_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="scope='head'"):
         H2O.init(budget=16, scope="layer", allocation="head")
-    with pytest.raises(ValueError, match="global"):
-        H2O.init(budget=16, allocation="global")
+    with pytest.raises(ValueError, match="scope='head'"):
+        H2O.init(budget=16, scope="layer", allocation="global")
     with pytest.raises(TypeError, match="allocation_floor"):
         H2O.init(budget=16, allocation="head", allocation_floor="0.2")

@@ -308,7 +308,7 @@ CASES: dict[str, Case] = {
             ({"kernel": 0}, "kernel"),
             ({"signal": "value"}, "signal"),
             ({"budget": 1, "window": 1}, "budget"),
-            ({"allocation": "global"}, "allocation"),
+            ({"allocation": "all"}, "allocation"),
             ({"allocation": "head", "allocation_floor": -1.0}, "allocation_floor"),
         ],
         ok=[{"budget": 2, "window": 1, "kernel": 1}, {"allocation": "head"}],

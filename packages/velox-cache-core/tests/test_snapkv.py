@@ -149,8 +149,12 @@ def test_head_allocation_matches_the_lanes_reference(
 
 
 def test_allocation_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="global"):
-        init_snapkv_state(budget=16, allocation="global")
+    state = init_snapkv_state(budget=4, window=2, allocation="global")
+    rng = np.random.default_rng(0)
+    k, v, q = (mx.array(rng.standard_normal((1, 2, 9, 4)).astype(np.float32)) for _ in range(3))
+    state = snapkv_update(state, k, v, q).state
+    with pytest.raises(ValueError, match="not linked to the others"):  # one layer alone
+        snapkv_compress(state)
     with pytest.raises(ValueError, match="allocation must be one of"):
         init_snapkv_state(budget=16, allocation="layer")
     with pytest.raises(ValueError, match="allocation_floor"):

@@ -152,8 +152,8 @@ def test_chunk_after_the_cut_is_token_by_token() -> None:
 def test_allocation_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="scope='head'"):
         TOVA.init_for("tova", allocation="head")  # the preset decides per layer
-    with pytest.raises(ValueError, match="global"):
-        TOVA.init_for("tova", scope="head", allocation="global")
+    with pytest.raises(ValueError, match="scope='head'"):
+        TOVA.init_for("tova", allocation="global")
     with pytest.raises(ValueError, match="allocation must be one of"):
         TOVA.init_for("tova", scope="head", allocation="layer")
     state = TOVA.init_for("tova_adapted", allocation="head")  # key signal, head scope

@@ -18,11 +18,11 @@ from velox_mlx_lm.compress import compress, prefill
 PROMPT_TOKENS = 400
 SLACK = 16 * 1024  # bytes: allocator rounding of the tiny model's small arrays
 MODES = {
-    "expected_attention": ("uniform", "head"),
+    "expected_attention": ("uniform", "head", "global"),
     "kvzip": ("uniform", "head", "global"),
-    "snapkv": ("uniform", "head"),
-    "tova": ("uniform", "head"),
-    "h2o": ("uniform", "head"),
+    "snapkv": ("uniform", "head", "global"),
+    "tova": ("uniform", "head", "global"),
+    "h2o": ("uniform", "head", "global"),
 }
 
 

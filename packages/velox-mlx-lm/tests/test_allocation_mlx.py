@@ -35,9 +35,10 @@ def _generate(model: Any, caches: list[Any], prompt: list[int], n: int) -> list[
     return [int(t) for t, _ in steps]
 
 
+@pytest.mark.parametrize("mode", ["head", "global"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_head_allocation_generates_within_the_uniform_bytes(
-    tiny_model: Any, tmp_path: Path, name: str
+def test_adaptive_allocation_generates_within_the_uniform_bytes(
+    tiny_model: Any, tmp_path: Path, name: str, mode: str
 ) -> None:
     model = tiny_model("llama")
     prompt = np.random.default_rng(0).integers(2, 128, 80).tolist()
@@ -45,7 +46,7 @@ def test_head_allocation_generates_within_the_uniform_bytes(
     policy = POLICY.get(name, name)
     uniform = KVCacheBuilder.for_model(model, KVCacheConfig(**settings))
     adaptive = KVCacheBuilder.for_model(
-        model, KVCacheConfig(**settings, **{f"{policy}_allocation": "head"})
+        model, KVCacheConfig(**settings, **{f"{policy}_allocation": mode})
     )
     _generate(model, uniform, prompt, 6)
     tokens = _generate(model, adaptive, prompt, 6)
@@ -54,7 +55,13 @@ def test_head_allocation_generates_within_the_uniform_bytes(
         state = a.policy_state
         assert state.lanes is not None and state.lanes.free is not None
         assert a.offset == u.offset > 80
-        assert a.nbytes <= u.nbytes
+        if mode == "head":
+            assert a.nbytes <= u.nbytes
+    if mode == "global":  # the model's rows: those of the uniform cut, shared across layers
+        assert sum(a.nbytes for a in adaptive) <= sum(u.nbytes for u in uniform)
+    heads = int(adaptive[0].policy_state.slots.keys.shape[1])
+    counts = {n for a in adaptive for n in a.policy_state.lanes.counts(heads)[0].tolist()}
+    assert len(counts) > 1  # the heads (and layers) keep different counts
     # a prompt-cache round trip keeps the lanes, their dead rows and running sums
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, adaptive)
@@ -81,3 +88,46 @@ def test_a_held_prompt_round_trips_before_its_cut(tiny_model: Any) -> None:
     assert caches[0].policy_state.holds_prompt and caches[0].size() == 60
     copies = [type(c).from_state(c.state) for c in caches]
     assert _generate(model, copies, [7], 3) == _generate(model, caches, [7], 3)
+
+
+def test_snapkv_global_generates_and_round_trips(tiny_model: Any, tmp_path: Path) -> None:
+    """SnapKV with a model-wide allocation: the prompt's end cuts every layer together (layers
+    keep different counts, the model the uniform cut's bytes); a prompt cache saved and
+    loaded with velox_mlx_lm.load_prompt_cache generates as the original."""
+    from velox_mlx_lm import load_prompt_cache as velox_load
+
+    model = tiny_model("llama")
+    prompt = np.random.default_rng(2).integers(2, 128, 80).tolist()
+    base = {"method": "snapkv", "snapkv_budget": 16, "snapkv_window": 4}
+    uniform = KVCacheBuilder.for_model(model, KVCacheConfig(**base))
+    shared = KVCacheBuilder.for_model(model, KVCacheConfig(**base, snapkv_allocation="global"))
+    _generate(model, uniform, prompt, 4)
+    _generate(model, shared, prompt, 4)
+    assert len({c.policy_state.lanes.n_lanes for c in shared}) > 1
+    assert sum(c.nbytes for c in shared) <= sum(c.nbytes for c in uniform)
+    path = str(tmp_path / "snap.safetensors")
+    save_prompt_cache(path, shared)
+    loaded = velox_load(path)
+    follow = [5, 9, 17]
+    assert _generate(model, loaded, follow, 3) == _generate(model, shared, follow, 3)
+
+
+def test_a_held_prompt_under_global_relinks_when_loaded(tiny_model: Any, tmp_path: Path) -> None:
+    """A TOVA cache saved while it holds its prompt for the model-wide cut loads linked again
+    (velox_mlx_lm.load_prompt_cache) and cuts as the original does; mlx-lm's own loader gives
+    unlinked caches, which refuse the cut with the reason."""
+    from velox_mlx_lm import load_prompt_cache as velox_load
+
+    model = tiny_model("llama")
+    prompt = np.random.default_rng(3).integers(2, 128, 60).tolist()
+    config = KVCacheConfig(**CASES["tova"], tova_allocation="global")
+    caches = KVCacheBuilder.for_model(model, config)
+    model(mx.array(prompt)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    assert caches[0].policy_state.holds_prompt
+    path = str(tmp_path / "held.safetensors")
+    save_prompt_cache(path, caches)
+    relinked = velox_load(path)
+    assert _generate(model, relinked, [7], 3) == _generate(model, caches, [7], 3)
+    with pytest.raises(ValueError, match="not linked to the others"):
+        _generate(model, load_prompt_cache(path), [7], 1)

@@ -64,6 +64,42 @@ class LaneRule:
     observe: Callable[[Any, Any], dict[str, Any]] | None = None
 
 
+@dataclass(frozen=True)
+class GlobalRule:
+    """How a policy whose cut runs in one layer takes part in a model-wide (``global``)
+    allocation: the model's layers are linked by a
+    :class:`~velox_cache_core.model_shares.ModelShares`, which cuts them all at once by one
+    threshold; a policy declares one in its registry record.
+
+    pending(state): whether the state still awaits that cut (it holds its prompt).
+    scores(state): ``(live, scores, protected)``: the rows the cut shares out
+    (:class:`~velox_cache_core.slots.KVSlots`, ``[B, H, n]``), their float ``[B, H, n]`` scores
+    and the bool ``[B, H, n]`` rows no cut drops; ``None`` when there is nothing to cut (a
+    prompt within ``budget``).
+    cut(state, total): the state cut to ``total`` rows in its layer (``None``: nothing to cut;
+    the policy goes on as with ``uniform``).
+    spare: rows a head needs beyond its protected ones (2 for a policy that evicts at every
+    step: its dead row and one that can go; 0 for one that appends).
+    when: ``"prompt_end"`` (the layer's prompt end: every layer arrives, the last one cuts
+    them all) or ``"first_token"`` (the first single-token call, before it is laid out: every
+    layer holds its prompt then).
+    """
+
+    pending: Callable[[Any], bool]
+    scores: Callable[[Any], tuple[KVSlots, mx.array, mx.array] | None]
+    cut: Callable[[Any, int | None], Any]
+    spare: int
+    when: str
+
+
+UNLINKED = (
+    "allocation='global' cuts every layer of the model at once by one threshold, and this "
+    "{name} layer is not linked to the others: build the caches with velox_mlx_lm's "
+    "KVCacheBuilder.for_model (or load them with velox_mlx_lm.load_prompt_cache), or link "
+    "the layers with velox_cache_core.model_shares.ModelShares"
+)
+
+
 FLOOR = 0.2  # a head's least share, as a fraction of the uniform one (AdaKV's floor)
 LANES_PER_SHARE = 8  # lanes in a uniform share: a lane is budget // 8 rows
 
@@ -558,12 +594,13 @@ def allot_evicting(
     budget: int,
     floor: float,
     keep_scores: bool,
+    total: int | None = None,
 ) -> Lanes:
     """:func:`allot` for a policy that evicts at every decode step: each head's share holds
     one dead row (its weakest kept row, where the next token goes, as the slot store's dead
     slot) and at least one row more than its protected ones (``protect(positions)``: bool,
     the rows no decision may evict). ``keep_scores``: the lanes carry ``scores`` on as their
-    running scores (H2O's sums)."""
+    running scores (H2O's sums). ``total``: the layer's rows (default ``budget * H``)."""
     H = int(live.positions.shape[1])
     lanes = allot(
         live,
@@ -571,6 +608,7 @@ def allot_evicting(
         protect(live.positions),
         budget=budget,
         floor=floor,
+        total=total,
         keep_scores=scores,
         spare=2,
     )

@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.distributed import Recorder, Replay, StepSums
@@ -148,17 +149,23 @@ class Layer:
         # every call must come back through attend (a cache the builder nested in a model's
         # cache list: used outside attention, it could not evict consistently)
         self.must_attend = False
+        # the model's layers sharing a global allocation (velox_cache_core.model_shares)
+        self.shares: Any = None
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
         out = Layer.__new__(Layer)
         out.__dict__.update(self.__dict__)
         out.phase = None if self.phase is None else copy.copy(self.phase)
+        # a lone copy is not one of the model's linked layers (a copy of them all, by
+        # copy.deepcopy of the list, links the copies: __deepcopy__)
+        out.shares = None
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Layer:
         out = copy.copy(self)
-        for name in ("state", "log", "pending", "phase"):
+        memo[id(self)] = out  # the shares' copy links this copy, not this layer
+        for name in ("state", "log", "pending", "phase", "shares"):
             setattr(out, name, copy.deepcopy(getattr(self, name), memo))
         return out
 
@@ -228,6 +235,8 @@ class Layer:
         keys, values = self.stored(keys, values)
         self.settle()
         self.last = None
+        if int(keys.shape[2]) == 1:
+            self._cut_globally("first_token")
         if self._waits(int(keys.shape[2])):
             self.fetched = self._wait(keys, values)
             return self.fetched
@@ -549,7 +558,35 @@ class Layer:
             return self._end_prompt(state)
         return state
 
+    def _cut_globally(self, when: str) -> bool:
+        """At ``when``, a state awaiting a model-wide cut (``allocation="global"``) takes part
+        in it: ``"first_token"`` cuts every linked layer now, ``"prompt_end"`` arrives (the
+        last layer to arrive cuts them all). Returns whether it did."""
+        rule = getattr(self.policy, "global_rule", None)
+        state = self.state
+        if rule is None or rule.when != when or getattr(state, "allocation", None) != "global":
+            return False
+        if not rule.pending(state):
+            return False
+        if self.shares is None:
+            raise ValueError(LN.UNLINKED.format(name=self.policy.name))
+        if when == "first_token":
+            self.shares.cut_all()
+        else:
+            self.shares.arrive(self)
+        return True
+
+    def take_cut(self, state: Any) -> None:
+        """Take ``state``, this layer cut by a model-wide allocation (it cannot be undone)."""
+        self.state = state
+        self._forget_call()
+        if self.log is not None:
+            self.log = self.log.cleared()
+
     def _end_prompt(self, state: Any) -> Any:
+        self.state = state
+        if self._cut_globally("prompt_end"):
+            return self.state
         ended = self.policy.end_prompt(state)
         if ended is not state and self.log is not None:  # the cut cannot be undone
             self.log = self.log.cleared()

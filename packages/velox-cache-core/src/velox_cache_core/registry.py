@@ -13,7 +13,7 @@ from typing import Any
 
 from velox_cache_core import undo
 from velox_cache_core.engine import Call, Decision, Step, update
-from velox_cache_core.lanes import LaneRule
+from velox_cache_core.lanes import GlobalRule, LaneRule
 from velox_cache_core.settings import Setting, policy_settings
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
@@ -47,6 +47,9 @@ class Policy:
     lane_rule: how the policy decides at every decode step over lanes, when an adaptive
     allocation gave its heads different row counts
     (:class:`~velox_cache_core.lanes.LaneRule`), or ``None``.
+    global_rule: how a policy whose cut runs in one layer takes part in a model-wide
+    ``global`` allocation (:class:`~velox_cache_core.lanes.GlobalRule`, driven by
+    :class:`~velox_cache_core.model_shares.ModelShares`), or ``None``.
     upgrade: optional ``upgrade(settings) -> (settings, fix)`` for prompt caches saved by an
     older release: the saved settings (and scalar running fields) under today's names, and a
     function the loaded state goes through (or ``None``).
@@ -76,6 +79,7 @@ class Policy:
         Callable[[dict[str, Any]], tuple[dict[str, Any], Callable[[Any], Any] | None]] | None
     ) = None
     lane_rule: LaneRule | None = None
+    global_rule: GlobalRule | None = None
 
     @property
     def prompt_end_needs_model(self) -> bool:

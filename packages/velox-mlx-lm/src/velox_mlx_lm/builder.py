@@ -10,6 +10,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from velox_cache_core.distributed import StepSums
 from velox_cache_core.layer import Mode
+from velox_cache_core.model_shares import ModelShares
 from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.distributed import tensor_group
@@ -115,7 +116,27 @@ class KVCacheBuilder:
 
         caches = [_convert(base, maker(i), f"layer {i}") for i, base in enumerate(bases)]
         _share_step_sums([c for base in caches for c in _members(base)])
-        return caches
+        return link_shares(caches)
+
+
+def link_shares(caches: list[Any]) -> list[Any]:
+    """Link the Velox caches of one model whose policy cuts each layer by itself (SnapKV,
+    Expected Attention, TOVA, H2O) under ``allocation="global"``: they are then cut together
+    by one model-wide threshold (:class:`velox_cache_core.model_shares.ModelShares`). The
+    builder and :func:`velox_mlx_lm.load_prompt_cache` call it; ``caches`` is returned."""
+    ours = [
+        c
+        for base in caches
+        for c in _members(base)
+        if isinstance(c, PolicyKVCache)
+        and getattr(c.layer.policy, "global_rule", None) is not None
+        and c.settings.get("allocation") == "global"
+    ]
+    if ours:
+        shares = ModelShares()
+        for cache in ours:
+            shares.join(cache.layer)
+    return caches
 
 
 def model_type(model: nn.Module) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import load_prompt_cache as _mlx_load
 
+from velox_mlx_lm.builder import link_shares
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.config import KVCacheConfig
 
@@ -18,9 +19,11 @@ def load_prompt_cache(
 
     With ``config``, every Velox layer cache must hold that policy with those settings, and a
     full cache must come from ``method="full"``; otherwise ``ValueError`` names the first layer
-    that differs. Nothing is returned on error.
+    that differs. Nothing is returned on error. Caches under a model-wide ``global``
+    allocation are linked again (:func:`velox_mlx_lm.builder.link_shares`).
     """
     caches, metadata = _mlx_load(path, return_metadata=True)
+    link_shares(caches)
     if config is not None:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")

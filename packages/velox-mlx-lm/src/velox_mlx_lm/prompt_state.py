@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention_rule import History
+from velox_cache_core.lanes import Lanes
 from velox_cache_core.registry import Policy
 from velox_cache_core.rows import QRows, Quant, quant_of
 from velox_cache_core.slots import KVSlots, stored_fields
@@ -42,7 +43,9 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
     return {"value": value}
 
 
-_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows)}
+# Lanes: an undo entry keeps every running field before its call (the lanes of an adaptive
+# cut among them: SnapKV's and KVzip's tails are logged after it)
+_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, Lanes)}
 
 
 def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:

@@ -61,11 +61,14 @@ class AllocationSettings:
     retrieval_budget: int = 128
     n_trials: int = 5
     smoke: bool = False
+    methods: tuple[str, ...] | None = None  # None: every method with allocation modes
 
     @classmethod
     def smoke_run(cls) -> AllocationSettings:
-        """CI size: one budget, a 200-token prompt, one retrieval trial."""
+        """CI size: one budget, a 200-token prompt, one retrieval trial; KVzip, SnapKV (its
+        prompt end cuts) and TOVA (its first single token cuts) in every mode."""
         return cls(
+            methods=("kvzip", "snapkv", "tova"),
             budgets=(64,),
             prompt_tokens=200,
             continuation=32,
@@ -152,7 +155,7 @@ def continuation_nll(
 def evaluate(settings: AllocationSettings) -> dict[str, Any]:
     model, tokenizer = load_default()
     encode = tokenizer.encode
-    rows = variants()
+    rows = [r for r in variants() if settings.methods is None or r[0] in settings.methods]
     n_ppl = (1 + len(rows) * len(settings.budgets)) * (
         settings.prompt_tokens + settings.continuation
     )
@@ -304,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budgets", type=int, nargs="+", help="perplexity budgets")
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
     parser.add_argument("--prompt-tokens", type=int, help="prompt cut before the continuation")
+    parser.add_argument("--methods", nargs="+", help="only these methods (default: every one)")
     args = parser.parse_args(argv)
     settings = AllocationSettings.smoke_run() if args.smoke or smoke() else AllocationSettings()
     if args.budgets:
@@ -312,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = AllocationSettings(**{**asdict(settings), "n_trials": args.trials})
     if args.prompt_tokens:
         settings = AllocationSettings(**{**asdict(settings), "prompt_tokens": args.prompt_tokens})
+    if args.methods:
+        settings = AllocationSettings(**{**asdict(settings), "methods": tuple(args.methods)})
     results = evaluate(settings)
     print(summary(results))
     for path in write(results):

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
+from velox_mlx_lm.builder import link_shares
 
 DEPTHS = (0.1, 0.5, 0.9)
 N_FACTS = 40  # fixed pool: trial i always plants the same three facts
@@ -141,8 +142,9 @@ def build_prompt(
 
 
 def clone(caches: list[Any]) -> list[Any]:
-    """Independent copies of per-layer caches (mx arrays are immutable; states are rebuilt)."""
-    return [type(c).from_state(c.state) for c in caches]
+    """Independent copies of per-layer caches (mx arrays are immutable; states are rebuilt),
+    linked again where a model-wide ``global`` allocation is still to cut them."""
+    return link_shares([type(c).from_state(c.state) for c in caches])
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,12 @@ def ask(
         if i + 1 < answers.shape[1]:
             logits = model(answers[:, i : i + 1], cache=caches)[:, -1]
     return [Answer(bool(c), float(t)) for c, t in zip(correct, total, strict=True)]
+
+
+def _one_sequence(config: KVCacheConfig) -> bool:
+    """Whether ``config`` cuts one sequence at a time: KVzip's reconstruction pass, or a
+    model-wide ``global`` allocation (one threshold per sequence)."""
+    return _reconstructs(config) or config.settings().get("allocation") == "global"
 
 
 def _reconstructs(config: KVCacheConfig) -> bool:
@@ -243,20 +251,18 @@ def run_batch(
 
     KVzip (reconstruction probe) compresses each document once after its prefill
     (``velox_mlx_lm.kvzip.compress``, which needs ``tokenizer``), one prompt at a time (its
-    global threshold is per sequence); every question then starts from a copy of that cut.
+    global threshold is per sequence); every question then starts from a copy of that cut. A
+    ``global`` allocation of another policy also runs one prompt at a time.
     """
     if len({p.shape() for p in prompts}) != 1:
         raise ValueError("run_batch needs prompts of one shape: group them with run_trials")
-    if _reconstructs(config):
-        if tokenizer is None:
-            raise ValueError("KVzip's reconstruction pass needs the tokenizer (tokenizer=...)")
-        if len(prompts) > 1:
-            return [
-                run_batch(
-                    model, config, [p], chunk=chunk, on_tokens=on_tokens, tokenizer=tokenizer
-                )[0]
-                for p in prompts
-            ]
+    if _reconstructs(config) and tokenizer is None:
+        raise ValueError("KVzip's reconstruction pass needs the tokenizer (tokenizer=...)")
+    if _one_sequence(config) and len(prompts) > 1:
+        return [
+            run_batch(model, config, [p], chunk=chunk, on_tokens=on_tokens, tokenizer=tokenizer)[0]
+            for p in prompts
+        ]
     caches = KVCacheBuilder.for_model(model, config)
     _prefill_batch(model, caches, prompts, chunk=chunk, on_tokens=on_tokens)
     if _reconstructs(config):

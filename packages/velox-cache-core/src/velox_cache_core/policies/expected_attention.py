@@ -30,8 +30,10 @@ at least ``allocation_floor`` of its uniform share), held as lanes with one dead
 arrival, and each head's lowest evictable row becomes the next dead row. The statistics are
 refreshed every ``refresh_every`` tokens as before, every held row re-scored, the softmax
 normalised per head across its lanes (a chunk over lanes runs token by token; its refresh, when
-due, comes with its first token). ``global`` needs every layer's scores at once, which the
-per-layer prompt end does not have: it is refused.
+due, comes with its first token). ``global`` shares the model's ``budget`` rows per head on
+average across every head of every layer by the same scores: each layer's prompt end only
+arrives, and the last layer's cuts them all (:class:`~velox_cache_core.model_shares.
+ModelShares`, linked by ``velox_mlx_lm``'s builder); decode then runs as under ``head``.
 """
 
 from __future__ import annotations
@@ -303,15 +305,10 @@ def init_expected_attention_state(
     n_sink`` (``None``: 16, or ``budget - n_sink - 1`` when that is smaller); ``n_queries``,
     ``refresh_every``, ``n_future >= 1``; ``epsilon >= 0``; ``rope_base > 1`` (``None``: not
     known yet), ``rope_dims`` even ``>= 0`` (``None``: the whole head; 0: no RoPE),
-    ``rope_scale > 0``; ``allocation`` ``uniform`` or ``head`` (``global`` is refused: see the
-    module doc), ``0 <= allocation_floor <= 1``."""
+    ``rope_scale > 0``; ``allocation`` ``uniform``, ``head`` or ``global`` (see the module
+    doc), ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
     LN.check_allocation(allocation, allocation_floor)
-    if allocation == "global":
-        raise ValueError(
-            "allocation='global' needs every layer's scores at once, which Expected Attention's "
-            "per-layer prompt end does not have: use 'uniform' or 'head' (kvzip offers 'global')"
-        )
     recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
     check_int("recent", recent, minimum=0)
     if recent >= budget - n_sink:
@@ -459,6 +456,29 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
         raise TypeError(f"state must be an ExpectedAttentionState, got {type(state).__name__}")
     if state.compressed:
         return state
+    if state.allocation == "global" and _to_cut(state):
+        raise ValueError(LN.UNLINKED.format(name="expected_attention"))
+    return _cut(state, None)
+
+
+def _to_cut(state: ExpectedAttentionState) -> bool:
+    """Whether the prompt's end has rows to cut (queries seen, more rows than budget)."""
+    return state.slots is not None and state.queries is not None and state.n_kept > state.budget
+
+
+def _cut_scores(state: ExpectedAttentionState) -> tuple[KVSlots, mx.array, mx.array] | None:
+    """The prompt's rows, their expected scores and the rows the cut spares (sinks, the
+    ``recent`` newest), or ``None`` when nothing is to cut."""
+    if not _to_cut(state):
+        return None
+    assert state.scale is not None and state.slots is not None and state.queries is not None
+    live = state.slots.compact()
+    scores = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)["scores"]
+    return live, scores, state.protect(live.positions, state.offset - 1)
+
+
+def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionState:
+    """The prompt's cut (``total``: the layer's rows under ``global``; ``None``: its own)."""
     done = replace(state, compressed=True)
     if state.slots is None or state.queries is None:
         return done
@@ -475,6 +495,7 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
             budget=state.budget,
             floor=state.allocation_floor,
             keep_scores=True,
+            total=total,
         )
         empty = KVSlots.empty_like(live.keys, live.values)
         return replace(done, slots=empty, lanes=lanes, scores=None, **changes)
@@ -592,6 +613,15 @@ def _lane_score(
     return scores, scores
 
 
+EA_GLOBAL = LN.GlobalRule(
+    pending=lambda state: not state.compressed,
+    scores=_cut_scores,
+    cut=_cut,
+    spare=2,
+    when="prompt_end",
+)
+
+
 EA_LANES = LN.LaneRule(
     cut=lambda state, call: state,  # the prompt's end cuts (expected_attention_compress)
     probe=lambda state: None,
@@ -618,6 +648,7 @@ EXPECTED_ATTENTION = Policy(
     # The true queries feed the statistics: there is no key stand-in.
     traits=Traits(signal=_query_signal, scope=_per_head, budget=attrgetter("budget")),
     lane_rule=EA_LANES,
+    global_rule=EA_GLOBAL,
     summary={
         "expected_attention": "keeps the tokens that future queries, modelled from the recent "
         "ones, are expected to attend to most (Expected Attention)",
@@ -636,8 +667,8 @@ EXPECTED_ATTENTION = Policy(
         "rope_dims": "features the model's RoPE turns (default: the whole head; 0: no RoPE)",
         "rope_traditional": "whether the model's RoPE turns interleaved pairs",
         "rope_scale": "the model's RoPE position scale (linear scaling)",
-        "allocation": "how the prompt's cut shares the rows: budget per head (uniform) or a "
-        "layer's heads by score (head, AdaKV)",
+        "allocation": "how the prompt's cut shares the rows: budget per head (uniform), a "
+        "layer's heads by score (head, AdaKV) or every head of every layer (global)",
         "allocation_floor": "a head's least share under head allocation, as a fraction of budget",
     },
 )

@@ -8,7 +8,10 @@ tokens. Inertial where TOVA is memoryless: the state carries the scores.
 accumulate, then cut at its end (the first single-token call) into per-head shares by those
 sums, each head keeping its sinks, its recent window and at least ``allocation_floor`` of the
 uniform share (:mod:`velox_cache_core.lanes`); decode steps then evict within each head's share,
-the sums carried on the lanes.
+the sums carried on the lanes. ``global`` (scope ``head``) shares the model's ``budget`` rows
+per head on average across every head of every layer by the same sums: the first single-token
+call of any layer cuts them all (:class:`~velox_cache_core.model_shares.ModelShares`, linked by
+``velox_mlx_lm``'s builder).
 """
 
 from __future__ import annotations
@@ -82,14 +85,9 @@ def init_h2o_state(
 ) -> H2OState:
     """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
     ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
-    ``head`` (see the module doc); ``0 <= allocation_floor <= 1``."""
+    ``head`` or ``global`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
     LN.check_allocation(allocation, allocation_floor)
-    if allocation == "global":
-        raise ValueError(
-            "allocation='global' needs every layer's sums at once, which H2O's per-layer "
-            "steps do not have: use 'uniform' or 'head' (kvzip offers 'global')"
-        )
     if allocation != "uniform" and scope != "head":
         raise ValueError(
             f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
@@ -135,25 +133,55 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
 _NEVER = 2**30  # a budget no prompt reaches
 
 
-def h2o_cut(state: H2OState, call: Call) -> H2OState:
-    """The held prompt cut at its end (the first single-token call) into per-head shares by
-    its attention sums (lanes carrying the sums, one dead row per head). A prompt within
-    ``budget`` is not cut: H2O then goes on uniformly."""
+def _cut_scores(state: H2OState) -> tuple[KVSlots, mx.array, mx.array] | None:
+    """The held prompt's rows, their sums and the rows the cut spares (sinks, the recent
+    window before the next token), or ``None`` when nothing is to cut."""
     if not state.holds_prompt or state.slots is None or state.scores is None:
-        return state
+        return None
     live = state.slots.compact()
     if live.n_slots <= state.budget:
-        return replace(state, history=None)
+        return None
+    return live, state.scores, state.protect(live.positions, state.offset)
+
+
+def _cut(state: H2OState, total: int | None) -> H2OState:
+    """The held prompt cut into per-head shares by its sums (``total``: the layer's rows
+    under ``global``; ``None``: ``budget * H``), lanes carrying the sums with one dead row per
+    head; a prompt within ``budget`` is not cut (H2O goes on uniformly)."""
+    found = _cut_scores(state)
+    if found is None:
+        return replace(state, history=None) if state.holds_prompt else state
+    live, scores, _ = found
     lanes = LN.allot_evicting(
         live,
-        state.scores,
-        lambda positions: state.protect(positions, call.start),
+        scores,
+        lambda positions: state.protect(positions, state.offset),
         budget=state.budget,
         floor=state.allocation_floor,
         keep_scores=True,
+        total=total,
     )
     empty = KVSlots.empty_like(live.keys, live.values)
     return replace(state, slots=empty, lanes=lanes, history=None, scores=None)
+
+
+def h2o_cut(state: H2OState, call: Call) -> H2OState:
+    """The held prompt cut at its end (the first single-token call) into per-head shares by
+    its attention sums (lanes carrying the sums, one dead row per head). A prompt within
+    ``budget`` is not cut: H2O then goes on uniformly. ``global`` is cut by the model's
+    linked layers together (see the module doc)."""
+    if state.allocation == "global" and state.holds_prompt and state.n_kept > state.budget:
+        raise ValueError(LN.UNLINKED.format(name="h2o"))
+    return _cut(state, None)
+
+
+H2O_GLOBAL = LN.GlobalRule(
+    pending=lambda state: state.holds_prompt,
+    scores=_cut_scores,
+    cut=_cut,
+    spare=2,
+    when="first_token",
+)
 
 
 def _h2o_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -178,13 +206,15 @@ H2O = Policy(
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
     lane_rule=H2O_LANES,
+    global_rule=H2O_GLOBAL,
     summary={
         "h2o": "keeps the tokens with the most attention summed so far plus the recent ones (H2O)",
     },
     help={
         "recent": "latest tokens always kept (default: budget // 2)",
         "allocation": "uniform: budget rows per KV head; head (scope head only): the prompt is "
-        "held, then its end shares the layer's rows across heads by the sums (AdaKV)",
+        "held, then its end shares the layer's rows across heads by the sums (AdaKV); global: "
+        "across every head of every layer",
         "allocation_floor": "a head's least share under head allocation, a fraction of budget",
     },
 )

@@ -10,9 +10,10 @@ to ``budget`` per KV head. Afterwards the cache grows: decode tokens are never e
 ``allocation="head"`` (AdaKV) shares the layer's ``budget * H_kv`` rows across its heads by
 the same scores instead, every head keeping its window and at least ``allocation_floor`` of
 its uniform share; the kept rows are then held as lanes (:mod:`velox_cache_core.lanes`), so the
-layer holds no more bytes than the uniform cut. ``global`` needs every layer's scores at once,
-which the per-layer prompt end does not have: it is refused (KVzip, cut by a model-wide pass,
-has it).
+layer holds no more bytes than the uniform cut. ``global`` shares the model's ``budget`` rows
+per head on average across every head of every layer by the same scores: each layer's prompt
+end only arrives, and the last layer's cuts them all
+(:class:`~velox_cache_core.model_shares.ModelShares`, linked by ``velox_mlx_lm``'s builder).
 """
 
 from __future__ import annotations
@@ -63,14 +64,9 @@ def init_snapkv_state(
 ) -> SnapKVState:
     """Empty SnapKV state: ``1 <= window < budget`` (``None``: ``min(32, budget - 1)``, so a
     small budget needs no window of its own), odd ``kernel >= 1``; ``allocation``
-    ``uniform`` or ``head`` (``global`` is refused: see the module doc), ``0 <=
-    allocation_floor <= 1``."""
+    ``uniform``, ``head`` or ``global`` (see the module doc), ``0 <= allocation_floor <=
+    1``."""
     LN.check_allocation(allocation, allocation_floor)
-    if allocation == "global":
-        raise ValueError(
-            "allocation='global' needs every layer's scores at once, which SnapKV's per-layer "
-            "prompt end does not have: use 'uniform' or 'head' (kvzip offers 'global')"
-        )
     check_int("budget", budget, minimum=2)
     if window is None:
         window = min(WINDOW, budget - 1)
@@ -112,15 +108,17 @@ def snapkv_rule(state: SnapKVState, call: Call, slots: KVSlots, candidates: KVSl
     return Decision(candidates, changes={"history": history, "scale": call.scale})
 
 
-def snapkv_compress(state: SnapKVState) -> SnapKVState:
-    """End of the prompt: cut to ``budget`` per KV head (no-op if already compressed)."""
-    if not isinstance(state, SnapKVState):
-        raise TypeError(f"state must be a SnapKVState, got {type(state).__name__}")
-    if state.compressed:
-        return state
-    done = replace(state, compressed=True, history=None)
-    if state.slots is None or state.n_kept <= state.budget or state.history is None:
-        return done
+def _to_cut(state: SnapKVState) -> bool:
+    """Whether the prompt's end has rows to cut (probes seen, more rows than budget)."""
+    return state.slots is not None and state.history is not None and state.n_kept > state.budget
+
+
+def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None:
+    """The prompt's rows ``[B, H, n]``, their pooled scores (the window's ``inf``) and the
+    window rows (bool), or ``None`` when nothing is to cut (within budget, nothing fed)."""
+    if not _to_cut(state):
+        return None
+    assert state.slots is not None and state.history is not None
     live = state.slots.compact()
     n, W = live.n_slots, state.window
     history = state.history
@@ -131,17 +129,56 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]
     # Prompt slots are in arrival order until the first cut: the last W are the window.
     scores = avg_pool1d(scores[..., : n - W], state.kernel)
-    if state.allocation != "uniform":
-        B, H = scores.shape[:2]
-        window_rows = mx.broadcast_to(mx.arange(n) >= n - W, (B, H, n))
-        full = mx.concatenate([scores, mx.full((B, H, W), mx.inf)], axis=-1)
-        lanes = LN.allot(live, full, window_rows, budget=state.budget, floor=state.allocation_floor)
-        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
-    top = mx.argsort(-scores, axis=-1)[..., : state.budget - W]
     B, H = scores.shape[:2]
+    window_rows = mx.broadcast_to(mx.arange(n) >= n - W, (B, H, n))
+    full = mx.concatenate([scores, mx.full((B, H, W), mx.inf)], axis=-1)
+    return live, full, window_rows
+
+
+def _cut(state: SnapKVState, total: int | None) -> SnapKVState:
+    """The prompt cut (``total``: the layer's rows under ``global``; ``None``: its own)."""
+    done = replace(state, compressed=True, history=None)
+    found = _cut_scores(state)
+    if found is None:
+        return done
+    live, full, window_rows = found
+    if state.allocation != "uniform":
+        lanes = LN.allot(
+            live,
+            full,
+            window_rows,
+            budget=state.budget,
+            floor=state.allocation_floor,
+            total=total,
+        )
+        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
+    n, W = live.n_slots, state.window
+    top = mx.argsort(-full[..., : n - W], axis=-1)[..., : state.budget - W]
+    B, H = full.shape[:2]
     window = mx.broadcast_to(mx.arange(n - W, n), (B, H, W))
     keep = mx.sort(mx.concatenate([top, window], axis=-1), axis=-1)
     return replace(done, slots=live.take(keep.astype(mx.int32)))
+
+
+def snapkv_compress(state: SnapKVState) -> SnapKVState:
+    """End of the prompt: cut to ``budget`` per KV head (no-op if already compressed).
+    ``global`` is cut by the model's linked layers together (see the module doc)."""
+    if not isinstance(state, SnapKVState):
+        raise TypeError(f"state must be a SnapKVState, got {type(state).__name__}")
+    if state.compressed:
+        return state
+    if state.allocation == "global" and _to_cut(state):
+        raise ValueError(LN.UNLINKED.format(name="snapkv"))
+    return _cut(state, None)
+
+
+SNAPKV_GLOBAL = LN.GlobalRule(
+    pending=lambda state: not state.compressed,
+    scores=_cut_scores,
+    cut=_cut,
+    spare=0,
+    when="prompt_end",
+)
 
 
 SNAPKV = Policy(
@@ -152,6 +189,7 @@ SNAPKV = Policy(
     prompt_end=snapkv_compress,
     grows_after_prompt_end=True,
     traits=read_settings("signal", "budget"),
+    global_rule=SNAPKV_GLOBAL,
     summary={
         "snapkv": "cuts the prompt once, at its end, by what its last tokens attend to (SnapKV)",
     },
@@ -160,8 +198,8 @@ SNAPKV = Policy(
         "window": "latest prompt queries whose attention decides the cut "
         f"(default: min({WINDOW}, budget - 1))",
         "kernel": "width of the moving average over the scores (odd)",
-        "allocation": "how the cut shares the rows: budget per head (uniform) or a layer's "
-        "heads by score (head, AdaKV)",
+        "allocation": "how the cut shares the rows: budget per head (uniform), a layer's "
+        "heads by score (head, AdaKV) or every head of every layer (global)",
         "allocation_floor": "a head's least share under head allocation, as a fraction of budget",
     },
 )

@@ -10,7 +10,9 @@ included). Nothing is carried between steps: the state holds no scores.
 ``allocation_floor`` of the uniform share (:mod:`velox_cache_core.lanes`); every decode step
 then evicts within each head's share (the engine's lanes path). The cut happens at the first
 single-token call, so the prompt's last token is already decided over the shares. ``global``
-needs every layer's weights at once, which a layer's own step does not have: it is refused.
+(scope ``head``) shares the model's ``budget`` rows per head on average across every head of
+every layer by the same weights: the first single-token call of any layer cuts them all
+(:class:`~velox_cache_core.model_shares.ModelShares`, linked by ``velox_mlx_lm``'s builder).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class TovaState(PolicyState):
     allocation_floor: float = LN.FLOOR
     # the last probe row while an adaptive allocation holds the prompt (None otherwise)
     history: History | None = running()
+    # the attention scale of the held prompt's calls (for a cut outside a call: global)
+    scale: float | None = running()
 
     @property
     def holds_prompt(self) -> bool:
@@ -86,16 +90,11 @@ def init_tova_state(
     allocation_floor: float = LN.FLOOR,
 ) -> TovaState:
     """An empty TOVA state. ``signal``/``scope``/``prefill`` override the preset's values;
-    ``allocation`` ``uniform`` or, with scope ``head``, ``head`` (see the module doc);
-    ``0 <= allocation_floor <= 1``."""
+    ``allocation`` ``uniform`` or, with scope ``head``, ``head`` or ``global`` (see the
+    module doc); ``0 <= allocation_floor <= 1``."""
     check_choice("preset", preset, PRESETS)
     check_budget_and_sinks(budget, n_sink)
     LN.check_allocation(allocation, allocation_floor)
-    if allocation == "global":
-        raise ValueError(
-            "allocation='global' needs every layer's weights at once, which TOVA's per-layer "
-            "steps do not have: use 'uniform' or 'head' (kvzip offers 'global')"
-        )
     chosen = {**PRESETS[preset]}
     for name, value, options in (
         ("signal", signal, SIGNALS),
@@ -124,22 +123,32 @@ def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots)
     if state.holds_prompt:
         probe = call.probe(state.signal)
         last = History(probe[:, :, -1:], call.positions()[-1:])
-        return Decision(candidates, changes={"history": last})
+        return Decision(candidates, changes={"history": last, "scale": call.scale})
     return decide_by_weights(state.rule, call, candidates)[0]
 
 
-def tova_cut(state: TovaState, call: Call) -> TovaState:
-    """The held prompt cut at its end (the first single-token call): the last probe row's
-    weights over it, per KV head, share the layer's rows out (lanes, each head with one dead
-    row for the next token). A prompt within ``budget`` is not cut: TOVA then goes on
-    uniformly."""
+def _cut_scores(state: TovaState) -> tuple[KVSlots, mx.array, mx.array] | None:
+    """The held prompt's rows, the last probe row's weights over them per KV head and the
+    sinks, or ``None`` when nothing is to cut (not held, within budget)."""
     if not state.holds_prompt or state.slots is None or state.history is None:
-        return state
+        return None
     live = state.slots.compact()
     if live.n_slots <= state.budget:
-        return replace(state, history=None)
-    logits = grouped_logits(state.history.probes, live.keys, call.scale, "head")
+        return None
+    assert state.scale is not None
+    logits = grouped_logits(state.history.probes, live.keys, state.scale, "head")
     scores = decision_weights(logits)[:, :, 0]  # [B, H_kv, n]
+    return live, scores, sinks(live.positions, state.n_sink)
+
+
+def _cut(state: TovaState, total: int | None) -> TovaState:
+    """The held prompt cut into per-head shares (``total``: the layer's rows under
+    ``global``; ``None``: ``budget * H``), lanes with one dead row per head; a prompt within
+    ``budget`` is not cut (TOVA goes on uniformly)."""
+    found = _cut_scores(state)
+    if found is None:
+        return replace(state, history=None) if state.holds_prompt else state
+    live, scores, _ = found
     lanes = LN.allot_evicting(
         live,
         scores,
@@ -147,9 +156,32 @@ def tova_cut(state: TovaState, call: Call) -> TovaState:
         budget=state.budget,
         floor=state.allocation_floor,
         keep_scores=False,
+        total=total,
     )
     empty = KVSlots.empty_like(live.keys, live.values)
-    return replace(state, slots=empty, lanes=lanes, history=None)
+    return replace(state, slots=empty, lanes=lanes, history=None, scale=None)
+
+
+def tova_cut(state: TovaState, call: Call) -> TovaState:
+    """The held prompt cut at its end (the first single-token call): the last probe row's
+    weights over it, per KV head, share the layer's rows out (lanes, each head with one dead
+    row for the next token). A prompt within ``budget`` is not cut: TOVA then goes on
+    uniformly. ``global`` is cut by the model's linked layers together (see the module
+    doc)."""
+    if state.allocation == "global" and state.holds_prompt and state.n_kept > state.budget:
+        raise ValueError(LN.UNLINKED.format(name="tova"))
+    if state.holds_prompt and state.scale is None:
+        state = replace(state, scale=call.scale)
+    return _cut(state, None)
+
+
+TOVA_GLOBAL = LN.GlobalRule(
+    pending=lambda state: state.holds_prompt,
+    scores=_cut_scores,
+    cut=_cut,
+    spare=2,
+    when="first_token",
+)
 
 
 def _tova_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, None]:
@@ -174,13 +206,15 @@ TOVA = Policy(
     packs_rows=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
     lane_rule=TOVA_LANES,
+    global_rule=TOVA_GLOBAL,
     summary={
         "tova": "drops the token the newest query attends to least (TOVA)",
         "tova_adapted": "TOVA scored with the new key in place of the query, per KV head",
     },
     help={
         "allocation": "uniform: budget rows per KV head; head (scope head only): the prompt is "
-        "held, then its end shares the layer's rows across heads by score (AdaKV)",
+        "held, then its end shares the layer's rows across heads by score (AdaKV); global: "
+        "across every head of every layer",
         "allocation_floor": "a head's least share under head allocation, a fraction of budget",
     },
 )
