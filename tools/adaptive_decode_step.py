@@ -2,11 +2,11 @@
 
 B 1, 32 query / 8 KV heads, head_dim 128: a 2,048-token prompt cut to ``budget`` rows per KV
 head, ``allocation="uniform"`` (one ordinary store) or ``"head"`` (AdaKV's shares held as lanes,
-:mod:`velox_cache_core.lanes`), by SnapKV (which appends afterwards), TOVA and H2O (scope
-``head``; they evict within each head's share at every step); then decode steps (update plus
-attention through ``cache.attend``, what the hook calls), everything evaluated, timed in
-alternating rounds in one process. Prints medians and the ratio ``head / uniform`` per method
-(issue 34: at most 1.2).
+:mod:`velox_cache_core.lanes`), by SnapKV (which appends afterwards), TOVA, H2O (scope
+``head``) and Expected Attention (they evict within each head's share at every step); then
+decode steps (update plus attention through ``cache.attend``, what the hook calls),
+everything evaluated, timed in alternating rounds in one process. Prints medians and the
+ratio ``head / uniform`` per method (issue 34: at most 1.2).
 
     python tools/adaptive_decode_step.py [--budget 512] [--rounds 7] [--steps 30]
 """
@@ -29,7 +29,7 @@ from velox_mlx_lm import KVCacheConfig, KVCacheFactory  # noqa: E402
 B, H_Q, H_KV, D, PROMPT = 1, 32, 8, 128, 2048
 SCALE = D**-0.5
 MODES = ("uniform", "head")
-METHODS = ("snapkv", "tova", "h2o")
+METHODS = ("snapkv", "tova", "h2o", "expected_attention")
 
 
 def cut_cache(method: str, mode: str, budget: int) -> Any:
@@ -38,6 +38,8 @@ def cut_cache(method: str, mode: str, budget: int) -> Any:
     settings: dict[str, Any] = {f"{method}_budget": budget, f"{method}_allocation": mode}
     if method == "tova":
         settings["tova_scope"] = "head"
+    if method == "expected_attention":  # no model to read its RoPE off
+        settings["expected_attention_rope_base"] = 10000.0
     cache = KVCacheFactory.create(KVCacheConfig(method=method, **settings))
     spread = mx.linspace(0.5, 2.0, H_KV).reshape(1, H_KV, 1, 1)
     k = mx.random.normal((B, H_KV, PROMPT, D), key=mx.random.key(0)) * spread

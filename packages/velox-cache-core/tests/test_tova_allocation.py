@@ -160,7 +160,9 @@ def test_allocation_settings_are_checked() -> None:
     assert state.holds_prompt and state.allocation == "head"
 
 
-def test_trim_after_the_cut_is_refused_with_the_reason() -> None:
+def test_trims_after_the_cut_through_a_layer() -> None:
+    """The call that cuts the prompt into shares cannot be taken back (it clears the undo log);
+    the calls after it can, exactly (test_lanes_undo.py checks every policy on lanes)."""
     from velox_cache_core.layer import Layer
     from velox_cache_core.undo import UndoLog
 
@@ -171,9 +173,16 @@ def test_trim_after_the_cut_is_refused_with_the_reason() -> None:
     )
     init = TOVA.init_for("tova", budget=8, scope="head", allocation="head", n_sink=1)
     layer = Layer(TOVA, init, UndoLog(8))
-    for a, b in ((0, 30), (30, 31), (31, 32)):
+    states = []
+    for a, b in ((0, 30), (30, 31), (31, 32), (32, 35)):
         layer.lay_out(k[:, :, a:b], v[:, :, a:b])
         layer.attend(q[:, :, a:b], D**-0.5)
+        states.append(layer.state)
     assert layer.state.lanes is not None
-    with pytest.raises(ValueError, match="different row counts"):
-        layer.trim(1)
+    with pytest.raises(ValueError, match="holds the last 4"):
+        layer.trim(5)  # back past the cut
+    layer.trim(4)
+    assert layer.offset == 31
+    assert mx.array_equal(layer.state.lanes.owner, states[1].lanes.owner)
+    live = np.array(layer.state.positions)
+    assert (np.sort(live, axis=-1) == np.sort(np.array(states[1].positions), axis=-1)).all()

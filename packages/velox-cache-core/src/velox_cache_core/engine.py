@@ -15,13 +15,13 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from velox_cache_core import rows as R
-from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, victims
+from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, rows_at, victims
 from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState
 from velox_cache_core.traits import Traits
-from velox_cache_core.undo import UndoLog, record
+from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
     check_int,
     check_kv,
@@ -272,6 +272,9 @@ class Laid:
     before: KVSlots
     slots: KVSlots
     candidates: KVSlots
+    # the state was cut into lanes by this call (an adaptive allocation's prompt end): the
+    # cut cannot be undone, so the call clears the undo log
+    cut: bool = False
 
     def regroup(self, group: Any) -> Laid:
         """The same call deciding over ``group`` (see :mod:`velox_cache_core.distributed`)."""
@@ -357,12 +360,14 @@ def _evicts_on_lanes(state: Any) -> bool:
 
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
     rule = _lane_rule(policy)
+    was_cut = False
     if rule is not None and state.lanes is None and call.length == 1:
         cut = rule.cut(state, call)  # a held prompt shared out at its end (adaptive allocation)
         if cut is not state:
             state, slots = cut, cut.slots
+            was_cut = cut.lanes is not None
     if _evicts_on_lanes(state):  # nothing to lay out: the token goes into a head's dead row
-        return Laid(state, call, slots, slots, slots)
+        return Laid(state, call, slots, slots, slots, cut=was_cut)
     before = slots
     if call.length == 1 and policy.evict_before is not None:
         slots = policy.evict_before(state, slots, call)
@@ -406,6 +411,7 @@ def _lane_token(
     and each head's lowest row made the next dead row. Returns the lanes after it and its
     attention output (``None`` without queries)."""
     B, H = call.shape[:2]
+    assert lanes.free is not None
     at = call.start + i if call.row_start is None else call.row_start + i
     lanes = write_row(lanes, call.keys[:, :, i : i + 1], call.values[:, :, i : i + 1], at)
     q = None if call.queries is None else call.queries[:, :, i : i + 1]
@@ -445,14 +451,27 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
         state = replace(state, **rule.observe(state, call))
     lanes = state.lanes
     outs: list[mx.array | None] = []
+    steps: list[LaneStep] = []
     for i in range(L):
+        free, scores = lanes.free, lanes.scores
         lanes, out = _lane_token(rule, state, call, tail, lanes, i)
         outs.append(out)
+        if log is not None and not laid.cut:  # the rows the next token overwrites
+            assert free is not None and lanes.free is not None
+            steps.append(LaneStep(free, scores, rows_at(lanes, lanes.free)))
     after = advance(state, tail, call, lanes=lanes)
     done = [o for o in outs if o is not None]
     out = mx.concatenate(done, axis=2) if len(done) == L else None
-    cleared = None if log is None else log.cleared()
-    return Step(tail.keys, tail.values, None, after, cleared, None, lanes, out)
+    if log is not None:
+        if laid.cut:
+            log = log.cleared()
+        else:
+            inputs = (call.keys, call.values, call.queries, call.scale)
+            entry = record_lanes(laid.state, call.start, L, steps, inputs)
+            log = log.push(entry)
+            if out is not None:  # read the victims with the output, before the next write
+                out = mx.depends([out], entry.arrays())[0]
+    return Step(tail.keys, tail.values, None, after, log, None, lanes, out)
 
 
 def update(

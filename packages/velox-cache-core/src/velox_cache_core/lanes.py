@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -385,6 +385,45 @@ def write(
         positions=put(lanes.positions[..., None], pos[..., None])[..., 0],
         owner=lanes.owner,
         free=None,
+        scores=scores,
+    )
+
+
+def rows_at(lanes: Lanes, idx: mx.array) -> KVSlots:
+    """Row ``idx[b, h]`` of each head (int32 ``[B, H]`` flat indices into the ``N * W``
+    rows): keys/values ``[B, H, 1, D]``, positions ``[B, H, 1]``."""
+    B, N, W = lanes.positions.shape
+    H = int(idx.shape[1])
+
+    def pick(a: mx.array) -> mx.array:
+        tail = a.shape[3:]
+        at = idx.reshape(B, H, *([1] * len(tail)))
+        return mx.take_along_axis(a.reshape(B, N * W, *tail), at, axis=1)[:, :, None]
+
+    return KVSlots(R.apply(lanes.keys, pick), R.apply(lanes.values, pick), pick(lanes.positions))
+
+
+def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array | None) -> Lanes:
+    """:func:`write` taken back: ``free`` (int32 ``[B, H]``) the dead rows again, holding
+    ``rows`` (what :func:`rows_at` read there before; ``None``: left as they are, dead rows'
+    content is moot), and the running ``scores`` as they were."""
+    if rows is None:
+        return replace(lanes, free=free, scores=scores)
+    B, N, W = lanes.positions.shape
+    H = int(free.shape[1])
+
+    def put(old: mx.array, new: mx.array) -> mx.array:
+        tail = old.shape[3:]
+        flat = old.reshape(B, N * W, *tail)
+        at = free.reshape(B, H, *([1] * len(tail)))
+        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(old.shape)
+
+    return Lanes(
+        keys=R.write(lanes.keys, rows.keys, put),
+        values=R.write(lanes.values, rows.values, put),
+        positions=put(lanes.positions[..., None], rows.positions[..., None])[..., 0],
+        owner=lanes.owner,
+        free=free,
         scores=scores,
     )
 

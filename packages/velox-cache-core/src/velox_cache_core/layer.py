@@ -613,13 +613,6 @@ class Layer:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
             )
-        lanes = self.state.lanes
-        if n > 0 and lanes is not None and lanes.free is not None:
-            raise ValueError(
-                f"cannot trim a {self.policy.name} cache whose heads keep different row counts "
-                "and evict at every step (allocation='head'): the undo log does not follow "
-                "lanes yet; use allocation='uniform' for speculative decoding"
-            )
         self.state, self.log = self.policy.trim(self.state, self.log, n, self.group)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:

@@ -10,7 +10,11 @@ so every call records what it destroyed, relative to the slots it leaves behind:
   the slots being overwritten is kept alive and MLX can still write them in place);
 - a chunk: how many live rows came before it, the dead slot it compacted away (with its row),
   and, when it evicted, the evicted candidates' rows and where every candidate went;
-- the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before.
+- the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before;
+- a token over lanes (heads with different row counts that evict at every step,
+  :mod:`velox_cache_core.lanes`): each head's dead row before it, the lanes' running scores
+  before it, and the rows it chose to evict (:class:`LaneStep`): undoing it puts the previous
+  token's victims back where this one wrote, as for a dead slot.
 
 Undoing a call rebuilds the previous slots exactly (same rows in the same slots, bit for bit);
 a trim that ends inside a chunk undoes the chunk and feeds its first part again (the chunk's
@@ -28,10 +32,27 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running_fields
 from velox_cache_core.validation import check_int
+
+
+@dataclass(frozen=True)
+class LaneStep:
+    """One token over lanes: ``free`` int32 ``[B, H]``, each head's dead row before it (flat
+    indices into the ``N * W`` rows) and ``scores`` the lanes' running scores before it
+    (``None``: they keep none); ``victim`` (keys/values ``[B, H, 1, D]``, positions
+    ``[B, H, 1]``): the rows it chose as the next dead rows, which the next token overwrites
+    (read back when that token is undone)."""
+
+    free: mx.array
+    scores: mx.array | None
+    victim: KVSlots
+
+    def arrays(self) -> list[mx.array]:
+        return [self.free, *([] if self.scores is None else [self.scores]), *self.victim.arrays()]
 
 
 @dataclass(frozen=True)
@@ -60,9 +81,10 @@ class Entry:
     order: mx.array | None = None
     evicted: KVSlots | None = None
     inputs: tuple[R.Rows, R.Rows, mx.array | None, float] | None = None
+    lane_steps: tuple[LaneStep, ...] = ()
 
     def arrays(self) -> list[mx.array]:
-        out: list[mx.array] = []
+        out: list[mx.array] = [a for step in self.lane_steps for a in step.arrays()]
         for value in (self.free, self.written, self.order):
             if value is not None:
                 out.append(value)
@@ -139,7 +161,9 @@ def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
 
 @cache
 def _running_names(state_type: Any) -> tuple[str, ...]:
-    return tuple(name for name in running_fields(state_type) if name != "slots")
+    # the lanes are undone row by row (LaneStep), never kept whole: a copy of them per call
+    # would hold the cache several times over
+    return tuple(name for name in running_fields(state_type) if name not in ("slots", "lanes"))
 
 
 def record(
@@ -195,9 +219,45 @@ def record(
     )
 
 
+def record_lanes(
+    state: PolicyState, call_start: int, length: int, steps: list[LaneStep], inputs: Any
+) -> Entry:
+    """The entry of one call over lanes (``steps``: one per token, in order); the tail slots
+    do not change on that path."""
+    state_type: Any = type(state)
+    return Entry(
+        start=call_start,
+        length=length,
+        running={name: getattr(state, name) for name in _running_names(state_type)},
+        slots_none=state.slots is None,
+        free=None if state.slots is None else state.slots.free,
+        lane_steps=tuple(steps),
+        inputs=inputs if length > 1 else None,
+    )
+
+
+def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
+    """The lanes before ``entry``'s tokens: newest first, each token's dead rows back (holding
+    the previous token's victims, when the log still has it: else they stay dead), its scores
+    back."""
+    lanes = state.lanes
+    steps = list(entry.lane_steps)
+    for i in range(len(steps) - 1, -1, -1):
+        step = steps[i]
+        before = (
+            steps[i - 1]
+            if i
+            else (previous.lane_steps[-1] if previous is not None and previous.lane_steps else None)
+        )
+        lanes = LN.unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
+    return replace(state, lanes=lanes, **entry.running)
+
+
 def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
     """The state before the call ``entry`` recorded, from the state right after it
     (``previous``: the entry before it, whose victim the call may have overwritten)."""
+    if entry.lane_steps:
+        return _undo_lanes(state, entry, previous)
     kept = state.slots
     assert kept is not None
     if entry.evicted is not None:

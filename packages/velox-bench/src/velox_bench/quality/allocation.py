@@ -44,7 +44,7 @@ from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # 
 from velox_cache_core import POLICIES  # noqa: E402
 from velox_cache_core.lanes import ALLOCATIONS  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from velox_mlx_lm.embedded import load_default  # noqa: E402
+from velox_mlx_lm.embedded import DEFAULT_MODEL, load  # noqa: E402
 from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402
 
 NAME = "allocation_quality"
@@ -62,6 +62,8 @@ class AllocationSettings:
     n_trials: int = 5
     smoke: bool = False
     methods: tuple[str, ...] | None = None  # None: every method with allocation modes
+    modes: tuple[str, ...] | None = None  # None: every mode a method accepts
+    model: str = DEFAULT_MODEL  # an embedded model (velox_mlx_lm.embedded)
 
     @classmethod
     def smoke_run(cls) -> AllocationSettings:
@@ -153,13 +155,20 @@ def continuation_nll(
 
 
 def evaluate(settings: AllocationSettings) -> dict[str, Any]:
-    model, tokenizer = load_default()
+    model, tokenizer = load(settings.model)
     encode = tokenizer.encode
-    rows = [r for r in variants() if settings.methods is None or r[0] in settings.methods]
+    rows = [
+        r
+        for r in variants()
+        if (settings.methods is None or r[0] in settings.methods)
+        and (settings.modes is None or r[1] in settings.modes)
+    ]
+    # retrieval asks its questions through the chat template: a base model has none
+    chat = bool(getattr(tokenizer, "chat_template", None))
     n_ppl = (1 + len(rows) * len(settings.budgets)) * (
         settings.prompt_tokens + settings.continuation
     )
-    n_ret = (1 + len(rows)) * settings.n_trials * settings.retrieval_tokens
+    n_ret = (1 + len(rows)) * settings.n_trials * settings.retrieval_tokens if chat else 0
     progress = Progress(n_ppl + n_ret)
     total = settings.prompt_tokens + settings.continuation
     document = corpus.most_recent(1, total, encode)[0]
@@ -192,6 +201,25 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
                 }
             )
             progress.advance(total)
+    by_depth = _retrieval(model, tokenizer, rows, settings, progress) if chat else []
+    progress.close()
+    return {
+        "settings": asdict(settings),
+        "environment": environment(),
+        "perplexity": perplexity,
+        "retrieval": {"budget": settings.retrieval_budget, "rows": by_depth},
+    }
+
+
+def _retrieval(
+    model: Any,
+    tokenizer: Any,
+    rows: list[tuple[str, str]],
+    settings: AllocationSettings,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Exact match by depth and log-probability against the full cache, per variant."""
+    encode = tokenizer.encode
     source = corpus.most_recent(1, settings.retrieval_tokens, encode)[0]
     base = retrieval.cut_document(source.text(), settings.retrieval_tokens, encode)
     prompts = [
@@ -204,7 +232,6 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
         config = _config(name, alloc, settings.retrieval_budget)
         answers[(name, alloc)] = retrieval.run_trials(model, config, prompts, tokenizer=tokenizer)
         progress.advance(settings.n_trials * settings.retrieval_tokens)
-    progress.close()
     reference = [a for trial in answers[("full", None)] for a in trial]
     by_depth = []
     for (name, alloc), got in answers.items():
@@ -221,12 +248,7 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
                 "by_depth": depths,
             }
         )
-    return {
-        "settings": asdict(settings),
-        "environment": environment(),
-        "perplexity": perplexity,
-        "retrieval": {"budget": settings.retrieval_budget, "rows": by_depth},
-    }
+    return by_depth
 
 
 def _perplexity_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -255,8 +277,11 @@ def _perplexity_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def summary(results: dict[str, Any]) -> str:
     """Markdown tables: perplexity (and bytes against uniform) per budget; retrieval by depth."""
-    lines = _perplexity_table(results["perplexity"])
+    model = results["settings"].get("model", DEFAULT_MODEL)
+    lines = [f"Model: {model}", "", *_perplexity_table(results["perplexity"])]
     ret = results["retrieval"]
+    if not ret["rows"]:
+        return "\n".join([*lines, "", "Retrieval: not run (the model has no chat template)."])
     depths = list(ret["rows"][0]["by_depth"])
     lines += [
         "",
@@ -290,15 +315,20 @@ def plot(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (rows per KV head, on average)")
     ax.set_ylabel("perplexity of the continuation")
-    ax.set_title("Allocation modes at equal bytes (SmolLM2-135M)")
+    model = results["settings"].get("model", DEFAULT_MODEL)
+    ax.set_title(f"Allocation modes at equal bytes ({model})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, paths)
 
 
 def write(results: dict[str, Any]) -> list[Path]:
-    json_path = write_json(NAME, results)
-    return [json_path, *plot(results, [d / f"{NAME}.png" for d in figures_dirs()])]
+    """The JSON and the figure; ``allocation_quality`` for the default model,
+    ``allocation_quality_<model>`` for another."""
+    model = results["settings"].get("model", DEFAULT_MODEL)
+    name = NAME if model == DEFAULT_MODEL else f"{NAME}_{model}"
+    json_path = write_json(name, results)
+    return [json_path, *plot(results, [d / f"{name}.png" for d in figures_dirs()])]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
     parser.add_argument("--prompt-tokens", type=int, help="prompt cut before the continuation")
     parser.add_argument("--methods", nargs="+", help="only these methods (default: every one)")
+    parser.add_argument("--modes", nargs="+", help="only these allocation modes")
+    parser.add_argument("--model", help=f"an embedded model (default {DEFAULT_MODEL})")
     args = parser.parse_args(argv)
     settings = AllocationSettings.smoke_run() if args.smoke or smoke() else AllocationSettings()
     if args.budgets:
@@ -316,8 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = AllocationSettings(**{**asdict(settings), "n_trials": args.trials})
     if args.prompt_tokens:
         settings = AllocationSettings(**{**asdict(settings), "prompt_tokens": args.prompt_tokens})
-    if args.methods:
-        settings = AllocationSettings(**{**asdict(settings), "methods": tuple(args.methods)})
+    for name in ("methods", "modes"):
+        if getattr(args, name):
+            settings = AllocationSettings(**{**asdict(settings), name: tuple(getattr(args, name))})
+    if args.model:
+        settings = AllocationSettings(**{**asdict(settings), "model": args.model})
     results = evaluate(settings)
     print(summary(results))
     for path in write(results):
