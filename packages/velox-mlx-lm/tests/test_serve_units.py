@@ -313,6 +313,7 @@ def test_full_cost_counts_prompt_and_max_tokens(tiny_model: Any) -> None:
         ["--max-memory", "0"],
         ["--max-memory", "lots"],
         ["--api-key", " "],
+        ["--method", "snapkv", "--allocation", "global", "--decode-concurrency", "4"],
     ],
 )
 def test_bad_serving_flags_exit_2(argv: list[str], capsys: Any) -> None:
@@ -323,3 +324,12 @@ def test_bad_serving_flags_exit_2(argv: list[str], capsys: Any) -> None:
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert argv[0] in err or argv[0].lstrip("-").replace("-", "_") in err
+
+
+def test_global_allocation_needs_one_sequence_at_a_time(capsys: Any) -> None:
+    from velox_mlx_lm.serve import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--method", "tova_adapted", "--allocation", "global", "--decode-concurrency", "2"])
+    assert exited.value.code == 2
+    assert "--tova-allocation global cuts one sequence at a time" in capsys.readouterr().err

@@ -903,6 +903,13 @@ def _check_args(args: argparse.Namespace) -> Any:
         raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
     if args.draft_model is not None and record is not None and not config.trim_window:
         raise ValueError("--draft-model needs a trimmable cache")
+    batched = max(args.decode_concurrency, getattr(args, "prompt_concurrency", 1)) > 1
+    if record is not None and config.settings().get("allocation") == "global" and batched:
+        raise ValueError(
+            f"--{config.policy.replace('_', '-')}-allocation global cuts one sequence at a time "
+            "by a model-wide threshold, and the server batches requests: serve it with "
+            "--decode-concurrency 1 --prompt-concurrency 1, or use --allocation head"
+        )
     check_serving_flags(args, config)
     return config
 
