@@ -64,6 +64,12 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
         {"method": "h2o", "h2o_scope": "head", "kv_bits": 8, "kv_group_size": 32},
         "auto",
     ),
+    # adaptive allocation (issue 34): each rank shares the rows among the heads it holds
+    "tova_head_alloc": ({"method": "tova_adapted", "tova_allocation": "head"}, "auto"),
+    "snapkv_global": (
+        {"method": "snapkv", "snapkv_window": 4, "snapkv_allocation": "global"},
+        "auto",
+    ),
 }
 PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm", "tova_q4")
 

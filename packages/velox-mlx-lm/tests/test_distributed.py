@@ -64,6 +64,10 @@ TENSOR_CASES = [
     "h2o_head_q8",
 ]
 NEGATIVE = "tova_no_allreduce"
+# Adaptive allocation: each rank shares its budget among the KV heads it holds (and, with
+# global, its layers), so a sharded model keeps the same bytes, not the same rows, as one
+# process.
+ADAPTIVE = ["tova_head_alloc", "snapkv_global"]
 
 
 def _launcher() -> list[str]:
@@ -205,7 +209,7 @@ def _shared_launch(
 
 @pytest.fixture(scope="module")
 def tensor_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _shared_launch(tmp_path_factory, "tensor", 2, "tensor", [*TENSOR_CASES, NEGATIVE])
+    return _shared_launch(tmp_path_factory, "tensor", 2, "tensor", [*TENSOR_CASES, NEGATIVE, *ADAPTIVE])
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +236,29 @@ def test_tensor_parallel_matches_single_process(
         for layer in range(len(tensor_run[0]["cases"][case]["sharded"]["kept"])):
             rows = [row for r in tensor_run for row in r["cases"][case]["sharded"]["kept"][layer]]
             assert all(row == rows[0] for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ADAPTIVE)
+def test_adaptive_allocation_under_tensor_parallel_holds_its_bytes(
+    tensor_run: list[dict[str, Any]], case: str
+) -> None:
+    """Per-head (and model-wide) shares on 2 ranks: every rank decodes, and each layer holds
+    at most the uniform cut's rows over the heads the rank holds (TOVA's shares include one
+    dead row per head; SnapKV appends every decoded token after its cut), with heads keeping
+    different counts somewhere."""
+    from distributed_worker import BUDGET, STEPS
+
+    grown = STEPS - 1 if case.startswith("snapkv") else 0  # tokens after the prompt's end
+    counts = set()
+    for result in tensor_run:
+        sharded = result["cases"][case]["sharded"]
+        assert len(sharded["tokens"]) == STEPS
+        for layer in sharded["kept"]:
+            rows = [[p for p in head if p < 2**30] for head in layer]
+            assert sum(len(h) for h in rows) <= (BUDGET + grown) * len(rows)
+            counts |= {len(h) for h in rows}
+    assert len(counts) > 1
 
 
 @pytest.mark.slow
