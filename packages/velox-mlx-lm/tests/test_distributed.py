@@ -209,7 +209,9 @@ def _shared_launch(
 
 @pytest.fixture(scope="module")
 def tensor_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _shared_launch(tmp_path_factory, "tensor", 2, "tensor", [*TENSOR_CASES, NEGATIVE, *ADAPTIVE])
+    return _shared_launch(
+        tmp_path_factory, "tensor", 2, "tensor", [*TENSOR_CASES, NEGATIVE, *ADAPTIVE]
+    )
 
 
 @pytest.fixture(scope="module")

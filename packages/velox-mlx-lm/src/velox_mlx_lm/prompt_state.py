@@ -19,7 +19,7 @@ from velox_cache_core.registry import Policy
 from velox_cache_core.rows import QRows, Quant, quant_of
 from velox_cache_core.slots import KVSlots, stored_fields
 from velox_cache_core.state import running_fields
-from velox_cache_core.undo import Entry, UndoLog
+from velox_cache_core.undo import Entry, LaneStep, UndoLog
 
 
 def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
@@ -43,9 +43,9 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
     return {"value": value}
 
 
-# Lanes: an undo entry keeps every running field before its call (the lanes of an adaptive
-# cut among them: SnapKV's and KVzip's tails are logged after it)
-_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, Lanes)}
+# Lanes: for files whose undo entries still carried the lanes among their running fields
+# (before LaneStep); LaneStep: an undo entry of a call over lanes holds one per token
+_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, Lanes, LaneStep)}
 
 
 def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:
