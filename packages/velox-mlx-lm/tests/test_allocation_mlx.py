@@ -131,3 +131,19 @@ def test_a_held_prompt_under_global_relinks_when_loaded(tiny_model: Any, tmp_pat
     assert _generate(model, relinked, [7], 3) == _generate(model, caches, [7], 3)
     with pytest.raises(ValueError, match="not linked to the others"):
         _generate(model, load_prompt_cache(path), [7], 1)
+
+
+def test_speculative_decoding_over_a_held_prompt_is_refused(tiny_model: Any) -> None:
+    """mlx-lm's speculative loop never feeds the main model a single token, so TOVA's held
+    prompt would never be cut: its first trim says so instead of letting the cache grow."""
+    from mlx_lm.generate import speculative_generate_step
+
+    model = tiny_model("llama")
+    prompt = mx.array(np.random.default_rng(4).integers(2, 128, 60).tolist())
+    config = KVCacheConfig(**CASES["tova"], tova_allocation="head")
+    caches = KVCacheBuilder.for_model(model, config) + KVCacheBuilder.for_model(model, config)
+    steps = speculative_generate_step(
+        prompt, model, model, prompt_cache=caches, max_tokens=4, num_draft_tokens=2
+    )
+    with pytest.raises(ValueError, match="would grow without bound"):
+        list(steps)

@@ -613,6 +613,14 @@ class Layer:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
             )
+        if getattr(self.state, "holds_prompt", False):
+            raise ValueError(
+                f"cannot trim a {self.policy.name} cache that still holds its prompt for the "
+                f"allocation={self.state.allocation!r} cut, which comes with the first "
+                "single-token call: speculative decoding (mlx-lm's verifies drafts in chunks) "
+                "never makes one, so the cache would grow without bound; use "
+                "allocation='uniform' with a draft model"
+            )
         self.state, self.log = self.policy.trim(self.state, self.log, n, self.group)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:
