@@ -899,6 +899,15 @@ def _check_args(args: argparse.Namespace) -> Any:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.prompt_cache_size < 0:
         raise ValueError("--prompt-cache-size must be >= 0")
+    check_cache_flags(args, config)
+    check_serving_flags(args, config)
+    return config
+
+
+def check_cache_flags(args: argparse.Namespace, config: Any) -> None:
+    """What the caches need of the server: a trimmable cache for a draft model, one sequence
+    at a time for a model-wide (``global``) allocation."""
+    record = config.record
     if args.draft_model is not None and mx.distributed.init().size() > 1:
         raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
     if args.draft_model is not None and record is not None and not config.trim_window:
@@ -910,8 +919,6 @@ def _check_args(args: argparse.Namespace) -> Any:
             "by a model-wide threshold, and the server batches requests: serve it with "
             "--decode-concurrency 1 --prompt-concurrency 1, or use --allocation head"
         )
-    check_serving_flags(args, config)
-    return config
 
 
 def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
