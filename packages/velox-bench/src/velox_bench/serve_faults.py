@@ -63,7 +63,7 @@ def kill_clients(flags: list[str], clients: int, gen_tokens: int) -> dict[str, A
             proc.wait()
         live = _wait_live_zero(server.port, timeout=120.0)
         after = stream_chat(server.port, MESSAGES, 8)
-        stats = get_json(server.port, "/v1/velox/stats")
+        stats = _wait_memory_idle(server.port, timeout=30.0)
         alive = server.process.poll() is None
     finally:
         server.stop()
@@ -88,6 +88,19 @@ def _wait_live_zero(port: int, timeout: float) -> int:
             break
         time.sleep(0.25)
     return live
+
+
+def _wait_memory_idle(port: int, timeout: float) -> dict[str, Any]:
+    """The stats once the memory bound holds no reservation and runs nothing (or at the
+    timeout): the last request's reservation is given back just after its stream ends."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = get_json(port, "/v1/velox/stats")
+        bound = stats.get("memory_bound") or {}
+        idle = not bound.get("reserved_bytes") and not bound.get("running")
+        if idle or time.monotonic() >= deadline:
+            return stats
+        time.sleep(0.25)
 
 
 def _probe(port: int) -> str:
