@@ -362,16 +362,9 @@ def write(
     ``position``, an int or int ``[B]``) written into each head's dead row, in place; its
     running score (when the lanes keep scores) is ``score``. The result has no dead row."""
     assert lanes.free is not None
-    B, N, W = lanes.positions.shape
+    B = int(lanes.positions.shape[0])
     H = int(lanes.free.shape[1])
-    idx = lanes.free
-
-    def put(rows: mx.array, new: mx.array) -> mx.array:
-        tail = rows.shape[3:]
-        flat = rows.reshape(B, N * W, *tail)
-        at = idx.reshape(B, H, *([1] * len(tail)))
-        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(rows.shape)
-
+    put = _putter(lanes.free)
     if isinstance(position, mx.array):
         pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1), (B, H))
     else:
@@ -387,6 +380,21 @@ def write(
         free=None,
         scores=scores,
     )
+
+
+def _putter(idx: mx.array) -> Callable[[mx.array, mx.array], mx.array]:
+    """``put(rows, new)``: ``new`` (``[B, H, 1, ...]``, one row per head) written over row
+    ``idx[b, h]`` (int32 ``[B, H]`` flat indices into the ``N * W`` rows) of lane-shaped
+    ``rows`` ``[B, N, W, ...]``, in place."""
+    B, H = (int(d) for d in idx.shape)
+
+    def put(rows: mx.array, new: mx.array) -> mx.array:
+        N, W, tail = rows.shape[1], rows.shape[2], rows.shape[3:]
+        flat = rows.reshape(B, N * W, *tail)
+        at = idx.reshape(B, H, *([1] * len(tail)))
+        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(rows.shape)
+
+    return put
 
 
 def rows_at(lanes: Lanes, idx: mx.array) -> KVSlots:
@@ -409,15 +417,7 @@ def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array
     content is moot), and the running ``scores`` as they were."""
     if rows is None:
         return replace(lanes, free=free, scores=scores)
-    B, N, W = lanes.positions.shape
-    H = int(free.shape[1])
-
-    def put(old: mx.array, new: mx.array) -> mx.array:
-        tail = old.shape[3:]
-        flat = old.reshape(B, N * W, *tail)
-        at = free.reshape(B, H, *([1] * len(tail)))
-        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(old.shape)
-
+    put = _putter(free)
     return Lanes(
         keys=R.write(lanes.keys, rows.keys, put),
         values=R.write(lanes.values, rows.values, put),
@@ -623,6 +623,44 @@ def allot(
     total = budget * H if total is None else total
     counts = shares(scores, live.positions, protected, total, least, width)
     return cut(live, scores, protected, counts, width, keep_scores)
+
+
+def linked_total(state: Any, total: int | None, name: str) -> int | None:
+    """``total`` (a layer's rows under a model-wide cut) for a cut about to share rows out:
+    under ``allocation="global"`` it must come from the linked layers (``ValueError``
+    :data:`UNLINKED` when a lone layer tries to cut by itself)."""
+    if total is None and getattr(state, "allocation", None) == "global":
+        raise ValueError(UNLINKED.format(name=name))
+    return total
+
+
+def cut_evicting(
+    state: Any,
+    live: KVSlots,
+    scores: mx.array,
+    protect: Callable[[mx.array], mx.array],
+    /,
+    *,
+    name: str,
+    keep_scores: bool,
+    total: int | None,
+    **changes: Any,
+) -> Any:
+    """``state`` with its held rows ``live`` cut into lanes by :func:`allot_evicting`
+    (``total``: the layer's rows under ``global``, from :func:`linked_total`), the slot store
+    emptied for what comes after, and the running ``changes`` applied (the arguments before
+    ``name`` are positional only: a policy's running field may be called ``scores``)."""
+    lanes = allot_evicting(
+        live,
+        scores,
+        protect,
+        budget=state.budget,
+        floor=state.allocation_floor,
+        keep_scores=keep_scores,
+        total=linked_total(state, total, name),
+    )
+    empty = KVSlots.empty_like(live.keys, live.values)
+    return replace(state, slots=empty, lanes=lanes, **changes)
 
 
 def allot_evicting(

@@ -577,7 +577,8 @@ class Layer:
         return True
 
     def take_cut(self, state: Any) -> None:
-        """Take ``state``, this layer cut by a model-wide allocation (it cannot be undone)."""
+        """Take ``state``, this layer cut by a model-wide allocation or a model-driven phase
+        (the cut cannot be undone: the log is cleared)."""
         self.state = state
         self._forget_call()
         if self.log is not None:
@@ -676,10 +677,7 @@ class Layer:
         state = self.policy.rebudget(self.state, budget)
         state = self.compressor.cut(state, scores, total)  # raises: unchanged
         self.phase = None
-        self.state = state
-        self._forget_call()
-        if self.log is not None:  # the cut cannot be undone
-            self.log = self.log.cleared()
+        self.take_cut(state)
 
     def abort_phase(self) -> None:
         """Leave the phase uncompressed (after an error in the pass)."""

@@ -242,13 +242,8 @@ def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
     back."""
     lanes = state.lanes
     steps = list(entry.lane_steps)
-    for i in range(len(steps) - 1, -1, -1):
-        step = steps[i]
-        before = (
-            steps[i - 1]
-            if i
-            else (previous.lane_steps[-1] if previous is not None and previous.lane_steps else None)
-        )
+    prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
+    for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
         lanes = LN.unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
     return replace(state, lanes=lanes, **entry.running)
 

@@ -456,22 +456,15 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
         raise TypeError(f"state must be an ExpectedAttentionState, got {type(state).__name__}")
     if state.compressed:
         return state
-    if state.allocation == "global" and _to_cut(state):
-        raise ValueError(LN.UNLINKED.format(name="expected_attention"))
     return _cut(state, None)
-
-
-def _to_cut(state: ExpectedAttentionState) -> bool:
-    """Whether the prompt's end has rows to cut (queries seen, more rows than budget)."""
-    return state.slots is not None and state.queries is not None and state.n_kept > state.budget
 
 
 def _cut_scores(state: ExpectedAttentionState) -> tuple[KVSlots, mx.array, mx.array] | None:
     """The prompt's rows, their expected scores and the rows the cut spares (sinks, the
     ``recent`` newest), or ``None`` when nothing is to cut."""
-    if not _to_cut(state):
+    if state.slots is None or state.queries is None or state.n_kept <= state.budget:
         return None
-    assert state.scale is not None and state.slots is not None and state.queries is not None
+    assert state.scale is not None
     live = state.slots.compact()
     scores = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)["scores"]
     return live, scores, state.protect(live.positions, state.offset - 1)
@@ -488,17 +481,17 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     scores = changes.pop("scores")
     if live.n_slots > state.budget and state.allocation != "uniform":
         newest = state.offset - 1
-        lanes = LN.allot_evicting(
+        return LN.cut_evicting(
+            done,
             live,
             scores,
             lambda positions: state.protect(positions, newest),
-            budget=state.budget,
-            floor=state.allocation_floor,
+            name="expected_attention",
             keep_scores=True,
             total=total,
+            scores=None,
+            **changes,
         )
-        empty = KVSlots.empty_like(live.keys, live.values)
-        return replace(done, slots=empty, lanes=lanes, scores=None, **changes)
     if live.n_slots > state.budget:
         positions = live.positions
         keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
@@ -507,11 +500,17 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     return replace(done, slots=live, scores=scores, **changes)
 
 
+def _kv_heads(state: ExpectedAttentionState) -> int:
+    """KV heads of a state cut into lanes (its slot store, emptied by the cut, keeps them)."""
+    assert state.slots is not None
+    return int(state.slots.keys.shape[1])
+
+
 def _lane_stats(state: ExpectedAttentionState, stats: QueryStats, lanes: LN.Lanes) -> QueryStats:
     """``stats`` of each lane's owner: mean ``[B, N * G, D]`` (cov ``[B, N * G, D, D]``), so
     :func:`expected_logits` scores the lanes as ``N`` heads."""
     B, H_q, D = stats.mean.shape
-    H = int(state.slots.keys.shape[1]) if state.slots is not None else H_q
+    H = _kv_heads(state)
     G, N = H_q // H, lanes.n_lanes
     at = lanes.owner[:, :, None, None]
     mean = mx.take_along_axis(stats.mean.reshape(B, H, G, D), at, axis=1)
@@ -538,8 +537,7 @@ def _rescore_lanes(
         n_future=state.n_future,
         use_covariance=state.use_covariance,
     )
-    H_q = int(stats.mean.shape[1])
-    H = int(state.slots.keys.shape[1]) if state.slots is not None else H_q
+    H_q, H = int(stats.mean.shape[1]), _kv_heads(state)
     logits = expected_logits(_lane_stats(state, stats, lanes), keys, scale)  # [B, N, G, W]
     counted = ~sinks(lanes.positions, state.n_sink)[:, :, None]
     per_lane = mx.logsumexp(mx.where(counted, logits, -mx.inf), axis=-1)  # [B, N, G]
@@ -587,22 +585,16 @@ def _lane_score(
     current statistics, or every row's fresh scores at the step that refreshed them."""
     assert lanes.scores is not None and state.log_norm is not None and state.scale is not None
     B, N, W = lanes.positions.shape
-    H = int(state.slots.keys.shape[1]) if state.slots is not None else 1
+    H = _kv_heads(state)
     flat = lanes.positions.reshape(B, N * W)
     newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
     mine = lanes.row_heads()[:, None, :] == mx.arange(H, dtype=mx.int32)[None, :, None]
     idx = mx.argmax(mx.where(mine & (flat == newest)[:, None], 1, 0), axis=-1)  # [B, H]
-
-    def pick(a: mx.array) -> mx.array:
-        tail = a.shape[3:]
-        rows = a.reshape(B, N * W, *tail)
-        return mx.take_along_axis(rows, idx.reshape(B, H, *([1] * len(tail))), axis=1)[:, :, None]
-
-    keys, values = R.dense(R.apply(lanes.keys, pick)), R.apply(lanes.values, pick)
+    new = LN.rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
     fresh = scores_from_logits(
-        expected_logits(state.stats, keys, state.scale),
+        expected_logits(state.stats, R.dense(new.keys), state.scale),
         state.log_norm.reshape(B, H, -1, 1),
-        values,
+        new.values,
         use_vnorm=state.use_vnorm,
         epsilon=state.epsilon,
     )  # [B, H, 1]

@@ -152,17 +152,17 @@ def _cut(state: H2OState, total: int | None) -> H2OState:
     if found is None:
         return replace(state, history=None) if state.holds_prompt else state
     live, scores, _ = found
-    lanes = LN.allot_evicting(
+    return LN.cut_evicting(
+        state,
         live,
         scores,
         lambda positions: state.protect(positions, state.offset),
-        budget=state.budget,
-        floor=state.allocation_floor,
+        name="h2o",
         keep_scores=True,
         total=total,
+        history=None,
+        scores=None,
     )
-    empty = KVSlots.empty_like(live.keys, live.values)
-    return replace(state, slots=empty, lanes=lanes, history=None, scores=None)
 
 
 def h2o_cut(state: H2OState, call: Call) -> H2OState:
@@ -170,8 +170,6 @@ def h2o_cut(state: H2OState, call: Call) -> H2OState:
     its attention sums (lanes carrying the sums, one dead row per head). A prompt within
     ``budget`` is not cut: H2O then goes on uniformly. ``global`` is cut by the model's
     linked layers together (see the module doc)."""
-    if state.allocation == "global" and state.holds_prompt and state.n_kept > state.budget:
-        raise ValueError(LN.UNLINKED.format(name="h2o"))
     return _cut(state, None)
 
 

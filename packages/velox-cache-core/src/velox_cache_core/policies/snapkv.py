@@ -108,17 +108,11 @@ def snapkv_rule(state: SnapKVState, call: Call, slots: KVSlots, candidates: KVSl
     return Decision(candidates, changes={"history": history, "scale": call.scale})
 
 
-def _to_cut(state: SnapKVState) -> bool:
-    """Whether the prompt's end has rows to cut (probes seen, more rows than budget)."""
-    return state.slots is not None and state.history is not None and state.n_kept > state.budget
-
-
 def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None:
     """The prompt's rows ``[B, H, n]``, their pooled scores (the window's ``inf``) and the
     window rows (bool), or ``None`` when nothing is to cut (within budget, nothing fed)."""
-    if not _to_cut(state):
+    if state.slots is None or state.history is None or state.n_kept <= state.budget:
         return None
-    assert state.slots is not None and state.history is not None
     live = state.slots.compact()
     n, W = live.n_slots, state.window
     history = state.history
@@ -149,7 +143,7 @@ def _cut(state: SnapKVState, total: int | None) -> SnapKVState:
             window_rows,
             budget=state.budget,
             floor=state.allocation_floor,
-            total=total,
+            total=LN.linked_total(state, total, "snapkv"),
         )
         return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     n, W = live.n_slots, state.window
@@ -167,8 +161,6 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
         raise TypeError(f"state must be a SnapKVState, got {type(state).__name__}")
     if state.compressed:
         return state
-    if state.allocation == "global" and _to_cut(state):
-        raise ValueError(LN.UNLINKED.format(name="snapkv"))
     return _cut(state, None)
 
 

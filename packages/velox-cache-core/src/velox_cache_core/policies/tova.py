@@ -149,17 +149,17 @@ def _cut(state: TovaState, total: int | None) -> TovaState:
     if found is None:
         return replace(state, history=None) if state.holds_prompt else state
     live, scores, _ = found
-    lanes = LN.allot_evicting(
+    return LN.cut_evicting(
+        state,
         live,
         scores,
         lambda positions: sinks(positions, state.n_sink),
-        budget=state.budget,
-        floor=state.allocation_floor,
+        name="tova",
         keep_scores=False,
         total=total,
+        history=None,
+        scale=None,
     )
-    empty = KVSlots.empty_like(live.keys, live.values)
-    return replace(state, slots=empty, lanes=lanes, history=None, scale=None)
 
 
 def tova_cut(state: TovaState, call: Call) -> TovaState:
@@ -168,8 +168,6 @@ def tova_cut(state: TovaState, call: Call) -> TovaState:
     row for the next token). A prompt within ``budget`` is not cut: TOVA then goes on
     uniformly. ``global`` is cut by the model's linked layers together (see the module
     doc)."""
-    if state.allocation == "global" and state.holds_prompt and state.n_kept > state.budget:
-        raise ValueError(LN.UNLINKED.format(name="tova"))
     if state.holds_prompt and state.scale is None:
         state = replace(state, scale=call.scale)
     return _cut(state, None)
