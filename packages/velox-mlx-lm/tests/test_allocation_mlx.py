@@ -74,18 +74,26 @@ def test_adaptive_allocation_generates_within_the_uniform_bytes(
     assert _generate(model, loaded, follow, 4) == _generate(model, adaptive, follow, 4)
 
 
+def _held_prompt(model: Any, allocation: str, seed: int) -> list[Any]:
+    """TOVA caches (scope head, ``allocation``) after a 60-token prompt in one call: held
+    whole for the cut that the next single token makes."""
+    prompt = np.random.default_rng(seed).integers(2, 128, 60).tolist()
+    config = KVCacheConfig(**CASES["tova"], tova_allocation=allocation)
+    caches = KVCacheBuilder.for_model(model, config)
+    model(mx.array(prompt)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    assert caches[0].policy_state.holds_prompt
+    return caches
+
+
 def test_a_held_prompt_round_trips_before_its_cut(tiny_model: Any) -> None:
     """A prompt cache saved while TOVA holds its prompt for the cut (more rows than budget)
     loads, and cuts at the next single token as the original would."""
     from mlx_lm.models.cache import KVCache  # noqa: F401  (mlx-lm's cache module is loaded)
 
     model = tiny_model("llama")
-    prompt = np.random.default_rng(1).integers(2, 128, 60).tolist()
-    config = KVCacheConfig(**CASES["tova"], tova_allocation="head")
-    caches = KVCacheBuilder.for_model(model, config)
-    model(mx.array(prompt)[None], cache=caches)
-    mx.eval([c.state for c in caches])
-    assert caches[0].policy_state.holds_prompt and caches[0].size() == 60
+    caches = _held_prompt(model, "head", seed=1)
+    assert caches[0].size() == 60
     copies = [type(c).from_state(c.state) for c in caches]
     assert _generate(model, copies, [7], 3) == _generate(model, caches, [7], 3)
 
@@ -119,12 +127,7 @@ def test_a_held_prompt_under_global_relinks_when_loaded(tiny_model: Any, tmp_pat
     from velox_mlx_lm import load_prompt_cache as velox_load
 
     model = tiny_model("llama")
-    prompt = np.random.default_rng(3).integers(2, 128, 60).tolist()
-    config = KVCacheConfig(**CASES["tova"], tova_allocation="global")
-    caches = KVCacheBuilder.for_model(model, config)
-    model(mx.array(prompt)[None], cache=caches)
-    mx.eval([c.state for c in caches])
-    assert caches[0].policy_state.holds_prompt
+    caches = _held_prompt(model, "global", seed=3)
     path = str(tmp_path / "held.safetensors")
     save_prompt_cache(path, caches)
     relinked = velox_load(path)
