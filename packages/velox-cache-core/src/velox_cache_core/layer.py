@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
@@ -45,6 +46,7 @@ from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.traits import Compressor
 from velox_cache_core.undo import UndoLog
+from velox_cache_core.validation import check_queries, check_scale
 
 # Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
 # sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
@@ -69,6 +71,16 @@ class Waiting:
 
     keys: R.Rows
     values: R.Rows
+
+
+@dataclass(frozen=True)
+class FastWaiting(Waiting):
+    """A decode step on the fast path (:mod:`velox_cache_core.fast_step`): the token is written
+    (``written``), the decision waits for the queries. Anything but :meth:`Layer.attend`
+    settles it as a plain :class:`Waiting` call, through the general path."""
+
+    written: FS.Written
+    key: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,31 @@ class Phase:
 
 
 Pending = Waiting | Decided | Deferred | None
+
+
+def _decode_queries(queries: Any, keys: R.Rows) -> bool:
+    """Whether ``queries`` fit a decode token's keys ``[B, H_kv, 1, D]`` (``[B, H_q, 1, D]``,
+    ``H_q`` a multiple of ``H_kv``): the check :func:`check_queries` makes, for the fast path."""
+    if not isinstance(queries, mx.array) or queries.ndim != 4:
+        return False
+    B, H, L, D = keys.shape
+    qB, qH, qL, qD = queries.shape
+    return qB == B and qL == L and qD == D and qH % H == 0
+
+
+def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
+    """Whether a decode token ``[B, H_kv, 1, D]`` matches the store exactly (shapes, dtype)."""
+    held_k, held_v = slots.keys, slots.values
+    return (
+        isinstance(keys, mx.array)
+        and isinstance(values, mx.array)
+        and keys.shape[:2] == held_k.shape[:2]
+        and keys.shape[3] == held_k.shape[3]
+        and values.shape[:3] == keys.shape[:3]
+        and values.shape[3] == held_v.shape[3]
+        and keys.dtype == held_k.dtype
+        and values.dtype == held_v.dtype
+    )
 
 
 class Layer:
@@ -151,6 +188,9 @@ class Layer:
         self.must_attend = False
         # the model's layers sharing a global allocation (velox_cache_core.model_shares)
         self.shares: Any = None
+        # (state, kernel key): the state the last fast decode step left, whose next step takes
+        # the same kernels (velox_cache_core.fast_step); any other state is checked again
+        self._fast_next: tuple[Any, tuple[Any, ...]] | None = None
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
@@ -236,6 +276,9 @@ class Layer:
         self.settle()
         self.last = None
         if int(keys.shape[2]) == 1:
+            fast = self._lay_out_fast(keys, values)
+            if fast is not None:
+                return fast
             self._cut_globally("first_token")
         if self._waits(int(keys.shape[2])):
             self.fetched = self._wait(keys, values)
@@ -243,6 +286,36 @@ class Layer:
         step = self._feed(self.state, keys=keys, values=values)
         self.pending = Decided(step, int(keys.shape[2]))
         self.state = step.state
+        self.fetched = (step.keys, step.values)
+        return self.fetched
+
+    def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
+        """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
+        step is not one it takes (the general path then runs, and raises on bad input)."""
+        if self.mode is Mode.STEP_SUMS or self.group is not None or self.quant is not None:
+            return None
+        if not FS.ENABLED:
+            return None
+        state = self.state
+        follows = self._fast_next
+        key: tuple[Any, ...] | None
+        if follows is not None and follows[0] is state:  # the state the last fast step left
+            key = follows[1]
+        else:
+            key = FS.eligible(self.policy, state, queries_needed=self._waits(1))
+        if key is None or not _fits(state.slots, keys, values):
+            return None
+        written = FS.write(self.policy, state, key, keys, values)
+        if key[-1]:  # waits for the queries
+            self.pending = FastWaiting(keys, values, written, key)
+            self.fetched = (written.candidates.keys, written.candidates.values)
+            return self.fetched
+        scale = check_scale(None, int(keys.shape[3]))
+        step, _, follow = FS.decide(self.policy, state, key, written, self.log, None, scale, False)
+        self.log = step.log
+        self.pending = Decided(step, 1)
+        self.state = step.state
+        self._fast_next = None if follow is None else (step.state, follow)
         self.fetched = (step.keys, step.values)
         return self.fetched
 
@@ -371,6 +444,8 @@ class Layer:
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
     ) -> mx.array:
+        if isinstance(pending, FastWaiting) and self.mode is not Mode.STEP_SUMS:
+            return self._attend_fast(pending, queries, scale, sinks)
         keys, values = pending.keys, pending.values
         L = int(keys.shape[2])
         if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
@@ -381,6 +456,26 @@ class Layer:
         self.state = self._after_call(step.state, L)
         self.last = step
         return attend_step(queries, step, scale, sinks)
+
+    def _attend_fast(
+        self, pending: FastWaiting, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        try:
+            if not _decode_queries(queries, pending.keys):
+                check_queries(queries, pending.keys)  # raises, naming what differs
+            scale = check_scale(scale, int(pending.keys.shape[3]))
+        except (TypeError, ValueError):
+            self.pending = pending  # nothing changed
+            raise
+        here = sinks is None and mx.default_device() == mx.cpu
+        step, out, follow = FS.decide(
+            self.policy, self.state, pending.key, pending.written, self.log, queries, scale, here
+        )
+        self.log = step.log
+        self.state = self._after_call(step.state, 1)
+        self.last = step
+        self._fast_next = None if follow is None else (self.state, follow)
+        return out if out is not None else attend_step(queries, step, scale, sinks)
 
     def _attend_subchunks(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None

@@ -59,6 +59,11 @@ class Policy:
     counters is an array with the batch first (see :mod:`velox_cache_core.batch`); and a decode
     step whose candidates fit the state's ``budget`` scores and evicts nothing unless a running
     array asks for it (so rows below their budget can pack padded).
+    compiled_decode: whether a steady decode step may run as compiled kernels
+    (:mod:`velox_cache_core.fast_step`): the decode rule and ``evict_before`` read the state only
+    through its settings and its array running fields (a trace would freeze an int counter),
+    positions only through the slots and ``Call.positions``/``Call.newest``, and
+    ``evict_before`` frees a slot exactly when the store holds ``budget`` rows.
     """
 
     name: str
@@ -80,6 +85,7 @@ class Policy:
     ) = None
     lane_rule: LaneRule | None = None
     global_rule: GlobalRule | None = None
+    compiled_decode: bool = False
 
     @property
     def prompt_end_needs_model(self) -> bool:

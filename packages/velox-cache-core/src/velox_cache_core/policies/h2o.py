@@ -202,6 +202,7 @@ H2O = Policy(
     init_h2o_state,
     h2o_rule,
     packs_rows=True,
+    compiled_decode=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
     lane_rule=H2O_LANES,
     global_rule=H2O_GLOBAL,

@@ -97,6 +97,7 @@ MORPHKV = Policy(
     MorphKVState,
     init_morphkv_state,
     morphkv_rule,
+    compiled_decode=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
     summary={
         "morphkv": "drops the token the last few queries attend to least (MorphKV)",

@@ -73,6 +73,7 @@ STREAMING_LLM = Policy(
     uses_queries=False,
     evict_before=drop_oldest,
     packs_rows=True,
+    compiled_decode=True,
     traits=read_settings("budget"),
     summary={
         "streaming_llm": "keeps the first tokens and a sliding window of the latest (StreamingLLM)",

@@ -202,6 +202,7 @@ TOVA = Policy(
     tova_rule,
     presets=PRESETS,
     packs_rows=True,
+    compiled_decode=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
     lane_rule=TOVA_LANES,
     global_rule=TOVA_GLOBAL,

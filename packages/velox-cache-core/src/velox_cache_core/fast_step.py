@@ -1,0 +1,351 @@
+"""The decode fast path: a steady decode step as two ``mx.compile``d kernels, not ~40 ops.
+
+At the budget, a decode step of an evicting policy does the same thing every token: the new
+token goes into the slot the last step freed (or, for StreamingLLM, the oldest one), the rule
+scores the candidates and picks the next dead slot, and the undo log records the row that will
+be overwritten. Built op by op from Python, that is about 40 MLX calls and as many Python
+frames per layer per token: twice mlx-lm's own cache's host time on a small model, which sets
+the token rate on a GPU where ``async_eval`` overlaps host and device.
+
+Here the step is traced once per (policy settings, shapes, scale) through the *same* code the
+slow path runs (:func:`velox_cache_core.slots.KVSlots.write_free`, the policy's
+``evict_before`` and ``rule``, the victim gather of :mod:`velox_cache_core.undo`) and replayed
+by ``mx.compile``: the decisions, the stored rows and the undo entries are the slow path's, bit
+for bit (``tests/test_fast_step.py`` checks it per policy). The Python bookkeeping is done once
+per step with plain constructors.
+
+A policy opts in with ``Policy.compiled_decode``: its decode rule and ``evict_before`` read the
+state only through settings and array running fields (never an int counter, which a trace would
+freeze), and positions only through ``Call.positions``/``Call.newest``.
+
+Which steps take it (:func:`eligible`): one token, a single process (no tensor-parallel group),
+full-precision rows held as one uniform store (no lanes: ``allocation="uniform"``), after the
+prompt (no held prompt, no prompt-end step), with a dead slot to write into or an
+``evict_before`` that frees one. Everything else (chunks, the first steps below the budget,
+SnapKV and KVzip's growing decode, Expected Attention, lanes, quantized rows, packed batches,
+``STEP_SUMS``) takes the general path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.attention_rule import History
+from velox_cache_core.engine import Call, Step
+from velox_cache_core.registry import Policy
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import running_fields, setting_fields
+from velox_cache_core.undo import Entry, UndoLog, _running_names
+
+Kernel = Callable[..., Any]
+
+# ``VELOX_FAST_DECODE=0`` sends every step down the general path (to compare, or to debug)
+ENABLED = os.environ.get("VELOX_FAST_DECODE", "1") != "0"
+
+# running fields every state has, and the ones the fast path never sees set
+_COUNTERS = ("offset", "tokens_seen")
+_STORE = ("slots", "lanes")
+
+
+@dataclass(frozen=True)
+class Written:
+    """A decode step's token written into its slot, its decision still to come.
+
+    candidates: the store with the token in it (what the step attends over); before: the
+    slots the step found; laid: the slots it wrote into (``before``, or with ``evict_before``'s
+    freed slot); keys/values: the token ``[B, H_kv, 1, D]``."""
+
+    candidates: KVSlots
+    before: KVSlots
+    written: mx.array
+    row: KVSlots | None
+    keys: mx.array
+    values: mx.array
+    start: mx.array  # int32 scalar: the token's position
+
+
+@cache
+def _state_fields(state_type: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(settings, running fields the rule may read) of a state type."""
+    running = tuple(n for n in running_fields(state_type) if n not in _COUNTERS + _STORE)
+    return setting_fields(state_type), running
+
+
+def _running_kind(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, mx.array):
+        return "array"
+    if isinstance(value, History):
+        return "history"
+    return "other"
+
+
+def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> tuple[Any, ...] | None:
+    """The kernel key of ``state``'s next decode step when the fast path can take it (see the
+    module doc), else ``None``. ``queries_needed``: the step will wait for its queries."""
+    if not policy.compiled_decode:
+        return None
+    slots = state.slots
+    if slots is None or state.lanes is not None or getattr(state, "holds_prompt", False):
+        return None
+    if slots.free is None:  # an evict_before frees a slot once the store holds the budget
+        budget = policy.traits.budget(state)
+        if policy.evict_before is None or budget is None or slots.n_slots < budget:
+            return None
+    if not isinstance(slots.keys, mx.array) or not isinstance(slots.values, mx.array):
+        return None
+    settings, running = _state_fields(_type_of(state))
+    kinds = tuple(_running_kind(getattr(state, name)) for name in running)
+    if "other" in kinds:
+        return None
+    values = tuple(getattr(state, name) for name in settings)
+    return (policy.name, values, kinds, queries_needed)
+
+
+def _flat(value: Any) -> Any:
+    return (value.probes, value.positions) if isinstance(value, History) else value
+
+
+def _unflat(kind: str | None, value: Any) -> Any:
+    return History(*value) if kind == "history" else value
+
+
+_WRITE: dict[tuple[Any, ...], Kernel] = {}
+_DECIDE: dict[tuple[Any, ...], Kernel] = {}
+
+
+def write(
+    policy: Policy, state: Any, key: tuple[Any, ...], keys: mx.array, values: mx.array
+) -> Written:
+    """Write the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` into its slot (the dead
+    one, or the one the policy's ``evict_before`` frees), as the general layout does."""
+    slots = state.slots
+    kernel = _WRITE.get(key)
+    if kernel is None:
+        kernel = _WRITE[key] = mx.compile(_write_kernel(policy, state))
+    start = mx.array(state.offset, dtype=mx.int32)
+    free = [] if slots.free is None else [slots.free]
+    k, v, p, written, row = kernel(
+        slots.keys, slots.values, slots.positions, free, keys, values, start
+    )
+    candidates = _fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
+    row_slots = None
+    if row:
+        row_slots = _fresh(_EMPTY_SLOTS, keys=row[0], values=row[1], positions=row[2])
+    return Written(candidates, slots, written, row_slots, keys, values, start)
+
+
+def _write_kernel(policy: Policy, template: Any) -> Kernel:
+    def kernel(
+        keys: mx.array,
+        values: mx.array,
+        positions: mx.array,
+        free: list[mx.array],
+        new_keys: mx.array,
+        new_values: mx.array,
+        start: mx.array,
+    ) -> Any:
+        before = KVSlots(keys, values, positions, free[0] if free else None)
+        slots = before
+        if policy.evict_before is not None:
+            call = Call(new_keys, new_values, None, 1.0, start)  # type: ignore[arg-type]
+            slots = policy.evict_before(template, before, call)
+        assert slots.free is not None
+        B = int(positions.shape[0])
+        laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
+        row: list[mx.array] = []
+        if slots.free is not before.free:  # a live row freed now: the undo log keeps it
+            idx = slots.free[..., None]
+            row = [
+                mx.take_along_axis(keys, idx[..., None], axis=2),
+                mx.take_along_axis(values, idx[..., None], axis=2),
+                mx.take_along_axis(positions, idx, axis=2),
+            ]
+        return laid.keys, laid.values, laid.positions, slots.free, row
+
+    return kernel
+
+
+def decide(
+    policy: Policy,
+    state: Any,
+    key: tuple[Any, ...],
+    written: Written,
+    log: UndoLog | None,
+    queries: mx.array | None,
+    scale: float,
+    attend_here: bool,
+) -> tuple[Step, mx.array | None, tuple[Any, ...] | None]:
+    """The step's decision over ``written.candidates`` (with the true ``queries`` or without):
+    the step (state after it, log after it, the query's weights); when ``attend_here`` (the
+    CPU, a query-signal decision, no attention sinks), the attention output computed from
+    those weights as :func:`velox_cache_core.attention.attend` would; and the kernel key of
+    the next step (``None`` when the running fields changed kind: ask :func:`eligible`)."""
+    _, running = _state_fields(_type_of(state))
+    kinds = key[2]
+    free, victim, changes, probs, out = _run_decide(
+        policy, state, key, written, queries, scale, attend_here
+    )
+    cand = written.candidates
+    B, H = cand.positions.shape[:2]
+    new = dict(zip(running, map(_unflat, kinds, changes), strict=True))
+    after = _fresh(
+        state,
+        slots=_fresh(cand, free=free),
+        offset=state.offset + 1,
+        tokens_seen=state.tokens_seen + B * H,
+        **new,
+    )
+    values: Any = cand.values
+    if log is not None:
+        log = log.push(_entry(state, written, victim))
+        # read the victim with the attention, before the next step writes over its slot
+        read = victim if written.row is None else [*victim, *written.row.arrays()]
+        if read and out is not None:
+            out = mx.depends([out], read)[0]
+        elif read:
+            values = mx.depends([values], read)[0]
+    same = all(_running_kind(v) == k for v, k in zip(new.values(), kinds, strict=True))
+    return Step(cand.keys, values, None, after, log, probs), out, key if same else None
+
+
+def _run_decide(
+    policy: Policy,
+    state: Any,
+    key: tuple[Any, ...],
+    written: Written,
+    queries: mx.array | None,
+    scale: float,
+    attend_here: bool,
+) -> tuple[Any, list[mx.array], list[Any], Any, Any]:
+    """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
+    running fields after, the query's weights or ``None``, attention output or ``None``)."""
+    _, running = _state_fields(_type_of(state))
+    full_key = (*key, scale, attend_here, queries is None)
+    kernel = _DECIDE.get(full_key)
+    if kernel is None:
+        kernel = _DECIDE[full_key] = mx.compile(
+            _decide_kernel(policy, state, running, key[2], scale, attend_here)
+        )
+    cand = written.candidates
+    old = [_flat(getattr(state, name)) for name in running]
+    free, victim, changes, probs, out = kernel(
+        cand.keys,
+        cand.values,
+        cand.positions,
+        written.written,
+        written.keys,
+        written.values,
+        [] if queries is None else [queries],
+        written.start,
+        [[] if v is None else [v] for v in old],
+    )
+    return (
+        free[0] if free else None,
+        victim,
+        [c[0] if c else None for c in changes],
+        probs[0] if probs else None,
+        out[0] if out else None,
+    )
+
+
+def _entry(state: Any, written: Written, victim: list[mx.array]) -> Entry:
+    """The undo entry the general path's ``undo.record`` makes for this step."""
+    victim_slots = None
+    if victim:
+        k, v, p = victim
+        victim_slots = _fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
+    entry: Entry = _fresh(
+        _EMPTY_ENTRY,
+        start=state.offset,
+        running={name: getattr(state, name) for name in _running_names(_type_of(state))},
+        free=written.before.free,
+        written=written.written,
+        row=written.row,
+        victim=victim_slots,
+    )
+    return entry
+
+
+def _decide_kernel(
+    policy: Policy,
+    template: Any,
+    running: tuple[str, ...],
+    kinds: tuple[str | None, ...],
+    scale: float,
+    attend_here: bool,
+) -> Kernel:
+    def kernel(
+        keys: mx.array,
+        values: mx.array,
+        positions: mx.array,
+        written: mx.array,
+        new_keys: mx.array,
+        new_values: mx.array,
+        query: list[mx.array],
+        start: mx.array,
+        old: list[list[Any]],
+    ) -> Any:
+        given = [v[0] if v else None for v in old]
+        state = replace(
+            template,
+            **{n: _unflat(k, v) for n, k, v in zip(running, kinds, given, strict=True)},
+        )
+        queries = query[0] if query else None
+        call = Call(new_keys, new_values, queries, scale, start)  # type: ignore[arg-type]
+        candidates = KVSlots(keys, values, positions)
+        # the slots the call wrote into: the rule reads only their dead slot (H2O's aligned sums)
+        slots = KVSlots(keys, values, positions, written)
+        decision = policy.rule(state, call, slots, candidates)
+        kept = decision.kept
+        if kept.keys is not candidates.keys:
+            raise NotImplementedError(f"{policy.name}: a decode step that reorders its slots")
+        victim: list[Any] = []
+        if kept.free is not None:
+            idx = kept.free[..., None]
+            victim = [
+                mx.take_along_axis(keys, idx[..., None], axis=2),
+                mx.take_along_axis(values, idx[..., None], axis=2),
+                mx.take_along_axis(positions, idx, axis=2),
+            ]
+        changes: list[list[Any]] = []
+        for name in running:
+            value = _flat(decision.changes.get(name, getattr(state, name)))
+            changes.append([] if value is None else [value])
+        out: list[mx.array] = []
+        if attend_here and decision.probs is not None:
+            assert queries is not None
+            B, H_kv, n, D = values.shape
+            probs = decision.probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
+            out = [(probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)]
+        free = [] if kept.free is None else [kept.free]
+        probs_out = [] if decision.probs is None else [decision.probs]
+        return free, victim, changes, probs_out, out
+
+    return kernel
+
+
+def _type_of(state: Any) -> Any:
+    return type(state)
+
+
+def _fresh(like: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(like, **changes)`` without re-running the frozen ``__init__``
+    (a few microseconds per object per layer per token): the fields are the ones the general
+    path sets, of the same types."""
+    out = object.__new__(type(like))
+    out.__dict__.update(like.__dict__)
+    out.__dict__.update(changes)
+    return out
+
+
+_NONE = mx.zeros((1, 1, 0, 1))
+_EMPTY_SLOTS = KVSlots(_NONE, _NONE, mx.zeros((1, 1, 0), dtype=mx.int32))
+_EMPTY_ENTRY = Entry(start=0, length=1, running={}, slots_none=False)

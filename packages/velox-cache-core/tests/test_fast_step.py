@@ -1,0 +1,257 @@
+"""The decode fast path (velox_cache_core.fast_step) against the general path, bit for bit.
+
+Two layers of the same policy take the same calls: one with the fast path, one with it off
+(``fast_step.ENABLED = False``, the general engine path that the reference tests check). After
+every call the attention outputs, the stored slots (keys, values, positions, dead slot), the
+running fields, the counters and the undo log must be identical, and so must every trim back
+into the steps the fast path took. Random shapes, budgets, sinks, GQA ratios, batch rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from velox_cache_core import fast_step as FS
+from velox_cache_core.layer import Layer, Mode
+from velox_cache_core.registry import POLICIES
+from velox_cache_core.slots import KVSlots
+from velox_cache_core.state import running_fields
+from velox_cache_core.undo import new_log
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tova": ("tova", {}),
+    "tova_adapted": ("tova", {"signal": "key", "scope": "head"}),
+    "tova_query_head": ("tova", {"scope": "head"}),
+    "h2o": ("h2o", {}),
+    "h2o_key_layer": ("h2o", {"signal": "key", "scope": "layer"}),
+    "morphkv": ("morphkv", {"window": 3}),
+    "morphkv_w1": ("morphkv", {"window": 1}),
+    "morphkv_head_max": ("morphkv", {"window": 4, "fusion": "max", "scope": "head"}),
+    "streaming_llm": ("streaming_llm", {}),
+}
+
+
+@contextmanager
+def fast(on: bool) -> Iterator[None]:
+    before = FS.ENABLED
+    FS.ENABLED = on
+    try:
+        yield
+    finally:
+        FS.ENABLED = before
+
+
+def _equal(a: Any, b: Any, what: str) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    if isinstance(a, mx.array):
+        assert a.shape == b.shape and a.dtype == b.dtype, what
+        assert np.array_equal(np.array(a), np.array(b)), what
+        return
+    if isinstance(a, KVSlots):
+        a, b = a.compact(), b.compact()
+        for name in ("keys", "values", "positions"):
+            _equal(getattr(a, name), getattr(b, name), f"{what}.{name}")
+        return
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for name in a:
+            _equal(a[name], b[name], f"{what}[{name}]")
+        return
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{what}[{i}]")
+        return
+    if hasattr(a, "__dataclass_fields__"):
+        for name in a.__dataclass_fields__:
+            _equal(getattr(a, name), getattr(b, name), f"{what}.{name}")
+        return
+    assert a == b, what
+
+
+def _same_layers(a: Layer, b: Layer) -> None:
+    sa, sb = a.view(), b.view()
+    for name in running_fields(type(sa)):
+        if name == "slots" and sa.slots is not None:  # the dead slot too, not only the rows
+            _equal(sa.slots.keys, sb.slots.keys, "slots.keys")
+            _equal(sa.slots.values, sb.slots.values, "slots.values")
+            _equal(sa.slots.positions, sb.slots.positions, "slots.positions")
+            _equal(sa.slots.free, sb.slots.free, "slots.free")
+        else:
+            _equal(getattr(sa, name), getattr(sb, name), name)
+    assert (a.log is None) == (b.log is None)
+    if a.log is not None and b.log is not None:
+        assert a.log.tokens == b.log.tokens
+        assert len(a.log.entries) == len(b.log.entries)
+        for ea, eb in zip(a.log.entries, b.log.entries, strict=True):
+            _equal(ea, eb, "log entry")
+
+
+def _layers(case: str, budget: int, n_sink: int, window: int, mode: Mode) -> tuple[Layer, Layer]:
+    name, settings_ = CASES[case]
+    policy = POLICIES[name]
+    kwargs = dict(settings_, budget=budget, n_sink=n_sink)
+    if name == "morphkv":
+        kwargs["window"] = min(kwargs["window"], budget - n_sink + 1)
+    if name == "h2o":
+        kwargs["recent"] = max(0, min(budget // 2, budget - n_sink - 1))
+    state = policy.init(**kwargs)
+    return (
+        Layer(policy, state, new_log(window), mode=mode),
+        Layer(policy, state, new_log(window), mode=mode),
+    )
+
+
+def _call(layer: Layer, keys: mx.array, values: mx.array, queries: mx.array | None) -> Any:
+    laid = layer.lay_out(keys, values)
+    if queries is None:
+        layer.settle()
+        return laid
+    return layer.attend(queries, scale=0.3)
+
+
+def _drive(
+    case: str,
+    *,
+    B: int,
+    H: int,
+    group: int,
+    D: int,
+    budget: int,
+    n_sink: int,
+    prompt: int,
+    steps: int,
+    trims: list[int],
+    seed: int,
+    mode: Mode = Mode.QUERIES,
+) -> int:
+    """Feed both layers a prompt and ``steps`` decode tokens (trimming ``trims[i]`` after step
+    ``i`` when given); compare after every call. Returns how many steps took the fast path."""
+    fast_layer, slow_layer = _layers(case, budget, n_sink, 4, mode)
+    rng = np.random.default_rng(seed)
+
+    def draw(L: int) -> tuple[mx.array, mx.array, mx.array]:
+        k = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        v = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        q = mx.array(rng.standard_normal((B, H * group, L, D)).astype(np.float32))
+        return k, v, q
+
+    use_queries = mode is not Mode.AT_ONCE
+    k, v, q = draw(prompt)
+    for layer, on in ((fast_layer, True), (slow_layer, False)):
+        with fast(on):
+            _call(layer, k, v, q if use_queries else None)
+    taken = 0
+    for i in range(steps):
+        k, v, q = draw(1)
+        with fast(True):
+            out_fast = _call(fast_layer, k, v, q if use_queries else None)
+            follows = fast_layer._fast_next
+            taken += int(follows is not None and follows[0] is fast_layer.state)
+        with fast(False):
+            out_slow = _call(slow_layer, k, v, q if use_queries else None)
+        if use_queries:
+            _equal(out_fast, out_slow, f"attention output, step {i}")
+        _same_layers(fast_layer, slow_layer)
+        n = trims[i] if i < len(trims) else 0
+        if n and fast_layer.log is not None and n <= fast_layer.log.tokens:
+            fast_layer.trim(n)
+            slow_layer.trim(n)
+            _same_layers(fast_layer, slow_layer)
+    return taken
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fast_path_matches_general_path(case: str) -> None:
+    taken = _drive(
+        case, B=1, H=2, group=3, D=8, budget=8, n_sink=2, prompt=11, steps=24,
+        trims=[0] * 10 + [3, 0, 0, 1, 0, 0, 4], seed=1,
+    )  # fmt: skip
+    assert taken >= 15, f"{case}: only {taken} of 24 decode steps took the fast path"
+
+
+@pytest.mark.parametrize("case", ["tova_adapted", "h2o_key_layer", "streaming_llm"])
+def test_fast_path_decides_at_once_without_queries(case: str) -> None:
+    _drive(
+        case, B=2, H=3, group=1, D=4, budget=6, n_sink=1, prompt=9, steps=12,
+        trims=[0, 0, 0, 2, 0, 0, 0, 3], seed=2, mode=Mode.AT_ONCE,
+    )  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    case=st.sampled_from(sorted(CASES)),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    group=st.integers(1, 3),
+    budget=st.integers(4, 12),
+    n_sink=st.integers(0, 3),
+    prompt=st.integers(1, 20),
+    steps=st.integers(1, 20),
+    trims=st.lists(st.integers(0, 4), max_size=20),
+    seed=st.integers(0, 2**16),
+)
+def test_fast_path_property(
+    case: str,
+    B: int,
+    H: int,
+    group: int,
+    budget: int,
+    n_sink: int,
+    prompt: int,
+    steps: int,
+    trims: list[int],
+    seed: int,
+) -> None:
+    n_sink = min(n_sink, budget - 2)
+    _drive(
+        case, B=B, H=H, group=group, D=4, budget=budget, n_sink=n_sink, prompt=prompt,
+        steps=steps, trims=trims, seed=seed,
+    )  # fmt: skip
+
+
+def test_off_switch_and_ineligible_states_take_the_general_path() -> None:
+    policy = POLICIES["expected_attention"]
+    state = policy.init(budget=8)
+    assert FS.eligible(policy, state, queries_needed=True) is None  # not opted in
+    tova = POLICIES["tova"]
+    assert FS.eligible(tova, tova.init(budget=8), queries_needed=True) is None  # no slots yet
+    layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(4))
+    k = mx.ones((1, 1, 6, 4))
+    layer.lay_out(k, k)
+    layer.attend(mx.ones((1, 1, 6, 4)), 0.5)
+    with fast(False):
+        layer.lay_out(k[:, :, :1], k[:, :, :1])
+        assert layer._fast_next is None
+        layer.attend(mx.ones((1, 1, 1, 4)), 0.5)
+    with fast(True):
+        layer.lay_out(k[:, :, :1], k[:, :, :1])
+        layer.attend(mx.ones((1, 1, 1, 4)), 0.5)
+        assert layer._fast_next is not None
+
+
+def test_bad_queries_on_the_fast_path_change_nothing() -> None:
+    tova = POLICIES["tova"]
+    layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(4))
+    k = mx.ones((1, 2, 7, 4))
+    layer.lay_out(k, k)
+    layer.attend(mx.ones((1, 2, 7, 4)), 0.5)
+    layer.lay_out(k[:, :, :1], k[:, :, :1])
+    layer.attend(mx.ones((1, 2, 1, 4)), 0.5)
+    before = layer.state
+    layer.lay_out(k[:, :, :1], k[:, :, :1])
+    with pytest.raises(ValueError, match="multiple of keys H_kv"):
+        layer.attend(mx.ones((1, 3, 1, 4)), 0.5)
+    assert layer.state is before and layer.pending is not None
+    layer.attend(mx.ones((1, 2, 1, 4)), 0.5)  # the call is still there to settle
+    assert layer.state.offset == before.offset + 1
