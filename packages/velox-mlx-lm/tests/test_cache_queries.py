@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from velox_cache_core import Policy
+from velox_cache_core import Policy, fast_step
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, TOVAKVCache
 
 
@@ -24,6 +24,9 @@ class Recorder:
     ``tova_update`` call (arguments and result) and ``attend`` output."""
 
     def __init__(self, monkeypatch, model):
+        # what is recorded is the general path's Policy.update; the decode fast path takes the
+        # same decisions from the same queries bit for bit (test_fast_step.py), and is off here
+        monkeypatch.setattr(fast_step, "ENABLED", False)
         self.layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.layers)}
         self.inputs, self.updates, self.outputs = [], [], []
         attn_call = llama.Attention.__call__

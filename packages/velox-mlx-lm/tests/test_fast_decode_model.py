@@ -1,0 +1,65 @@
+"""The decode fast path inside a model: greedy decoding with it on and off gives the same logits
+bit for bit, the same cache states and the same trims (speculative decoding's), for every
+method that opts in, on tiny llama and qwen3 models through the attention hook."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from velox_cache_core import fast_step
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
+
+METHODS = {
+    "tova": {"tova_budget": 10, "tova_n_sink": 2},
+    "tova_adapted": {"tova_budget": 10, "tova_n_sink": 2},
+    "h2o": {"h2o_budget": 10, "h2o_n_sink": 2, "h2o_recent": 3},
+    "morphkv": {"morphkv_budget": 10, "morphkv_n_sink": 2, "morphkv_window": 3},
+    "streaming_llm": {"streaming_llm_budget": 10, "streaming_llm_n_sink": 2},
+}
+
+
+def _decode(model, method: str, on: bool, prompt: mx.array, steps: int) -> tuple[list, list]:
+    fast_step.ENABLED = on
+    try:
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **METHODS[method]))
+        logits = model(prompt, cache=caches)[:, -1:]
+        outs = []
+        y = mx.argmax(logits, axis=-1)
+        for i in range(steps):
+            logits = model(y, cache=caches)[:, -1:]
+            outs.append(np.array(logits))
+            y = mx.argmax(logits, axis=-1)
+            if i == steps // 2:  # a verify round's rejection: take back 2 tokens, feed 1 again
+                for c in caches:
+                    c.trim(2)
+                logits = model(y, cache=caches)[:, -1:]
+                outs.append(np.array(logits))
+        fast = [
+            c.layer._fast_next is not None and c.layer._fast_next[0] is c.layer.state
+            for c in caches
+        ]
+        return outs, [c.state for c in caches] + [fast]
+    finally:
+        fast_step.ENABLED = True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_fast_decode_is_the_general_path(tiny_model, h, arch: str, method: str) -> None:
+    model = tiny_model(arch)
+    prompt = h.random_tokens(17, seed=5)
+    fast_out, fast_states = _decode(model, method, True, prompt, 12)
+    slow_out, slow_states = _decode(model, method, False, prompt, 12)
+    assert all(fast_states[-1]), "every layer's last steps took the fast path"
+    assert not any(slow_states[-1])
+    for a, b in zip(fast_out, slow_out, strict=True):
+        assert np.array_equal(a, b)
+    for a, b in zip(fast_states[:-1], slow_states[:-1], strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], mx.array):
+                assert np.array_equal(np.array(a[name]), np.array(b[name])), name
+            else:
+                assert a[name] == b[name], name
