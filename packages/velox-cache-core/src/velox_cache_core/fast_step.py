@@ -53,7 +53,7 @@ _COUNTERS = ("offset", "tokens_seen")
 _STORE = ("slots", "lanes")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Written:
     """A decode step's token written into its slot, its decision still to come.
 
@@ -135,10 +135,10 @@ def write(
     k, v, p, written, row = kernel(
         slots.keys, slots.values, slots.positions, free, keys, values, start
     )
-    candidates = _fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
+    candidates = fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
     row_slots = None
     if row:
-        row_slots = _fresh(_EMPTY_SLOTS, keys=row[0], values=row[1], positions=row[2])
+        row_slots = fresh(_EMPTY_SLOTS, keys=row[0], values=row[1], positions=row[2])
     return Written(candidates, slots, written, row_slots, keys, values, start)
 
 
@@ -196,9 +196,9 @@ def decide(
     cand = written.candidates
     B, H = cand.positions.shape[:2]
     new = dict(zip(running, map(_unflat, kinds, changes), strict=True))
-    after = _fresh(
+    after = fresh(
         state,
-        slots=_fresh(cand, free=free),
+        slots=fresh(cand, free=free),
         offset=state.offset + 1,
         tokens_seen=state.tokens_seen + B * H,
         **new,
@@ -213,7 +213,10 @@ def decide(
         elif read:
             values = mx.depends([values], read)[0]
     same = all(_running_kind(v) == k for v, k in zip(new.values(), kinds, strict=True))
-    return Step(cand.keys, values, None, after, log, probs), out, key if same else None
+    step: Step = fresh(
+        _EMPTY_STEP, keys=cand.keys, values=values, state=after, log=log, probs=probs
+    )
+    return step, out, key if same else None
 
 
 def _run_decide(
@@ -261,8 +264,8 @@ def _entry(state: Any, written: Written, victim: list[mx.array]) -> Entry:
     victim_slots = None
     if victim:
         k, v, p = victim
-        victim_slots = _fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
-    entry: Entry = _fresh(
+        victim_slots = fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
+    entry: Entry = fresh(
         _EMPTY_ENTRY,
         start=state.offset,
         running={name: getattr(state, name) for name in _running_names(_type_of(state))},
@@ -336,7 +339,7 @@ def _type_of(state: Any) -> Any:
     return type(state)
 
 
-def _fresh(like: Any, **changes: Any) -> Any:
+def fresh(like: Any, **changes: Any) -> Any:
     """``dataclasses.replace(like, **changes)`` without re-running the frozen ``__init__``
     (a few microseconds per object per layer per token): the fields are the ones the general
     path sets, of the same types."""
@@ -349,3 +352,4 @@ def _fresh(like: Any, **changes: Any) -> Any:
 _NONE = mx.zeros((1, 1, 0, 1))
 _EMPTY_SLOTS = KVSlots(_NONE, _NONE, mx.zeros((1, 1, 0), dtype=mx.int32))
 _EMPTY_ENTRY = Entry(start=0, length=1, running={}, slots_none=False)
+_EMPTY_STEP = Step(_NONE, _NONE, None, None)

@@ -83,6 +83,10 @@ class FastWaiting(Waiting):
     key: tuple[Any, ...]
 
 
+# what a FastWaiting is made from (fast_step.fresh: no frozen __init__ per token)
+_FAST_WAITING = FastWaiting(None, None, None, ())  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class Decided:
     """A call decided at once; ``attend`` may still come for its masks and weights."""
@@ -307,7 +311,9 @@ class Layer:
             return None
         written = FS.write(self.policy, state, key, keys, values)
         if key[-1]:  # waits for the queries
-            self.pending = FastWaiting(keys, values, written, key)
+            self.pending = FS.fresh(
+                _FAST_WAITING, keys=keys, values=values, written=written, key=key
+            )
             self.fetched = (written.candidates.keys, written.candidates.values)
             return self.fetched
         scale = check_scale(None, int(keys.shape[3]))
