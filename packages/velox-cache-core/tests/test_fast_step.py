@@ -36,6 +36,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "morphkv_w1": ("morphkv", {"window": 1}),
     "morphkv_head_max": ("morphkv", {"window": 4, "fusion": "max", "scope": "head"}),
     "streaming_llm": ("streaming_llm", {}),
+    "snapkv": ("snapkv", {}),
+    "snapkv_key": ("snapkv", {"signal": "key", "kernel": 3}),
 }
 
 
@@ -101,6 +103,9 @@ def _layers(case: str, budget: int, n_sink: int, window: int, mode: Mode) -> tup
     name, settings_ = CASES[case]
     policy = POLICIES[name]
     kwargs = dict(settings_, budget=budget, n_sink=n_sink)
+    if name == "snapkv":  # no sinks; a window that fits the budget
+        del kwargs["n_sink"]
+        kwargs["window"] = max(1, budget // 2)
     if name == "morphkv":
         kwargs["window"] = min(kwargs["window"], budget - n_sink + 1)
     if name == "h2o":
@@ -155,9 +160,10 @@ def _drive(
     for i in range(steps):
         k, v, q = draw(1)
         with fast(True):
+            policy, state = fast_layer.policy, fast_layer.state
+            appends = FS.appends(policy, state)
+            taken += int(appends or FS.eligible(policy, state, queries_needed=True) is not None)
             out_fast = _call(fast_layer, k, v, q if use_queries else None)
-            follows = fast_layer._fast_next
-            taken += int(follows is not None and follows[0] is fast_layer.state)
         with fast(False):
             out_slow = _call(slow_layer, k, v, q if use_queries else None)
         if use_queries:

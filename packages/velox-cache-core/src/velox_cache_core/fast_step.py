@@ -109,6 +109,36 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> tuple[Any, 
     return (policy.name, values, kinds, queries_needed)
 
 
+def appends(policy: Policy, state: Any) -> bool:
+    """Whether ``state``'s next decode step only appends its token, in place, into reserved
+    rows (``Policy.appends_now``: SnapKV after its cut), with nothing to decide."""
+    check = policy.appends_now
+    slots = state.slots
+    if check is None or slots is None or state.lanes is not None or slots.free is not None:
+        return False
+    return slots.has_room(1) and bool(check(state))
+
+
+def append(state: Any, keys: mx.array, values: mx.array, log: UndoLog | None) -> Step:
+    """The decode step of an appending state (:func:`appends`): the token written into the
+    next reserved row, the state and undo entry the general path makes for it."""
+    slots = state.slots
+    position = mx.array([state.offset], dtype=mx.int32)
+    laid = slots.append(keys, values, position)
+    B, H = slots.positions.shape[:2]
+    after = fresh(state, slots=laid, offset=state.offset + 1, tokens_seen=state.tokens_seen + B * H)
+    if log is not None:
+        entry: Entry = fresh(
+            _EMPTY_ENTRY,
+            start=state.offset,
+            running={name: getattr(state, name) for name in _running_names(_type_of(state))},
+            n_live=slots.n_kept,
+        )
+        log = log.push(entry)
+    step: Step = fresh(_EMPTY_STEP, keys=laid.keys, values=laid.values, state=after, log=log)
+    return step
+
+
 def _flat(value: Any) -> Any:
     return (value.probes, value.positions) if isinstance(value, History) else value
 

@@ -301,6 +301,10 @@ class Layer:
         if not FS.ENABLED:
             return None
         state = self.state
+        if FS.appends(self.policy, state):
+            if not _fits(state.slots, keys, values):
+                return None
+            return self._decided(FS.append(state, keys, values, self.log))
         follows = self._fast_next
         key: tuple[Any, ...] | None
         if follows is not None and follows[0] is state:  # the state the last fast step left
@@ -318,10 +322,14 @@ class Layer:
             return self.fetched
         scale = check_scale(None, int(keys.shape[3]))
         step, _, follow = FS.decide(self.policy, state, key, written, self.log, None, scale, False)
+        self._fast_next = None if follow is None else (step.state, follow)
+        return self._decided(step)
+
+    def _decided(self, step: Step) -> tuple[R.Rows, R.Rows]:
+        """Take a decode step decided as it was laid out; its attention may still come."""
         self.log = step.log
         self.pending = Decided(step, 1)
         self.state = step.state
-        self._fast_next = None if follow is None else (step.state, follow)
         self.fetched = (step.keys, step.values)
         return self.fetched
 

@@ -64,6 +64,10 @@ class Policy:
     through its settings and its array running fields (a trace would freeze an int counter),
     positions only through the slots and ``Call.positions``/``Call.newest``, and
     ``evict_before`` frees a slot exactly when the store holds ``budget`` rows.
+    appends_now: for a policy that ``grows_after_prompt_end``, ``appends_now(state)`` says
+    that the state is past its prompt end, where a decode step keeps every token and reads
+    neither its queries nor its running fields: the fast path then appends the token into
+    the store's reserved rows with no decision at all.
     """
 
     name: str
@@ -86,6 +90,7 @@ class Policy:
     lane_rule: LaneRule | None = None
     global_rule: GlobalRule | None = None
     compiled_decode: bool = False
+    appends_now: Callable[[Any], bool] | None = None
 
     @property
     def prompt_end_needs_model(self) -> bool:

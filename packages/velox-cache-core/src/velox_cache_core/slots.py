@@ -101,6 +101,11 @@ class KVSlots:
             return None
         return room
 
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more rows fit in the store's reserved rows (written in place)."""
+        room = self._room()
+        return room is not None and self.n_slots + n <= room.rows
+
     @property
     def n_kept(self) -> int:
         """Live tokens per (batch row, KV head)."""

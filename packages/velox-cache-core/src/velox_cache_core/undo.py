@@ -107,7 +107,8 @@ class UndoLog:
     @property
     def tokens(self) -> int:
         """How many of the last fed tokens a trim can take back."""
-        return sum(e.length for e in self.entries)
+        known = self.__dict__.get("_tokens")  # remembered by push (the entries never change)
+        return sum(e.length for e in self.entries) if known is None else known
 
     @property
     def nbytes(self) -> int:
@@ -121,11 +122,13 @@ class UndoLog:
         if entry.length > self.window:
             return UndoLog(self.window)
         entries = (*self.entries, entry)
-        tokens = sum(e.length for e in entries)
+        tokens = self.tokens + entry.length
         while tokens - entries[0].length >= self.window:
             tokens -= entries[0].length
             entries = entries[1:]
-        return UndoLog(self.window, entries)
+        log = UndoLog(self.window, entries)
+        object.__setattr__(log, "_tokens", tokens)  # a decode step asks every token
+        return log
 
     def cleared(self) -> UndoLog:
         return UndoLog(self.window)

@@ -180,6 +180,7 @@ SNAPKV = Policy(
     snapkv_rule,
     prompt_end=snapkv_compress,
     grows_after_prompt_end=True,
+    appends_now=lambda state: state.compressed,
     traits=read_settings("signal", "budget"),
     global_rule=SNAPKV_GLOBAL,
     summary={
