@@ -12,8 +12,11 @@ A decode step as mlx-lm's generate loop runs it, split in two timed parts::
 
 Every ``flush_every`` steps the caches' state arrays (``[c.state for c in caches]``) are
 evaluated outside the timed region, so lazy graphs cannot pile up; that time is reported apart
-(``flush_ms`` per flush, ``flush_ms_per_step`` its sum over the timed steps per step): work a
-cache leaves lazily that ``y`` does not need shows there, not in the eval time.
+(``flush_ms`` per flush, ``flush_ms_per_step`` its sum over the timed steps per step). For a
+Velox cache ``state`` is the saved form (``velox_mlx_lm.prompt_state``: the live rows compacted,
+the undo log's arrays), built when it is read: most of the flush is building it, which the
+generate loop never does. A decode step's own arrays (rows, dead slot, undo victims, H2O's sums)
+are evaluated with ``y``.
 
 Methods: mlx-lm's ``KVCache`` (``full``) and ``RotatingKVCache(max_size=budget, keep=4)``
 (``rotating``), then every registered Velox method at ``budget``

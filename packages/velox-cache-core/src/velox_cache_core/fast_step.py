@@ -242,7 +242,7 @@ def decide(
             out = mx.depends([out], read)[0]
         elif read:
             values = mx.depends([values], read)[0]
-    same = all(_running_kind(v) == k for v, k in zip(new.values(), kinds, strict=True))
+    same = tuple(map(_running_kind, new.values())) == kinds
     step: Step = fresh(
         _EMPTY_STEP, keys=cand.keys, values=values, state=after, log=log, probs=probs
     )

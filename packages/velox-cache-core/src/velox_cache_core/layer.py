@@ -244,6 +244,8 @@ class Layer:
     def offset(self) -> int:
         """True absolute position of the next token (tokens seen, not tokens kept)."""
         pending = self.pending
+        if pending is None:  # between calls (every layer reads it at every decode step)
+            return int(self.state.offset)
         extra = 0
         if isinstance(pending, Waiting):
             extra = int(pending.keys.shape[2])
@@ -274,15 +276,18 @@ class Layer:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
+        idle = self.pending is None and self.phase is None and self.quant is None
+        if idle and keys.shape[2] == 1:  # a decode step with nothing in flight: maybe fast
+            self.last = None
+            fast = self._lay_out_fast(keys, values)
+            if fast is not None:
+                return fast
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
         keys, values = self.stored(keys, values)
         self.settle()
         self.last = None
         if int(keys.shape[2]) == 1:
-            fast = self._lay_out_fast(keys, values)
-            if fast is not None:
-                return fast
             self._cut_globally("first_token")
         if self._waits(int(keys.shape[2])):
             self.fetched = self._wait(keys, values)
@@ -296,9 +301,7 @@ class Layer:
     def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
         """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
         step is not one it takes (the general path then runs, and raises on bad input)."""
-        if self.mode is Mode.STEP_SUMS or self.group is not None or self.quant is not None:
-            return None
-        if not FS.ENABLED:
+        if self.mode is Mode.STEP_SUMS or self.group is not None or not FS.ENABLED:
             return None
         state = self.state
         if FS.appends(self.policy, state):

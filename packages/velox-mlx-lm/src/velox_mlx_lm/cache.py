@@ -220,8 +220,10 @@ class PolicyKVCache(VeloxKVCache):
         """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new`` (when
         quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each)."""
         laid_out = self._layer.lay_out(keys, values)
-        self._returned = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
-        return self._returned
+        if self._layer.quant is not None:
+            laid_out = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
+        self._returned = laid_out
+        return laid_out
 
     def attend(
         self,
