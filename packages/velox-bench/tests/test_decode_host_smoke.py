@@ -32,7 +32,14 @@ def _check_rows(run: dict[str, Any], expected: list[str]) -> None:
             assert fast is None
         else:
             assert fast is not None and 0 <= fast <= 1
+        if r["method"] in FAST:  # steady decode at the budget: every layer on the fast path
+            assert fast == 1.0, r["method"]
+        if r["method"] == "expected_attention":  # not opted in: the general path
+            assert fast == 0.0
     assert full["host_vs_full"] == full["eval_vs_full"] == 1.0
+
+
+FAST = ("tova", "tova_adapted", "h2o", "streaming_llm", "snapkv", "morphkv")
 
 
 def test_decode_host_measure_smoke(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,8 +28,8 @@ method in turn, starting one method later each round, so that a noisy machine hi
 method alike; per method, the medians are over every timed step of every round.
 
 Per method: median host ms, eval ms and total (host + eval) ms, their ratios to ``full`` and
-the total's to ``rotating``, and for Velox caches the fraction of layers whose last step took
-the decode fast path (``velox_cache_core.fast_step``).
+the total's to ``rotating``, and for Velox caches the fraction of layers whose next decode step
+takes the decode fast path (``velox_cache_core.fast_step``, ``Layer.fast_path``).
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, float32, dequantized) and
 ``real-shape`` (a random 12-layer llama, hidden 768, 12 query / 4 KV heads, vocabulary 1024:
@@ -234,15 +234,12 @@ def _prepared(model: Model, method: str, settings: Settings, tokens: mx.array) -
 
 
 def fast_path_fraction(caches: Sequence[Any]) -> float | None:
-    """Fraction of Velox layers whose last step took the decode fast path (its next step
-    follows from the state it left), ``None`` for caches without Velox layers."""
+    """Fraction of Velox layers whose next decode step takes the decode fast path
+    (``Layer.fast_path``), ``None`` for caches without Velox layers."""
     layers = [c.layer for c in caches if hasattr(c, "layer")]
     if not layers:
         return None
-    fast = 0
-    for layer in layers:
-        follows = getattr(layer, "_fast_next", None)
-        fast += follows is not None and follows[0] is layer.state
+    fast = sum(bool(getattr(layer, "fast_path", False)) for layer in layers)
     return fast / len(layers)
 
 

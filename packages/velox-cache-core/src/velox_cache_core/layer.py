@@ -298,6 +298,19 @@ class Layer:
         self.fetched = (step.keys, step.values)
         return self.fetched
 
+    @property
+    def fast_path(self) -> bool:
+        """Whether this layer's next decode step (a token of the store's shape, nothing in
+        flight) takes the decode fast path (:mod:`velox_cache_core.fast_step`)."""
+        if self.mode is Mode.STEP_SUMS or self.group is not None or not FS.ENABLED:
+            return False
+        if self.phase is not None or self.quant is not None:
+            return False
+        state = self.view()
+        if FS.appends(self.policy, state):
+            return True
+        return FS.eligible(self.policy, state, queries_needed=self._waits(1)) is not None
+
     def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
         """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
         step is not one it takes (the general path then runs, and raises on bad input)."""
