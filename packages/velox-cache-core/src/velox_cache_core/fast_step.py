@@ -41,7 +41,7 @@ from velox_cache_core.engine import Call, Step
 from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import running_fields, setting_fields
-from velox_cache_core.undo import Entry, UndoLog, _running_names
+from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
 
 Kernel = Callable[..., Any]
 
@@ -165,10 +165,8 @@ def write(
     k, v, p, written, row = kernel(
         slots.keys, slots.values, slots.positions, free, keys, values, start
     )
-    candidates = fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
-    row_slots = None
-    if row:
-        row_slots = fresh(_EMPTY_SLOTS, keys=row[0], values=row[1], positions=row[2])
+    candidates = _slots(k, v, p)
+    row_slots = _slots(*row) if row else None
     return Written(candidates, slots, written, row_slots, keys, values, start)
 
 
@@ -192,12 +190,7 @@ def _write_kernel(policy: Policy, template: Any) -> Kernel:
         laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
         row: list[mx.array] = []
         if slots.free is not before.free:  # a live row freed now: the undo log keeps it
-            idx = slots.free[..., None]
-            row = [
-                mx.take_along_axis(keys, idx[..., None], axis=2),
-                mx.take_along_axis(values, idx[..., None], axis=2),
-                mx.take_along_axis(positions, idx, axis=2),
-            ]
+            row = _rows_at(before, slots.free)
         return laid.keys, laid.values, laid.positions, slots.free, row
 
     return kernel
@@ -291,10 +284,7 @@ def _run_decide(
 
 def _entry(state: Any, written: Written, victim: list[mx.array]) -> Entry:
     """The undo entry the general path's ``undo.record`` makes for this step."""
-    victim_slots = None
-    if victim:
-        k, v, p = victim
-        victim_slots = fresh(_EMPTY_SLOTS, keys=k, values=v, positions=p)
+    victim_slots = _slots(*victim) if victim else None
     entry: Entry = fresh(
         _EMPTY_ENTRY,
         start=state.offset,
@@ -340,14 +330,7 @@ def _decide_kernel(
         kept = decision.kept
         if kept.keys is not candidates.keys:
             raise NotImplementedError(f"{policy.name}: a decode step that reorders its slots")
-        victim: list[Any] = []
-        if kept.free is not None:
-            idx = kept.free[..., None]
-            victim = [
-                mx.take_along_axis(keys, idx[..., None], axis=2),
-                mx.take_along_axis(values, idx[..., None], axis=2),
-                mx.take_along_axis(positions, idx, axis=2),
-            ]
+        victim: list[Any] = [] if kept.free is None else _rows_at(candidates, kept.free)
         changes: list[list[Any]] = []
         for name in running:
             value = _flat(decision.changes.get(name, getattr(state, name)))
@@ -367,6 +350,18 @@ def _decide_kernel(
 
 def _type_of(state: Any) -> Any:
     return type(state)
+
+
+def _rows_at(slots: KVSlots, slot: mx.array) -> list[mx.array]:
+    """Row ``slot`` (int ``[B, H_kv]``) of every head, as the undo log's ``_gather`` takes it:
+    keys, values ``[B, H_kv, 1, *]`` and positions ``[B, H_kv, 1]``."""
+    return _gather(slots, slot[..., None]).arrays()
+
+
+def _slots(keys: mx.array, values: mx.array, positions: mx.array) -> KVSlots:
+    """A store of these rows with no dead slot (:func:`fresh` of an empty one)."""
+    out: KVSlots = fresh(_EMPTY_SLOTS, keys=keys, values=values, positions=positions)
+    return out
 
 
 def fresh(like: Any, **changes: Any) -> Any:

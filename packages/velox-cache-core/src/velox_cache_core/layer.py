@@ -298,13 +298,15 @@ class Layer:
         self.fetched = (step.keys, step.values)
         return self.fetched
 
+    def _may_go_fast(self) -> bool:
+        """The fast path is on and this layer decides alone (no group, no shared sums)."""
+        return FS.ENABLED and self.mode is not Mode.STEP_SUMS and self.group is None
+
     @property
     def fast_path(self) -> bool:
         """Whether this layer's next decode step (a token of the store's shape, nothing in
         flight) takes the decode fast path (:mod:`velox_cache_core.fast_step`)."""
-        if self.mode is Mode.STEP_SUMS or self.group is not None or not FS.ENABLED:
-            return False
-        if self.phase is not None or self.quant is not None:
+        if not self._may_go_fast() or self.phase is not None or self.quant is not None:
             return False
         state = self.view()
         if FS.appends(self.policy, state):
@@ -314,7 +316,7 @@ class Layer:
     def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
         """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
         step is not one it takes (the general path then runs, and raises on bad input)."""
-        if self.mode is Mode.STEP_SUMS or self.group is not None or not FS.ENABLED:
+        if not self._may_go_fast():
             return None
         state = self.state
         if FS.appends(self.policy, state):
