@@ -2,11 +2,14 @@
 
 Writes benchmarks/results/quality.json, the figures and the quality sections of the docs.
 ``VELOX_QUALITY_QUICK=1`` runs the small ``--quick`` settings and writes nothing.
+``VELOX_QUALITY_MODEL=gemma3-270m`` runs on that embedded model instead (its results, figures
+and docs section carry its name: ``quality_gemma3-270m.json``).
 """
 
 # conftest.py beside this file loads OpenBLAS before anything imports mlx.
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ pytestmark = [pytest.mark.quality, pytest.mark.slow, pytest.mark.model, pytest.m
 def test_quality(benchmark: Any) -> None:
     quick = os.environ.get("VELOX_QUALITY_QUICK") == "1"
     settings = Settings.quick_run() if quick else Settings()
+    settings = replace(settings, model=os.environ.get("VELOX_QUALITY_MODEL", settings.model))
     results = benchmark.pedantic(evaluate, args=(settings,), rounds=1, iterations=1)
     print(report.summary(results))
     ppl = results["perplexity"]["ppl"]

@@ -57,7 +57,9 @@ def test_budget_at_least_t_equals_full(model_and_tokens: Loaded) -> None:
     np.testing.assert_allclose(kept, full, rtol=0, atol=1e-5)
 
 
-def test_evaluate_structure(model_and_tokens: Loaded) -> None:
+def test_evaluate_structure(model_and_tokens: Loaded, tmp_path: Any) -> None:
+    from dataclasses import replace
+
     from velox_bench.quality import report
     from velox_bench.quality.methods import TOVA, variant
     from velox_bench.quality.run import evaluate
@@ -90,6 +92,53 @@ def test_evaluate_structure(model_and_tokens: Loaded) -> None:
     assert retrieval["measure"] in ("exact_match", "likelihood")
     assert "| tova (query/layer) |" in report.perplexity_table(results)
     assert "best_tova_variant" in report.findings(results)
+    assert results["settings"]["model"] == "smollm2-135m"
+    assert results["environment"]["model"].startswith("SmolLM2-135M-Instruct")
+    assert retrieval["chat"] is True  # SmolLM2-Instruct asks through its chat template
+
+    # Another model's run writes files and a docs section that carry its name, beside the
+    # default model's, and writing it again replaces its section.
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
+    other = {**results, "settings": {**results["settings"], "model": "gemma3-270m"}}
+    other["retrieval"] = {**retrieval, "chat": False}
+    for r in (results, other, other):
+        report.write(r, tmp_path)
+    for name in ("quality.json", "quality_gemma3-270m.json"):
+        assert (tmp_path / "benchmarks" / "results" / name).is_file()
+    for name in ("ppl_vs_budget_gemma3-270m.png", "retrieval_gemma3-270m.png", "retrieval.png"):
+        assert (tmp_path / "docs" / "figures" / name).is_file()
+    doc = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert doc.count("<!-- quality:start -->") == 1
+    assert doc.count("<!-- quality-gemma3-270m:start -->") == 1
+    assert "figures/retrieval_gemma3-270m.png" in doc and "as plain text" in doc
+    assert "--model gemma3-270m" in doc
+    assert replace(settings, model="gemma3-270m").default_model is False
+
+
+def test_plain_prompt_for_a_base_model(model_and_tokens: Loaded) -> None:
+    # A tokenizer without a chat template (a base model such as Gemma 3 270M) gets the document
+    # as plain text with the tokenizer's own special tokens, then the question on its own line.
+    from velox_bench.quality import retrieval
+
+    _, tokenizer, tokens = model_and_tokens
+
+    class Base:
+        chat_template = None
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            return [7, *ids] if add_special_tokens else ids  # 7: a stand-in BOS
+
+    document = retrieval.cut_document(tokenizer.decode(tokens), 48, tokenizer.encode)
+    fact = retrieval.facts(0)[0]
+    prompt = retrieval.build_prompt(Base(), document, retrieval.facts(0))
+    text = retrieval.plant(document, retrieval.facts(0))
+    assert prompt.document == [7, *tokenizer.encode(text, add_special_tokens=False)]
+    question = tokenizer.decode(prompt.questions[0])
+    assert question == f"\n\n{fact.question()}\n{fact.primer()}"
+    assert tokenizer.decode(prompt.answers[0]).strip() == str(fact.number)
+    assert all(0 <= d < 1 for d in prompt.depths)
 
 
 def test_batched_trials_equal_trials_alone(model_and_tokens: Loaded) -> None:

@@ -205,7 +205,7 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
     progress.close()
     return {
         "settings": asdict(settings),
-        "environment": environment(),
+        "environment": environment(settings.model),
         "perplexity": perplexity,
         "retrieval": {"budget": settings.retrieval_budget, "rows": by_depth},
     }

@@ -9,7 +9,9 @@ from velox_bench.quality.retrieval import N_FACTS
 from velox_bench.quality.settings import Settings
 
 
-def _yes_no(checks: dict[str, bool]) -> str:
+def _yes_no(checks: dict[str, bool] | None) -> str:
+    if checks is None:
+        return "not measured"
     failed = [b for b, ok in checks.items() if not ok]
     return "yes, at every budget" if not failed else f"no (not at budget {', '.join(failed)})"
 
@@ -46,20 +48,31 @@ def benchmarks_markdown(
         else "likelihood (log-probability of the true answer tokens relative to the full "
         "cache), because the full cache's exact match was below 80%"
     )
-    best = _yes_no(found["tova_layer_best_at_every_budget"])
+    best = _yes_no(found.get("tova_layer_best_at_every_budget"))
     beaten = _beaten(p["ppl"], TOVA.name, [str(b) for b in p["budgets"]])
     if beaten:
         best = f"no; budget {beaten}"
-    streaming = _yes_no(found["streaming_llm_behind_tova"])
+    streaming = _yes_no(found.get("streaming_llm_behind_tova"))
     winner = found["best_tova_variant"]
     minutes = f"{results['runtime_s'] / 60:.0f}"
     full_run = Settings.full_run()
-    return f"""## Quality
+    model = s.get("model", Settings().model)
+    tag = "" if model == Settings().model else f"_{model}"
+    title = env["model"].split(" (")[0]
+    heading = "## Quality" if not tag else f"## Quality: {title}"
+    flag = "" if not tag else f" --model {model}"
+    env_flag = "" if not tag else f"VELOX_QUALITY_MODEL={model} "
+    asked = (
+        "through the chat template"
+        if results["retrieval"].get("chat", True)
+        else "as plain text (a base model has no chat template), the question on its own line"
+    )
+    return f"""{heading}
 
-Produced by `nox -s bench -- quality` (equivalently `python -m velox_bench.quality`; add
-`--quick` for a ~3-minute smoke run). The last run took **{minutes} minutes** on
-{env["machine"]} with BLAS {env["blas"]}.
-Raw numbers: `benchmarks/results/quality.json`.
+Produced by `{env_flag}nox -s bench -- quality` (equivalently
+`python -m velox_bench.quality{flag}`; add `--quick` for a ~3-minute smoke run). The last run
+took **{minutes} minutes** on {env["machine"]} with BLAS {env["blas"]}.
+Raw numbers: `benchmarks/results/quality{tag}.json`.
 
 ### Streaming perplexity
 
@@ -75,14 +88,14 @@ has no prompt end; it is compared in the retrieval test instead.
 
 {ppl_table}
 
-![Perplexity versus budget](figures/ppl_vs_budget.png)
+![Perplexity versus budget](figures/ppl_vs_budget{tag}.png)
 
 Against the TOVA paper (Table 3 of arXiv:2401.06104: TOVA-layer best, per-head behind it, H2O
 and StreamingLLM behind TOVA):
 
 - TOVA query/layer (the `tova` preset) lowest of all methods: {best}.
-- key/head (`tova_adapted`) behind it: {_yes_no(found["key_head_behind_tova"])}.
-- H2O behind TOVA: {_yes_no(found["h2o_behind_tova"])}; StreamingLLM behind TOVA: {streaming}.
+- key/head (`tova_adapted`) behind it: {_yes_no(found.get("key_head_behind_tova"))}.
+- H2O behind TOVA: {_yes_no(found.get("h2o_behind_tova"))}; StreamingLLM behind TOVA: {streaming}.
 {t8_line}- Best TOVA variant (mean perplexity ratio to full over the budgets): `{winner}`.
 
 ### Retrieval
@@ -90,8 +103,8 @@ and StreamingLLM behind TOVA):
 Pass keys ("The pass key of <city> is <5 digits>.", stated twice) planted in the first
 {r["document_tokens"]} tokens of {r["document"]} at relative depths
 {", ".join(f"{d:.0%}" for d in r["depths"])} (three facts per trial, measured depths
-{", ".join(f"{d:.0%}" for d in r["measured_depths"])}), each asked for at the end through the
-chat template with the answer primed ("The pass key of <city> is"). Trials come from a fixed
+{", ".join(f"{d:.0%}" for d in r["measured_depths"])}), each asked for at the end {asked},
+with the answer primed ("The pass key of <city> is"). Trials come from a fixed
 pool of {N_FACTS} (seeded); this run uses the first {r["questions_per_depth"]}, so each cell
 below is {r["questions_per_depth"]} questions. The document is run once per trial and its cache
 state copied for each question. Full-cache exact match: **{r["full_exact_match"]:.0%}**, so the
@@ -100,7 +113,7 @@ cache's, in nats (0 is as good as the full cache).
 
 {retrieval_table}
 
-![Retrieval by depth](figures/retrieval.png)
+![Retrieval by depth](figures/retrieval{tag}.png)
 
 Cost: the default settings are sized to stay under 90 minutes on a 2-core Linux machine with
 OpenBLAS (this run: {minutes} minutes). Retrieval is the expensive part: every method re-reads

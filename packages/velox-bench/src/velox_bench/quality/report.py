@@ -10,8 +10,10 @@ from typing import Any
 
 from velox_bench.quality.docs_text import benchmarks_markdown, tova_numbers_markdown
 from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_KEY_HEAD
+from velox_bench.quality.settings import Settings
 from velox_bench.results import save_figure
 
+DEFAULT_MODEL = Settings().model
 RESULTS = Path("benchmarks/results/quality.json")
 FIGURES = Path("benchmarks/figures")
 DOCS_FIGURES = Path("docs/figures")
@@ -25,6 +27,34 @@ BEHIND_TOVA = {
     "h2o_behind_tova": "h2o",
     "streaming_llm_behind_tova": "streaming_llm",
 }
+
+
+def model_of(results: dict[str, Any]) -> str:
+    """The embedded model a run measured (runs saved before models had names: SmolLM2)."""
+    return str(results["settings"].get("model", DEFAULT_MODEL))
+
+
+def suffix(results: dict[str, Any]) -> str:
+    """``""`` for the default model, whose files keep their plain names; ``"_gemma3-270m"``
+    for another: its results, figures and docs section carry its name."""
+    model = model_of(results)
+    return "" if model == DEFAULT_MODEL else f"_{model}"
+
+
+def results_path(results: dict[str, Any]) -> Path:
+    """``benchmarks/results/quality.json``, or ``quality_<model>.json`` for another model."""
+    return RESULTS.with_name(f"quality{suffix(results)}.json")
+
+
+def figure_names(results: dict[str, Any]) -> tuple[str, str]:
+    """The perplexity and retrieval figures' file names of this run's model."""
+    return f"ppl_vs_budget{suffix(results)}.png", f"retrieval{suffix(results)}.png"
+
+
+def markers(results: dict[str, Any]) -> tuple[str, str]:
+    """The docs/benchmarks.md markers around this run's model's quality section."""
+    name = "quality" + suffix(results).replace("_", "-")
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
 def _ppl(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -160,7 +190,8 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("perplexity")
     p = results["perplexity"]
     ax.set_title(
-        f"Streaming perplexity, SmolLM2-135M, {len(p['documents'])} SOTU "
+        f"Streaming perplexity, {results['environment']['model'].split(' (')[0]}, "
+        f"{len(p['documents'])} SOTU "
         f"address{'es' if len(p['documents']) != 1 else ''} "
         f"× {p['tokens_per_document']} tokens",
         fontsize=9,
@@ -202,7 +233,8 @@ def plot_retrieval(results: dict[str, Any], path: Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(
-        f"Pass-key retrieval, {r['document_tokens']}-token document, "
+        f"Pass-key retrieval, {results['environment']['model'].split(' (')[0]}, "
+        f"{r['document_tokens']}-token document, "
         f"{r['questions_per_depth']} questions per depth (measure: {r['measure']})",
         fontsize=9,
     )
@@ -224,15 +256,18 @@ def benchmarks_section(results: dict[str, Any]) -> str:
 
 
 def write(results: dict[str, Any], root: Path) -> list[Path]:
-    """Results JSON, figures (also under docs/figures/) and the two docs sections."""
+    """Results JSON, figures (also under docs/figures/) and the docs sections: the default
+    model's under the plain names (and the TOVA page's numbers), another model's under names
+    that carry it (:func:`suffix`)."""
     written = []
-    path = root / RESULTS
+    path = root / results_path(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**results, "findings": findings(results)}, indent=2) + "\n")
     written.append(path)
     (root / FIGURES).mkdir(parents=True, exist_ok=True)
     (root / DOCS_FIGURES).mkdir(parents=True, exist_ok=True)
-    for name, plot in (("ppl_vs_budget.png", plot_perplexity), ("retrieval.png", plot_retrieval)):
+    ppl_name, retrieval_name = figure_names(results)
+    for name, plot in ((ppl_name, plot_perplexity), (retrieval_name, plot_retrieval)):
         plot(results, root / FIGURES / name)
         shutil.copyfile(root / FIGURES / name, root / DOCS_FIGURES / name)
         written += [root / FIGURES / name, root / DOCS_FIGURES / name]
@@ -240,13 +275,12 @@ def write(results: dict[str, Any], root: Path) -> list[Path]:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if "<!-- perf:start -->" not in text:
         text = text.rstrip("\n") + "\n\n<!-- perf:start -->\n<!-- perf:end -->\n"
-    text = _replace_between(
-        text, "<!-- quality:start -->", "<!-- quality:end -->", benchmarks_section(results)
-    )
+    start, end = markers(results)
+    text = _replace_between(text, start, end, benchmarks_section(results))
     doc.write_text(text)
     written.append(doc)
     tova = root / TOVA_DOC
-    if tova.exists():
+    if tova.exists() and not suffix(results):
         tova.write_text(
             _replace_between(
                 tova.read_text(),

@@ -1,11 +1,11 @@
 """Planted-fact retrieval: pass keys hidden at several depths of a real text, asked at the end.
 
 Each trial plants three facts ("The pass key of <city> is <5 digits>.") in one document, at
-relative depths 10%, 50% and 90%, then asks for each through the chat template, the answer
-primed with "The pass key of <city> is". The document prefix is run once per trial and its cache
-state copied for each question; trials whose prompts have the same shape run as one batch (rows
-never see each other, tested). Measures per question: exact match (greedy decoding yields the
-five digits) and the log-probability of the true answer tokens.
+relative depths 10%, 50% and 90%, then asks for each through the chat template (a base model:
+as plain text), the answer primed with "The pass key of <city> is". The document prefix is run
+once per trial and its cache state copied for each question; trials whose prompts have the same
+shape run as one batch (rows never see each other, tested). Measures per question: exact match
+(greedy decoding yields the five digits) and the log-probability of the true answer tokens.
 """
 
 from __future__ import annotations
@@ -109,6 +109,20 @@ class Prompt:
         return len(self.document), tuple(map(len, self.questions)), tuple(map(len, self.answers))
 
 
+def _rendered(tokenizer: Any, text: str, fact: Fact) -> str:
+    """The document and the question: through the chat template when the tokenizer has one,
+    else plain text (a base model), the question on a line of its own."""
+    if getattr(tokenizer, "chat_template", None):
+        return str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{text}\n\n{fact.question()}"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        )
+    return f"{text}\n\n{fact.question()}\n"
+
+
 def build_prompt(
     tokenizer: Any,
     document: str,
@@ -116,18 +130,16 @@ def build_prompt(
     where: Sequence[float] = DEPTHS,
 ) -> Prompt:
     """Plant ``planted`` at relative depths ``where`` (one each) of ``document`` and tokenize
-    through the chat template."""
+    through the chat template, or as plain text with the tokenizer's BOS when it has no chat
+    template (a base model such as Gemma 3 270M)."""
     text = plant(document, planted, where)
+    chat = bool(getattr(tokenizer, "chat_template", None))
     doc_ids: list[int] = []
     questions, answers, depths = [], [], []
     for fact in planted:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{text}\n\n{fact.question()}"}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        rendered = _rendered(tokenizer, text, fact)
         end = rendered.index(text) + len(text)
-        head = tokenizer.encode(rendered[:end], add_special_tokens=False)
+        head = tokenizer.encode(rendered[:end], add_special_tokens=not chat)
         tail = rendered[end:] + fact.primer()
         asked = tokenizer.encode(tail, add_special_tokens=False)
         full = tokenizer.encode(tail + fact.answer(), add_special_tokens=False)

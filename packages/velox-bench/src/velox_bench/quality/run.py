@@ -24,7 +24,7 @@ from velox_bench.quality import corpus, methods, report, retrieval
 from velox_bench.quality.methods import FULL, Variant
 from velox_bench.quality.perplexity import perplexity, token_nll
 from velox_bench.quality.settings import Settings
-from velox_mlx_lm.embedded import load_default
+from velox_mlx_lm.embedded import MODELS, load
 
 __all__ = ["Settings", "evaluate", "main", "repo_root"]
 
@@ -192,9 +192,11 @@ def _retrieval_section(
     answers: dict[str, dict[str, list[list[retrieval.Answer]]]],
     *,
     settings: Settings,
+    chat: bool = True,
 ) -> dict[str, Any]:
     """The results' ``retrieval``: per row and budget, accuracy and log-probability per depth;
-    the measure is exact match if the full cache gets at least 80% right, else likelihood."""
+    the measure is exact match if the full cache gets at least 80% right, else likelihood.
+    ``chat``: whether the questions went through a chat template (else plain text)."""
     full_answers = answers[FULL.name]["full"]
     full_accuracy = float(np.mean([a.correct for trial in full_answers for a in trial]))
     by_depth: dict[str, dict[str, dict[str, Any]]] = {}
@@ -210,6 +212,7 @@ def _retrieval_section(
         "questions_per_depth": settings.n_trials,
         "full_exact_match": full_accuracy,
         "measure": "exact_match" if full_accuracy >= 0.8 else "likelihood",
+        "chat": chat,
         "results": by_depth,
     }
 
@@ -224,7 +227,8 @@ def evaluate(
 
     The full cache is always measured first; the variants default to the whole comparison
     (:func:`~velox_bench.quality.methods.perplexity_variants` and ``retrieval_variants``, as
-    registered now). ``loaded``: the embedded ``(model, tokenizer)`` if already loaded.
+    registered now). ``loaded``: the embedded ``(model, tokenizer)`` of ``settings.model`` if
+    already loaded.
     """
     ppl_variants = (
         methods.perplexity_variants() if perplexity_variants is None else perplexity_variants
@@ -233,7 +237,7 @@ def evaluate(
         methods.retrieval_variants() if retrieval_variants is None else retrieval_variants
     )
     started = time.perf_counter()
-    model, tokenizer = load_default() if loaded is None else loaded
+    model, tokenizer = load(settings.model) if loaded is None else loaded
     encode = tokenizer.encode
     documents = corpus.most_recent(settings.n_documents, settings.n_tokens + 1, encode)
     source, prompts = _retrieval_prompts(tokenizer, settings)
@@ -245,10 +249,16 @@ def evaluate(
         model, tokenizer, prompts, variants=ret_variants, settings=settings, step=progress.advance
     )
     progress.close()
-    retrieval_results = _retrieval_section(source, prompts, answers, settings=settings)
+    retrieval_results = _retrieval_section(
+        source,
+        prompts,
+        answers,
+        settings=settings,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+    )
     return {
         "settings": asdict(settings),
-        "environment": environment(),
+        "environment": environment(settings.model),
         "runtime_s": round(time.perf_counter() - started, 1),
         "perplexity": {
             "documents": [
@@ -321,14 +331,14 @@ def run_settings(
     return 0
 
 
-def environment() -> dict[str, Any]:
-    """What a quality run ran on: BLAS, MLX and Python versions, machine, model."""
+def environment(model: str = "smollm2-135m") -> dict[str, Any]:
+    """What a quality run ran on: BLAS, MLX and Python versions, machine, embedded ``model``."""
     return {
         "blas": velox_blas.blas_in_use(),
         "mlx": getattr(mx, "__version__", "unknown"),
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
-        "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized float32)",
+        "model": f"{MODELS[model].title} (embedded GGUF, dequantized float32)",
     }
 
 
@@ -354,6 +364,12 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--quick", action="store_true", help="a small run (~3 min)")
     size.add_argument(
         "--full", action="store_true", help=f"{Settings.full_run().describe()} (hours)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        help="the embedded model (default smollm2-135m); another model's results, figures and "
+        "docs section carry its name",
     )
     parser.add_argument("--trials", type=int, help="retrieval questions per depth")
     parser.add_argument("--documents", type=int, help="perplexity documents")
@@ -401,7 +417,12 @@ def _measure(args: argparse.Namespace) -> int:
     settings = (
         Settings.quick_run() if args.quick else Settings.full_run() if args.full else Settings()
     )
-    changes = {"n_trials": args.trials, "n_documents": args.documents, "n_tokens": args.tokens}
+    changes = {
+        "n_trials": args.trials,
+        "n_documents": args.documents,
+        "n_tokens": args.tokens,
+        "model": args.model,
+    }
 
     def write(results: dict[str, Any]) -> list[Path]:
         out = args.out if args.out is not None else (None if settings.quick else repo_root())

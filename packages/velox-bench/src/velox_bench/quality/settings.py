@@ -20,6 +20,13 @@ class Settings:
     n_trials: int = 30  # trials of the fixed pool used; each asks one fact per depth
     retrieval_batch: int = 10  # trials of one prompt shape run together
     quick: bool = False
+    model: str = "smollm2-135m"  # an embedded model (velox_mlx_lm.embedded.MODELS)
+
+    @property
+    def default_model(self) -> bool:
+        """Whether this run is on the default embedded model, whose results keep the plain
+        names (``quality.json``); another model's carry its name."""
+        return self.model == "smollm2-135m"
 
     @classmethod
     def quick_run(cls) -> Settings:
