@@ -9,6 +9,7 @@ into the steps the fast path took. Random shapes, budgets, sinks, GQA ratios, ba
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -261,3 +262,114 @@ def test_bad_queries_on_the_fast_path_change_nothing() -> None:
     assert layer.state is before and layer.pending is not None
     layer.attend(mx.ones((1, 2, 1, 4)), 0.5)  # the call is still there to settle
     assert layer.state.offset == before.offset + 1
+
+
+def _drive_chunks(
+    case: str, *, B: int, H: int, group: int, budget: int, chunks: list[int], trims: list[int],
+    seed: int,
+) -> int:  # fmt: skip
+    """Short chunks (speculative verify chunks) on the fast layer, the same tokens one by one
+    on the general one: identical outputs, stores, running fields and undo logs, and trims
+    after each chunk. Returns how many chunks ran as decode steps."""
+    fast_layer, slow_layer = _layers(case, budget, 1, 8, Mode.QUERIES)
+    rng = np.random.default_rng(seed)
+    D = 4
+
+    def draw(L: int) -> tuple[mx.array, mx.array, mx.array]:
+        k = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        v = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        q = mx.array(rng.standard_normal((B, H * group, L, D)).astype(np.float32))
+        return k, v, q
+
+    k, v, q = draw(budget + 3)
+    for layer, on in ((fast_layer, True), (slow_layer, False)):
+        with fast(on):
+            _call(layer, k, v, q)
+    stepped = 0
+    for i, L in enumerate(chunks):
+        k, v, q = draw(L)
+        with fast(True):
+            out_fast = _call(fast_layer, k, v, q)
+            stepped += int(fast_layer.stepped)
+            if fast_layer.stepped:  # one undo entry per token: a trim only pops entries
+                entries = fast_layer.log.entries if fast_layer.log is not None else ()
+                assert all(e.length == 1 and e.inputs is None for e in entries[-L:])
+        with fast(False):
+            if fast_layer.stepped:  # each token as its own array, as a decode step gets it
+                one = [[mx.contiguous(x[:, :, j : j + 1]) for x in (k, v, q)] for j in range(L)]
+                outs = [_call(slow_layer, *token) for token in one]
+            else:  # the general path took the chunk on both
+                outs = [_call(slow_layer, k, v, q)]
+        _equal(out_fast, mx.concatenate(outs, axis=2), f"attention output, chunk {i}")
+        _same_layers(fast_layer, slow_layer)
+        n = trims[i] if i < len(trims) else 0
+        if n and fast_layer.log is not None and n <= min(fast_layer.log.tokens, L):
+            fast_layer.trim(n)
+            slow_layer.trim(n)
+            _same_layers(fast_layer, slow_layer)
+    return stepped
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_short_chunks_run_as_decode_steps(case: str) -> None:
+    stepped = _drive_chunks(
+        case, B=1, H=2, group=2, budget=8, chunks=[4, 4, 2, 5, 4, 3, 4, 16],
+        trims=[3, 0, 1, 4, 2, 3, 0, 9], seed=3,
+    )  # fmt: skip
+    opted_in = POLICIES[CASES[case][0]].compiled_decode and case != "snapkv"
+    # the first chunk after the prompt may find the store not yet steady (no dead slot)
+    assert stepped >= 7 if opted_in else stepped == 0, f"{case}: {stepped} of 8 chunks stepped"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    case=st.sampled_from(sorted(CASES)),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    group=st.integers(1, 3),
+    budget=st.integers(4, 10),
+    chunks=st.lists(st.integers(2, 7), min_size=1, max_size=8),
+    trims=st.lists(st.integers(0, 6), max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_short_chunks_property(
+    case: str, B: int, H: int, group: int, budget: int, chunks: list[int], trims: list[int],
+    seed: int,
+) -> None:  # fmt: skip
+    _drive_chunks(case, B=B, H=H, group=group, budget=budget, chunks=chunks, trims=trims, seed=seed)
+
+
+def test_a_stepped_chunk_the_queries_never_reach_is_settled_by_the_general_path() -> None:
+    tova = POLICIES["tova"]
+    a = Layer(tova, tova.init(budget=4, n_sink=1, signal="query"), new_log(8))
+    b = Layer(tova, tova.init(budget=4, n_sink=1, signal="query"), new_log(8))
+    k = mx.array(np.random.default_rng(4).standard_normal((1, 1, 10, 4)).astype(np.float32))
+    for layer in (a, b):
+        layer.lay_out(k[:, :, :6], k[:, :, :6])
+        layer.attend(k[:, :, :6], 0.5)
+        layer.lay_out(k[:, :, 6:7], k[:, :, 6:7])  # a decode step: the store is steady
+        layer.attend(k[:, :, 6:7], 0.5)
+    a.lay_out(k[:, :, 7:], k[:, :, 7:])
+    assert type(a.pending).__name__ == "SteppedWaiting"
+    with fast(False):
+        b.lay_out(k[:, :, 7:], k[:, :, 7:])
+    with warnings.catch_warnings():  # the no-hook fallback warns once per process
+        warnings.simplefilter("ignore", RuntimeWarning)
+        a.settle()
+        with fast(False):
+            b.settle()
+    _same_layers(a, b)
+
+
+def test_a_layer_sharing_a_stepped_chunk_is_refused() -> None:
+    tova = POLICIES["tova"]
+    layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(8))
+    k = mx.ones((1, 1, 10, 4))
+    for part in (slice(0, 6), slice(6, 7)):  # a prompt and a decode step: the store is steady
+        layer.lay_out(k[:, :, part], k[:, :, part])
+        layer.attend(k[:, :, part], 0.5)
+    layer.lay_out(k[:, :, 7:], k[:, :, 7:])
+    layer.attend(k[:, :, 7:], 0.5)
+    assert layer.stepped
+    with pytest.raises(RuntimeError, match="run as decode steps"):
+        layer.attend(k[:, :, 7:], 0.5)  # a second attention over the same call

@@ -83,6 +83,18 @@ class FastWaiting(Waiting):
     key: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class SteppedWaiting(Waiting):
+    """A short chunk at the budget (a speculative verify chunk of a few draft tokens) whose
+    :meth:`Layer.attend` runs it as that many fast decode steps: each token written and decided
+    in turn with its own query, what feeding the tokens one by one does (sequential prefill's
+    meaning), with one undo entry per token, so that a trim after it only pops entries.
+    Anything but ``attend`` settles it as a plain :class:`Waiting` call."""
+
+
+# A chunk of at most this many tokens, at the budget on the fast path, runs as decode steps.
+STEPPED_CHUNK = 16
+
 # what a FastWaiting is made from (fast_step.fresh: no frozen __init__ per token)
 _FAST_WAITING = FastWaiting(None, None, None, ())  # type: ignore[arg-type]
 
@@ -126,7 +138,8 @@ def _decode_queries(queries: Any, keys: R.Rows) -> bool:
 
 
 def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
-    """Whether a decode token ``[B, H_kv, 1, D]`` matches the store exactly (shapes, dtype)."""
+    """Whether a decode token ``[B, H_kv, 1, D]`` (or a short chunk ``[B, H_kv, L, D]``)
+    matches the store exactly (shapes, dtype)."""
     held_k, held_v = slots.keys, slots.values
     return (
         isinstance(keys, mx.array)
@@ -195,6 +208,9 @@ class Layer:
         # (state, kernel key): the state the last fast decode step left, whose next step takes
         # the same kernels (velox_cache_core.fast_step); any other state is checked again
         self._fast_next: tuple[Any, tuple[Any, ...]] | None = None
+        # the last call was a short chunk run as decode steps (SteppedWaiting): no one step
+        # describes it for a layer sharing this one's keys and values
+        self.stepped = False
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
@@ -276,12 +292,18 @@ class Layer:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
+        self.stepped = False
         idle = self.pending is None and self.phase is None and self.quant is None
         if idle and keys.shape[2] == 1:  # a decode step with nothing in flight: maybe fast
             self.last = None
             fast = self._lay_out_fast(keys, values)
             if fast is not None:
                 return fast
+        if idle and 1 < keys.shape[2] <= STEPPED_CHUNK and self._steps_chunk(keys, values):
+            self.last = None
+            self.fetched = self._wait(keys, values)
+            self.pending = SteppedWaiting(keys, values)
+            return self.fetched
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
         keys, values = self.stored(keys, values)
@@ -343,6 +365,78 @@ class Layer:
         self._fast_next = None if follow is None else (step.state, follow)
         return self._decided(step)
 
+    def _steps_chunk(self, keys: Any, values: Any) -> bool:
+        """Whether a short chunk runs as fast decode steps (:class:`SteppedWaiting`): the
+        layer waits for the true queries, its policy ends no prompt, and its next step is one
+        the fast path takes."""
+        if not self._may_go_fast() or self.mode is not Mode.QUERIES or self.phase is not None:
+            return False
+        state = self.state
+        if self.policy.prompt_end is not None or state.slots is None:
+            return False
+        if not _fits(state.slots, keys, values):
+            return False
+        return FS.eligible(self.policy, state, queries_needed=self._waits(1)) is not None
+
+    def _attend_stepped(
+        self, pending: SteppedWaiting, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        """``[B, H_q, L, D]``: the chunk's tokens written, decided and attended one at a time
+        through the fast path; from a token whose step it does not take, the rest of the chunk
+        goes through the general path (sequential prefill, the same meaning)."""
+        keys, values = pending.keys, pending.values
+        assert isinstance(keys, mx.array) and isinstance(values, mx.array)  # no quant: unquantized
+        try:
+            check_queries(queries, keys)
+            scale = check_scale(scale, int(keys.shape[3]))
+        except (TypeError, ValueError):
+            self.pending = pending  # nothing changed
+            raise
+        here = sinks is None and mx.default_device() == mx.cpu
+        needs = self._waits(1)
+        # a step deciding without the queries decides at lay-out time, with the default scale
+        own_scale = check_scale(None, int(keys.shape[3]))
+        outs: list[mx.array] = []
+        L = int(keys.shape[2])
+        key = None
+        for i in range(L):
+            key = key or FS.eligible(self.policy, self.state, queries_needed=needs)
+            q = mx.contiguous(queries[:, :, i : i + 1])
+            if key is None:  # not a steady step any more
+                rest = slice(i, L)
+                step = self._feed(
+                    self.state,
+                    keys=keys[:, :, rest],
+                    values=values[:, :, rest],
+                    queries=queries[:, :, rest] if needs else None,
+                    scale=scale if needs else None,
+                )
+                self.state = step.state
+                outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
+                break
+            written = FS.write(
+                self.policy,
+                self.state,
+                key,
+                mx.contiguous(keys[:, :, i : i + 1]),
+                mx.contiguous(values[:, :, i : i + 1]),
+            )
+            step, out, key = FS.decide(
+                self.policy,
+                self.state,
+                key,
+                written,
+                self.log,
+                q if needs else None,
+                scale if needs else own_scale,
+                here and needs,
+            )
+            self.log, self.state = step.log, step.state
+            outs.append(out if out is not None else attend_step(q, step, scale, sinks))
+        self._fast_next = None if key is None else (self.state, key)
+        self.stepped = True
+        return mx.concatenate(outs, axis=2)
+
     def _decided(self, step: Step) -> tuple[R.Rows, R.Rows]:
         """Take a decode step decided as it was laid out; its attention may still come."""
         self.log = step.log
@@ -396,6 +490,12 @@ class Layer:
         self.pending = pending
         if self.last is not None:  # a layer sharing this one's keys and values
             return attend_step(queries, replace(self.last, probs=None), scale, sinks)
+        if self.stepped:
+            raise RuntimeError(
+                f"a layer shares the keys and values of this {self.policy.name} cache, whose "
+                "last call was a short chunk run as decode steps: no single mask serves it; "
+                "set velox_cache_core.layer.STEPPED_CHUNK = 1 for this model"
+            )
         raise RuntimeError("attend() called before update_and_fetch()")
 
     def attend_rows(
@@ -478,6 +578,8 @@ class Layer:
     ) -> mx.array:
         if isinstance(pending, FastWaiting) and self.mode is not Mode.STEP_SUMS:
             return self._attend_fast(pending, queries, scale, sinks)
+        if isinstance(pending, SteppedWaiting):
+            return self._attend_stepped(pending, queries, scale, sinks)
         keys, values = pending.keys, pending.values
         L = int(keys.shape[2])
         if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
@@ -758,6 +860,7 @@ class Layer:
         self.pending = None
         self.phase = None
         self.fetched = self.last = None
+        self.stepped = False
 
     def tie(self, value: mx.array) -> None:
         """Tie ``value`` to the stored keys without changing them (pipeline-parallel sends)."""

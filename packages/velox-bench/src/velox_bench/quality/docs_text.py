@@ -27,6 +27,25 @@ def _beaten(ppl: dict[str, dict[str, float]], name: str, budgets: list[str]) -> 
     return "; ".join(notes)
 
 
+def _refused(r: dict[str, Any]) -> str:
+    """Lines for the retrieval rows whose cache refused the model, with the reason."""
+    lines = "".join(
+        f"\n- `{name}` is not in the table: its cache refuses this model ({why})"
+        for name, why in r.get("refused", {}).items()
+    )
+    return lines + "\n" if lines else ""
+
+
+def _model_names(results: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(section heading, file-name tag, ``--model`` flag, environment variable) of the run's
+    model: empty tag and flags for the default model."""
+    model = results["settings"].get("model", Settings().model)
+    if model == Settings().model:
+        return "## Quality", "", "", ""
+    title = results["environment"]["model"].split(" (")[0]
+    return f"## Quality: {title}", f"_{model}", f" --model {model}", f"VELOX_QUALITY_MODEL={model} "
+
+
 def benchmarks_markdown(
     results: dict[str, Any], ppl_table: str, retrieval_table: str, found: dict[str, Any]
 ) -> str:
@@ -56,12 +75,8 @@ def benchmarks_markdown(
     winner = found["best_tova_variant"]
     minutes = f"{results['runtime_s'] / 60:.0f}"
     full_run = Settings.full_run()
-    model = s.get("model", Settings().model)
-    tag = "" if model == Settings().model else f"_{model}"
-    title = env["model"].split(" (")[0]
-    heading = "## Quality" if not tag else f"## Quality: {title}"
-    flag = "" if not tag else f" --model {model}"
-    env_flag = "" if not tag else f"VELOX_QUALITY_MODEL={model} "
+    refused = _refused(r)
+    heading, tag, flag, env_flag = _model_names(results)
     asked = (
         "through the chat template"
         if results["retrieval"].get("chat", True)
@@ -112,7 +127,7 @@ measure is {measure}. Both are reported: accuracy, and Δlogp = mean log p(answe
 cache's, in nats (0 is as good as the full cache).
 
 {retrieval_table}
-
+{refused}
 ![Retrieval by depth](figures/retrieval{tag}.png)
 
 Cost: the default settings are sized to stay under 90 minutes on a 2-core Linux machine with

@@ -194,7 +194,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mids = [(a + b) / 2 for a, b in results["windows"]]
     for label, row in results["rows"].items():
-        style = {"color": "black", "linestyle": "--"} if label == "full" else {"marker": "o"}
+        style: dict[str, Any] = (
+            {"color": "black", "linestyle": "--"} if label == "full" else {"marker": "o"}
+        )
         ax.plot(mids, row["windows"], label=label, **style)
     ax.axvline(results["context"], color="grey", linewidth=0.8)
     ax.text(results["context"], ax.get_ylim()[0], " context", color="grey", fontsize=8)

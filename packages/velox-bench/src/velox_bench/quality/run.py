@@ -154,20 +154,30 @@ def _retrieval_answers(
     variants: Sequence[Variant],
     settings: Settings,
     step: Callable[[int], Any],
+    refused: dict[str, str],
 ) -> dict[str, dict[str, list[list[retrieval.Answer]]]]:
     """Every trial's answers, by variant and budget: the full cache first (it decides the
-    measure), then every variant at every retrieval budget."""
+    measure), then every variant at every retrieval budget. A variant whose cache refuses the
+    model (``ValueError``, e.g. KVzip's reconstruction pass past a model's own sliding-window
+    caches) goes into ``refused`` with the error's message instead."""
     answers: dict[str, dict[str, list[list[retrieval.Answer]]]] = {}
     for variant, budget in _runs(variants, settings.retrieval_budgets):
-        answers.setdefault(variant.name, {})[_budget_key(variant, budget)] = retrieval.run_trials(
-            model,
-            variant.config(budget),
-            prompts,
-            chunk=settings.chunk,
-            batch=settings.retrieval_batch,
-            on_tokens=step,
-            tokenizer=tokenizer,
-        )
+        try:
+            trials = retrieval.run_trials(
+                model,
+                variant.config(budget),
+                prompts,
+                chunk=settings.chunk,
+                batch=settings.retrieval_batch,
+                on_tokens=step,
+                tokenizer=tokenizer,
+            )
+        except ValueError as exc:  # a method that refuses this model, with its reason
+            if variant is FULL:
+                raise
+            refused[variant.name] = str(exc)
+            continue
+        answers.setdefault(variant.name, {})[_budget_key(variant, budget)] = trials
     return answers
 
 
@@ -245,8 +255,15 @@ def evaluate(
     ppl, per_document = _perplexities(
         model, encode, documents, variants=ppl_variants, settings=settings, step=progress.advance
     )
+    refused: dict[str, str] = {}
     answers = _retrieval_answers(
-        model, tokenizer, prompts, variants=ret_variants, settings=settings, step=progress.advance
+        model,
+        tokenizer,
+        prompts,
+        variants=ret_variants,
+        settings=settings,
+        step=progress.advance,
+        refused=refused,
     )
     progress.close()
     retrieval_results = _retrieval_section(
@@ -256,6 +273,7 @@ def evaluate(
         settings=settings,
         chat=bool(getattr(tokenizer, "chat_template", None)),
     )
+    retrieval_results["refused"] = refused
     return {
         "settings": asdict(settings),
         "environment": environment(settings.model),

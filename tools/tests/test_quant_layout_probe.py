@@ -1,0 +1,57 @@
+"""tools/quant_layout_probe.py without the model: its emulated layouts against numpy."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("velox_bench")
+mx = pytest.importorskip("mlx.core")
+TOOL = Path(__file__).resolve().parents[1] / "quant_layout_probe.py"
+spec = importlib.util.spec_from_file_location("quant_layout_probe", TOOL)
+assert spec is not None and spec.loader is not None
+tool = importlib.util.module_from_spec(spec)
+sys.modules["quant_layout_probe"] = tool
+spec.loader.exec_module(tool)
+
+
+def test_hadamard_rotation_is_orthogonal_and_its_own_inverse() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 5, 128)).astype(np.float32)
+    y = np.array(tool.rotate(mx.array(x)))
+    np.testing.assert_allclose(np.array(tool.rotate(mx.array(y))), x, atol=1e-5)
+    # dot products of rows (what attention reads) are kept
+    np.testing.assert_allclose(y @ y.swapaxes(-1, -2), x @ x.swapaxes(-1, -2), atol=1e-3)
+    h = np.array(tool.hadamard(4)) * 2
+    assert np.array_equal(h, [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]])
+
+
+def test_per_channel_groups_run_along_tokens() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 2, 128, 64)).astype(np.float32)
+    x[..., 7] *= 50  # an outlier channel: per-channel groups keep the others' precision
+    got = np.array(tool.per_channel(mx.array(x), 4))
+    for c in (0, 7):
+        for g in range(2):  # each channel's group of 64 tokens: 16 levels between its min and max
+            col = x[0, 0, 64 * g : 64 * (g + 1), c]
+            step = (col.max() - col.min()) / 15
+            err = np.abs(got[0, 0, 64 * g : 64 * (g + 1), c] - col)
+            assert err.max() <= step  # within one of its own 16 levels
+    per_token_err = np.abs(np.array(tool.per_token(mx.array(x), 4)) - x)[..., :7].mean()
+    assert np.abs(got - x)[..., :7].mean() < per_token_err
+    with pytest.raises(ValueError, match="whole groups of 64 tokens"):
+        tool.per_channel(mx.array(x[:, :, :100]), 4)
+
+
+def test_configs_and_the_store_is_restored() -> None:
+    assert tool.config("float", 4, 512).kv_bits is None
+    assert tool.config("per-token", 4, 512).kv_bits == 4
+    assert tool.config("per-channel-keys", 4, 512).kv_bits == 8  # emulated, stored at 8 bits
+    stored = tool.layer_module.Layer.stored
+    with pytest.raises(Exception):  # noqa: B017 (no model: the call fails inside)
+        tool.score(None, [1, 2, 3], "keys-only", 4, 64)
+    assert tool.layer_module.Layer.stored is stored
