@@ -113,15 +113,11 @@ def eviction_steps(
     if scores is None:
         scores = mx.zeros((1,))
     decide = _compiled(fusion, accumulate, recent, group)
-    # A long scan is a long chain of small steps: evaluating the shared inputs first and the
-    # chain every few steps keeps each step's graph small (measured 5x faster on CPU than one
-    # big graph). A short one (a verify chunk of a few draft tokens) stays lazy: evaluating it
-    # here would stop the forward pass at every layer for a graph of a few ops.
-    long = length - first >= _EVAL_EVERY
-    if long:
-        mx.eval(exp_rows, positions, protected, evict_step, scores)
+    # The scan is a long chain of small steps: evaluating the shared inputs first and the chain
+    # every few steps keeps each step's graph small (measured 5x faster on CPU than one big graph).
+    mx.eval(exp_rows, positions, protected, evict_step, scores)
     for i in range(first, length):
-        if long and (i - first) % _EVAL_EVERY == _EVAL_EVERY - 1:
+        if (i - first) % _EVAL_EVERY == _EVAL_EVERY - 1:
             mx.eval(evict_step, scores)
         row = n_history + i
         evict_step, scores = decide(
