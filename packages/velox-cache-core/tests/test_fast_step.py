@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import fast_step as FS
+from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES
 from velox_cache_core.slots import KVSlots
@@ -290,7 +292,7 @@ def _drive_chunks(
         k, v, q = draw(L)
         with fast(True):
             out_fast = _call(fast_layer, k, v, q)
-            stepped += int(fast_layer.stepped)
+            stepped += int(bool(fast_layer.stepped))
             if fast_layer.stepped:  # one undo entry per token: a trim only pops entries
                 entries = fast_layer.log.entries if fast_layer.log is not None else ()
                 assert all(e.length == 1 and e.inputs is None for e in entries[-L:])
@@ -361,15 +363,26 @@ def test_a_stepped_chunk_the_queries_never_reach_is_settled_by_the_general_path(
     _same_layers(a, b)
 
 
-def test_a_layer_sharing_a_stepped_chunk_is_refused() -> None:
-    tova = POLICIES["tova"]
-    layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(8))
-    k = mx.ones((1, 1, 10, 4))
+@pytest.mark.parametrize("case", ["tova", "streaming_llm", "h2o_key_layer"])
+def test_a_layer_sharing_a_stepped_chunk_attends_each_row_over_its_step(case: str) -> None:
+    # KV sharing (gemma3n): another layer's queries attend over this call's keys and values
+    layer, _ = _layers(case, 4, 1, 8, Mode.QUERIES)
+    rng = np.random.default_rng(5)
+    k = mx.array(rng.standard_normal((1, 1, 10, 4)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, 2, 10, 4)).astype(np.float32))
     for part in (slice(0, 6), slice(6, 7)):  # a prompt and a decode step: the store is steady
         layer.lay_out(k[:, :, part], k[:, :, part])
-        layer.attend(k[:, :, part], 0.5)
+        layer.attend(q[:, :, part], 0.5)
     layer.lay_out(k[:, :, 7:], k[:, :, 7:])
-    layer.attend(k[:, :, 7:], 0.5)
-    assert layer.stepped
-    with pytest.raises(RuntimeError, match="run as decode steps"):
-        layer.attend(k[:, :, 7:], 0.5)  # a second attention over the same call
+    first = layer.attend(q[:, :, 7:], 0.5)
+    assert [(a, b) for a, b, _ in layer.stepped] == [(0, 1), (1, 2), (2, 3)]
+    again = layer.attend(q[:, :, 7:], 0.5)  # the sharing layer, with the same queries
+    np.testing.assert_allclose(np.array(again), np.array(first), rtol=1e-6, atol=1e-6)
+    other = mx.array(rng.standard_normal((1, 2, 3, 4)).astype(np.float32))
+    shared = layer.attend(other, 0.5)
+    for a, b, step in layer.stepped:  # each row over the candidates of its own step
+        np.testing.assert_allclose(
+            np.array(shared[:, :, a:b]),
+            np.array(attend_step(other[:, :, a:b], replace(step, probs=None), 0.5, None)),
+            rtol=1e-6,
+        )

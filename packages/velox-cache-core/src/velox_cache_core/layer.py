@@ -208,9 +208,9 @@ class Layer:
         # (state, kernel key): the state the last fast decode step left, whose next step takes
         # the same kernels (velox_cache_core.fast_step); any other state is checked again
         self._fast_next: tuple[Any, tuple[Any, ...]] | None = None
-        # the last call was a short chunk run as decode steps (SteppedWaiting): no one step
-        # describes it for a layer sharing this one's keys and values
-        self.stepped = False
+        # the last call was a short chunk run as decode steps (SteppedWaiting): the query rows
+        # [a, b) of each step, for a layer sharing this one's keys and values
+        self.stepped: list[tuple[int, int, Step]] = []
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
@@ -292,7 +292,7 @@ class Layer:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
-        self.stepped = False
+        self.stepped = []
         idle = self.pending is None and self.phase is None and self.quant is None
         if idle and keys.shape[2] == 1:  # a decode step with nothing in flight: maybe fast
             self.last = None
@@ -397,6 +397,7 @@ class Layer:
         # a step deciding without the queries decides at lay-out time, with the default scale
         own_scale = check_scale(None, int(keys.shape[3]))
         outs: list[mx.array] = []
+        steps: list[tuple[int, int, Step]] = []
         L = int(keys.shape[2])
         key = None
         for i in range(L):
@@ -412,6 +413,7 @@ class Layer:
                     scale=scale if needs else None,
                 )
                 self.state = step.state
+                steps.append((i, L, step))
                 outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
                 break
             written = FS.write(
@@ -432,9 +434,10 @@ class Layer:
                 here and needs,
             )
             self.log, self.state = step.log, step.state
+            steps.append((i, i + 1, step))
             outs.append(out if out is not None else attend_step(q, step, scale, sinks))
         self._fast_next = None if key is None else (self.state, key)
-        self.stepped = True
+        self.stepped = steps
         return mx.concatenate(outs, axis=2)
 
     def _decided(self, step: Step) -> tuple[R.Rows, R.Rows]:
@@ -490,12 +493,12 @@ class Layer:
         self.pending = pending
         if self.last is not None:  # a layer sharing this one's keys and values
             return attend_step(queries, replace(self.last, probs=None), scale, sinks)
-        if self.stepped:
-            raise RuntimeError(
-                f"a layer shares the keys and values of this {self.policy.name} cache, whose "
-                "last call was a short chunk run as decode steps: no single mask serves it; "
-                "set velox_cache_core.layer.STEPPED_CHUNK = 1 for this model"
-            )
+        if self.stepped:  # a short chunk run as steps: each query row over its own step
+            outs = [
+                attend_step(queries[:, :, a:b], replace(step, probs=None), scale, sinks)
+                for a, b, step in self.stepped
+            ]
+            return mx.concatenate(outs, axis=2)
         raise RuntimeError("attend() called before update_and_fetch()")
 
     def attend_rows(
@@ -860,7 +863,7 @@ class Layer:
         self.pending = None
         self.phase = None
         self.fetched = self.last = None
-        self.stepped = False
+        self.stepped = []
 
     def tie(self, value: mx.array) -> None:
         """Tie ``value`` to the stored keys without changing them (pipeline-parallel sends)."""
