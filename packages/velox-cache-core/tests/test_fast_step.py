@@ -10,7 +10,7 @@ into the steps the fast path took. Random shapes, budgets, sinks, GQA ratios, ba
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -128,6 +128,30 @@ def _call(layer: Layer, keys: mx.array, values: mx.array, queries: mx.array | No
     return layer.attend(queries, scale=0.3)
 
 
+def _drawer(
+    rng: np.random.Generator, B: int, H: int, group: int, D: int
+) -> Callable[[int], tuple[mx.array, mx.array, mx.array]]:
+    """``draw(L)``: random keys, values ``[B, H, L, D]`` and queries ``[B, H * group, L, D]``."""
+
+    def draw(L: int) -> tuple[mx.array, mx.array, mx.array]:
+        k = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        v = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+        q = mx.array(rng.standard_normal((B, H * group, L, D)).astype(np.float32))
+        return k, v, q
+
+    return draw
+
+
+def _trim_both(fast_layer: Layer, slow_layer: Layer, n: int, most: int | None = None) -> None:
+    """Trim ``n`` tokens from both layers when ``0 < n``, the logs reach back that far and
+    ``n <= most`` (``None``: no other bound), and compare them after."""
+    log = fast_layer.log
+    if n and log is not None and n <= log.tokens and (most is None or n <= most):
+        fast_layer.trim(n)
+        slow_layer.trim(n)
+        _same_layers(fast_layer, slow_layer)
+
+
 def _drive(
     case: str,
     *,
@@ -148,12 +172,7 @@ def _drive(
     fast_layer, slow_layer = _layers(case, budget, n_sink, 4, mode)
     rng = np.random.default_rng(seed)
 
-    def draw(L: int) -> tuple[mx.array, mx.array, mx.array]:
-        k = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
-        v = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
-        q = mx.array(rng.standard_normal((B, H * group, L, D)).astype(np.float32))
-        return k, v, q
-
+    draw = _drawer(rng, B, H, group, D)
     use_queries = mode is not Mode.AT_ONCE
     k, v, q = draw(prompt)
     for layer, on in ((fast_layer, True), (slow_layer, False)):
@@ -172,11 +191,7 @@ def _drive(
         if use_queries:
             _equal(out_fast, out_slow, f"attention output, step {i}")
         _same_layers(fast_layer, slow_layer)
-        n = trims[i] if i < len(trims) else 0
-        if n and fast_layer.log is not None and n <= fast_layer.log.tokens:
-            fast_layer.trim(n)
-            slow_layer.trim(n)
-            _same_layers(fast_layer, slow_layer)
+        _trim_both(fast_layer, slow_layer, trims[i] if i < len(trims) else 0)
     return taken
 
 
@@ -277,12 +292,7 @@ def _drive_chunks(
     rng = np.random.default_rng(seed)
     D = 4
 
-    def draw(L: int) -> tuple[mx.array, mx.array, mx.array]:
-        k = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
-        v = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
-        q = mx.array(rng.standard_normal((B, H * group, L, D)).astype(np.float32))
-        return k, v, q
-
+    draw = _drawer(rng, B, H, group, D)
     k, v, q = draw(budget + 3)
     for layer, on in ((fast_layer, True), (slow_layer, False)):
         with fast(on):
@@ -304,11 +314,7 @@ def _drive_chunks(
                 outs = [_call(slow_layer, k, v, q)]
         _equal(out_fast, mx.concatenate(outs, axis=2), f"attention output, chunk {i}")
         _same_layers(fast_layer, slow_layer)
-        n = trims[i] if i < len(trims) else 0
-        if n and fast_layer.log is not None and n <= min(fast_layer.log.tokens, L):
-            fast_layer.trim(n)
-            slow_layer.trim(n)
-            _same_layers(fast_layer, slow_layer)
+        _trim_both(fast_layer, slow_layer, trims[i] if i < len(trims) else 0, L)
     return stepped
 
 

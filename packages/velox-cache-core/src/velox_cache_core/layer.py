@@ -89,7 +89,10 @@ class SteppedWaiting(Waiting):
     :meth:`Layer.attend` runs it as that many fast decode steps: each token written and decided
     in turn with its own query, what feeding the tokens one by one does (sequential prefill's
     meaning), with one undo entry per token, so that a trim after it only pops entries.
-    Anything but ``attend`` settles it as a plain :class:`Waiting` call."""
+    Anything but ``attend`` settles it as a plain :class:`Waiting` call. ``key``: the kernel
+    key of its first step."""
+
+    key: tuple[Any, ...]
 
 
 # A chunk of at most this many tokens, at the budget on the fast path, runs as decode steps.
@@ -299,10 +302,12 @@ class Layer:
             fast = self._lay_out_fast(keys, values)
             if fast is not None:
                 return fast
-        if idle and 1 < keys.shape[2] <= STEPPED_CHUNK and self._steps_chunk(keys, values):
+        short = idle and 1 < keys.shape[2] <= STEPPED_CHUNK
+        first = self._steps_chunk(keys, values) if short else None
+        if first is not None:
             self.last = None
             self.fetched = self._wait(keys, values)
-            self.pending = SteppedWaiting(keys, values)
+            self.pending = SteppedWaiting(keys, values, first)
             return self.fetched
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
@@ -345,12 +350,7 @@ class Layer:
             if not _fits(state.slots, keys, values):
                 return None
             return self._decided(FS.append(state, keys, values, self.log))
-        follows = self._fast_next
-        key: tuple[Any, ...] | None
-        if follows is not None and follows[0] is state:  # the state the last fast step left
-            key = follows[1]
-        else:
-            key = FS.eligible(self.policy, state, queries_needed=self._waits(1))
+        key = self._fast_key(state)
         if key is None or not _fits(state.slots, keys, values):
             return None
         written = FS.write(self.policy, state, key, keys, values)
@@ -365,18 +365,26 @@ class Layer:
         self._fast_next = None if follow is None else (step.state, follow)
         return self._decided(step)
 
-    def _steps_chunk(self, keys: Any, values: Any) -> bool:
-        """Whether a short chunk runs as fast decode steps (:class:`SteppedWaiting`): the
-        layer waits for the true queries, its policy ends no prompt, and its next step is one
-        the fast path takes."""
-        if not self._may_go_fast() or self.mode is not Mode.QUERIES or self.phase is not None:
-            return False
+    def _fast_key(self, state: Any) -> tuple[Any, ...] | None:
+        """The kernel key of ``state``'s next decode step on the fast path (``None``: not one
+        it takes); the state the last fast step left is not checked again."""
+        follows = self._fast_next
+        if follows is not None and follows[0] is state:
+            return follows[1]
+        return FS.eligible(self.policy, state, queries_needed=self._waits(1))
+
+    def _steps_chunk(self, keys: Any, values: Any) -> tuple[Any, ...] | None:
+        """The kernel key of a short chunk's first step when it runs as fast decode steps
+        (:class:`SteppedWaiting`): the layer waits for the true queries, its policy ends no
+        prompt, and its next step is one the fast path takes; else ``None``."""
+        if not self._may_go_fast() or self.mode is not Mode.QUERIES:
+            return None
         state = self.state
         if self.policy.prompt_end is not None or state.slots is None:
-            return False
+            return None
         if not _fits(state.slots, keys, values):
-            return False
-        return FS.eligible(self.policy, state, queries_needed=self._waits(1)) is not None
+            return None
+        return self._fast_key(state)
 
     def _attend_stepped(
         self, pending: SteppedWaiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -399,7 +407,7 @@ class Layer:
         outs: list[mx.array] = []
         steps: list[tuple[int, int, Step]] = []
         L = int(keys.shape[2])
-        key = None
+        key: tuple[Any, ...] | None = pending.key
         for i in range(L):
             key = key or FS.eligible(self.policy, self.state, queries_needed=needs)
             q = mx.contiguous(queries[:, :, i : i + 1])

@@ -164,7 +164,7 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
         and (settings.modes is None or r[1] in settings.modes)
     ]
     # retrieval asks its questions through the chat template: a base model has none
-    chat = bool(getattr(tokenizer, "chat_template", None))
+    chat = retrieval.has_chat_template(tokenizer)
     n_ppl = (1 + len(rows) * len(settings.budgets)) * (
         settings.prompt_tokens + settings.continuation
     )

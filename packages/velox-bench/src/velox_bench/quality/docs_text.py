@@ -6,7 +6,7 @@ from typing import Any
 
 from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_NO_SINK
 from velox_bench.quality.retrieval import N_FACTS
-from velox_bench.quality.settings import Settings
+from velox_bench.quality.settings import DEFAULT_MODEL, Settings, model_tag
 
 
 def _yes_no(checks: dict[str, bool] | None) -> str:
@@ -39,11 +39,12 @@ def _refused(r: dict[str, Any]) -> str:
 def _model_names(results: dict[str, Any]) -> tuple[str, str, str, str]:
     """(section heading, file-name tag, ``--model`` flag, environment variable) of the run's
     model: empty tag and flags for the default model."""
-    model = results["settings"].get("model", Settings().model)
-    if model == Settings().model:
+    model = results["settings"].get("model", DEFAULT_MODEL)
+    tag = model_tag(model)
+    if not tag:
         return "## Quality", "", "", ""
     title = results["environment"]["model"].split(" (")[0]
-    return f"## Quality: {title}", f"_{model}", f" --model {model}", f"VELOX_QUALITY_MODEL={model} "
+    return f"## Quality: {title}", tag, f" --model {model}", f"VELOX_QUALITY_MODEL={model} "
 
 
 def benchmarks_markdown(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # noqa: E402
 from velox_bench.quality.corpus import speeches  # noqa: E402
 from velox_bench.quality.methods import FULL, PROMPT_END_EXCLUDED, _sequential  # noqa: E402
 from velox_bench.quality.perplexity import perplexity, token_nll  # noqa: E402
+from velox_bench.quality.report import replace_between  # noqa: E402
 from velox_bench.results import save_figure  # noqa: E402
 from velox_bench.variants import Variant, policy_variants  # noqa: E402
 from velox_mlx_lm.embedded import DEFAULT_MODEL, MODELS, load  # noqa: E402
@@ -232,13 +232,6 @@ of {results["context"]} tokens. Raw numbers: `benchmarks/results/past_context_{m
 ![Perplexity per window past the context, {results["model"]}](figures/past_context_{model}.png)"""
 
 
-def _replace_between(text: str, start: str, end: str, body: str) -> str:
-    if start not in text or end not in text:
-        return text.rstrip("\n") + f"\n\n{start}\n{body}\n{end}\n"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text, count=1)
-
-
 def write(results: dict[str, Any], root: Path) -> list[Path]:
     """The results JSON, the figure (also under docs/figures/) and the docs section."""
     model = results["settings"]["model"]
@@ -255,7 +248,7 @@ def write(results: dict[str, Any], root: Path) -> list[Path]:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     marker = f"past-context-{model}"
     doc.write_text(
-        _replace_between(
+        replace_between(
             text, f"<!-- {marker}:start -->", f"<!-- {marker}:end -->", markdown(results)
         )
     )

@@ -10,10 +10,9 @@ from typing import Any
 
 from velox_bench.quality.docs_text import benchmarks_markdown, tova_numbers_markdown
 from velox_bench.quality.methods import FULL, TOVA, TOVA_GRID, TOVA_KEY_HEAD
-from velox_bench.quality.settings import Settings
+from velox_bench.quality.settings import DEFAULT_MODEL, model_tag
 from velox_bench.results import save_figure
 
-DEFAULT_MODEL = Settings().model
 RESULTS = Path("benchmarks/results/quality.json")
 FIGURES = Path("benchmarks/figures")
 DOCS_FIGURES = Path("docs/figures")
@@ -37,8 +36,7 @@ def model_of(results: dict[str, Any]) -> str:
 def suffix(results: dict[str, Any]) -> str:
     """``""`` for the default model, whose files keep their plain names; ``"_gemma3-270m"``
     for another: its results, figures and docs section carry its name."""
-    model = model_of(results)
-    return "" if model == DEFAULT_MODEL else f"_{model}"
+    return model_tag(model_of(results))
 
 
 def results_path(results: dict[str, Any]) -> Path:
@@ -241,7 +239,7 @@ def plot_retrieval(results: dict[str, Any], path: Path) -> None:
     save_figure(fig, [path], dpi=120)
 
 
-def _replace_between(text: str, start: str, end: str, body: str) -> str:
+def replace_between(text: str, start: str, end: str, body: str) -> str:
     """Replace what lies between the two marker lines, adding them at the end if absent."""
     if start not in text or end not in text:
         return text.rstrip("\n") + f"\n\n{start}\n{body}\n{end}\n"
@@ -276,13 +274,13 @@ def write(results: dict[str, Any], root: Path) -> list[Path]:
     if "<!-- perf:start -->" not in text:
         text = text.rstrip("\n") + "\n\n<!-- perf:start -->\n<!-- perf:end -->\n"
     start, end = markers(results)
-    text = _replace_between(text, start, end, benchmarks_section(results))
+    text = replace_between(text, start, end, benchmarks_section(results))
     doc.write_text(text)
     written.append(doc)
     tova = root / TOVA_DOC
     if tova.exists() and not suffix(results):
         tova.write_text(
-            _replace_between(
+            replace_between(
                 tova.read_text(),
                 "<!-- quality-numbers:start -->",
                 "<!-- quality-numbers:end -->",

@@ -109,10 +109,16 @@ class Prompt:
         return len(self.document), tuple(map(len, self.questions)), tuple(map(len, self.answers))
 
 
-def _rendered(tokenizer: Any, text: str, fact: Fact) -> str:
-    """The document and the question: through the chat template when the tokenizer has one,
-    else plain text (a base model), the question on a line of its own."""
-    if getattr(tokenizer, "chat_template", None):
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether prompts go through the tokenizer's chat template (a base model has none and
+    is prompted with plain text)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _rendered(tokenizer: Any, text: str, fact: Fact, chat: bool) -> str:
+    """The document and the question: through the chat template when ``chat``, else plain
+    text (a base model), the question on a line of its own."""
+    if chat:
         return str(
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"{text}\n\n{fact.question()}"}],
@@ -133,11 +139,11 @@ def build_prompt(
     through the chat template, or as plain text with the tokenizer's BOS when it has no chat
     template (a base model such as Gemma 3 270M)."""
     text = plant(document, planted, where)
-    chat = bool(getattr(tokenizer, "chat_template", None))
+    chat = has_chat_template(tokenizer)
     doc_ids: list[int] = []
     questions, answers, depths = [], [], []
     for fact in planted:
-        rendered = _rendered(tokenizer, text, fact)
+        rendered = _rendered(tokenizer, text, fact, chat)
         end = rendered.index(text) + len(text)
         head = tokenizer.encode(rendered[:end], add_special_tokens=not chat)
         tail = rendered[end:] + fact.primer()

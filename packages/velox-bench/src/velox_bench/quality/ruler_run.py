@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from velox_bench.quality.retrieval import has_chat_template
 from velox_bench.quality.ruler import KINDS, LENGTHS, Task, make_task, score
 from velox_bench.variants import Variant
 from velox_mlx_lm import KVCacheBuilder
@@ -35,7 +36,7 @@ class Grid:
 def prompt_ids(tokenizer: Any, task: Task) -> list[int]:
     """The task's tokens: through the chat template when the tokenizer has one, then the
     primer; otherwise the plain prompt (BOS as the tokenizer adds it)."""
-    if getattr(tokenizer, "chat_template", None):
+    if has_chat_template(tokenizer):
         messages = [{"role": "user", "content": f"{task.context}\n\n{task.question}"}]
         head = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         return head + list(tokenizer.encode(task.primer, add_special_tokens=False))

@@ -271,7 +271,7 @@ def evaluate(
         prompts,
         answers,
         settings=settings,
-        chat=bool(getattr(tokenizer, "chat_template", None)),
+        chat=retrieval.has_chat_template(tokenizer),
     )
     retrieval_results["refused"] = refused
     return {

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Settings"]
+__all__ = ["DEFAULT_MODEL", "Settings", "model_tag"]
+
+DEFAULT_MODEL = "smollm2-135m"  # the default embedded model (velox_mlx_lm.embedded.MODELS)
+
+
+def model_tag(model: str) -> str:
+    """``""`` for the default model, whose results, figures and docs section keep their plain
+    names; ``"_<model>"`` for another, whose names carry it."""
+    return "" if model == DEFAULT_MODEL else f"_{model}"
 
 
 @dataclass(frozen=True)
@@ -20,13 +28,13 @@ class Settings:
     n_trials: int = 30  # trials of the fixed pool used; each asks one fact per depth
     retrieval_batch: int = 10  # trials of one prompt shape run together
     quick: bool = False
-    model: str = "smollm2-135m"  # an embedded model (velox_mlx_lm.embedded.MODELS)
+    model: str = DEFAULT_MODEL  # an embedded model (velox_mlx_lm.embedded.MODELS)
 
     @property
     def default_model(self) -> bool:
         """Whether this run is on the default embedded model, whose results keep the plain
         names (``quality.json``); another model's carry its name."""
-        return self.model == "smollm2-135m"
+        return not model_tag(self.model)
 
     @classmethod
     def quick_run(cls) -> Settings:
