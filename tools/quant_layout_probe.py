@@ -52,8 +52,16 @@ CHUNK = 256
 LAYOUTS = (
     "float",
     "per-token",
+    "channel",
     "per-token-hadamard",
     "per-channel-keys",
+    "per-token-centered",
+    "per-token-scaled",
+    "centered-hadamard",
+    "standardized-hadamard",
+    "prerope",
+    "prerope-centered",
+    "prerope-scaled",
     "keys-only",
     "values-only",
 )
@@ -91,6 +99,24 @@ def per_channel(x: mx.array, bits: int) -> mx.array:
     return per_token(x.swapaxes(2, 3), bits).swapaxes(2, 3)
 
 
+def channel_stats(x: mx.array, how: tuple[bool, str, bool]) -> tuple[mx.array, mx.array]:
+    """Per (batch row, head, feature) shift and scale of ``x [B, H, L, D]`` over its tokens: the
+    midrange and half range (``center``), or zero and the largest magnitude."""
+    center, stat, _ = how
+    hi, lo = x.max(axis=2, keepdims=True), x.min(axis=2, keepdims=True)
+    if stat == "none":
+        return x.mean(axis=2, keepdims=True), mx.ones_like(hi)
+    if stat == "std":
+        mean = x.mean(axis=2, keepdims=True)
+        std = mx.sqrt(((x - mean) ** 2).mean(axis=2, keepdims=True))
+        return mean, mx.maximum(std, 1e-6 * std.max(axis=-1, keepdims=True))
+    if center:
+        shift, scale = (hi + lo) / 2, (hi - lo) / 2
+    else:
+        shift, scale = mx.zeros_like(hi), mx.maximum(hi, -lo)
+    return shift, mx.maximum(scale, 1e-6 * scale.max(axis=-1, keepdims=True))
+
+
 def identity(x: mx.array, bits: int) -> mx.array:
     return x
 
@@ -103,29 +129,62 @@ EMULATED: dict[str, tuple[Transform, Transform]] = {  # (keys, values) per emula
 }
 
 
+SMOOTHED = {  # layout -> (centre, statistics, rotate)
+    "per-token-centered": (True, "range", False),
+    "per-token-scaled": (False, "range", False),
+    "centered-hadamard": (True, "none", True),
+    "standardized-hadamard": (True, "std", True),
+    "prerope": (False, "none", False),
+    "prerope-centered": (True, "range", False),
+    "prerope-scaled": (False, "range", False),
+}
+ROPE = {"dims": 64, "traditional": True, "base": 100000.0}  # SmolLM2-135M's
+
+
+STORED = ("per-token", "channel")  # layouts the store has (kv_key_layout)
+
+
 def config(layout: str, bits: int | None, budget: int) -> KVCacheConfig:
     """TOVA at ``budget`` with sequential prefill; emulated layouts store 8-bit rows."""
-    kv_bits = None if layout == "float" else bits if layout == "per-token" else 8
+    kv_bits = None if layout == "float" else bits if layout in STORED else 8
     return KVCacheConfig(
         method="tova",
         tova_budget=budget,
         tova_prefill="sequential",
         kv_bits=kv_bits,
         kv_group_size=GROUP,
+        kv_key_layout="channel" if layout == "channel" else "token",
     )
 
 
 def score(model: Any, tokens: list[int], layout: str, bits: int | None, budget: int) -> float:
     """TOVA's perplexity over ``tokens`` with rows in ``layout`` at ``bits``."""
     stored = layer_module.Layer.stored
-    if layout in EMULATED:
-        keys_of, values_of = EMULATED[layout]
+    if layout in EMULATED or layout in SMOOTHED:
+        keys_of, values_of = EMULATED.get(layout, (identity, identity))
 
         width = 8 if bits is None else bits
 
         def emulated(self: Any, keys: Any, values: Any) -> tuple[Any, Any]:
             if not isinstance(keys, R.QRows):
-                keys, values = keys_of(keys, width), values_of(values, width)
+                if layout in SMOOTHED:
+                    seen = getattr(self, "_probe_seen", 0)
+                    self._probe_seen = seen + int(keys.shape[2])
+                    pre = layout.startswith("prerope")
+                    if pre:
+                        keys = mx.fast.rope(keys, scale=-1.0, offset=seen, **ROPE)
+                    if layout == "prerope":
+                        self._probe_stats = (mx.zeros((1,)), mx.ones((1,)))
+                    if getattr(self, "_probe_stats", None) is None:
+                        self._probe_stats = channel_stats(keys, SMOOTHED[layout])
+                    shift, scale = self._probe_stats
+                    quant = per_token_hadamard if SMOOTHED[layout][2] else per_token
+                    keys = quant((keys - shift) / scale, width) * scale + shift
+                    if pre:
+                        keys = mx.fast.rope(keys, scale=1.0, offset=seen, **ROPE)
+                    values = per_token(values, width)
+                else:
+                    keys, values = keys_of(keys, width), values_of(values, width)
             return stored(self, keys, values)
 
         layer_module.Layer.stored = emulated  # type: ignore[method-assign]

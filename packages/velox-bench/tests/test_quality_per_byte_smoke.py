@@ -18,6 +18,10 @@ def test_equal_bytes_budgets() -> None:
     # float16, group 64: 8.5, 4.5 and 2.5 bits against 16
     assert [equal_bytes_budget(512, 128, 2, b) for b in (8, 4, 2)] == [963, 1820, 3276]
     assert row_bytes(64, 4, 4) / row_bytes(64, 4, None) == pytest.approx(5 / 32)
+    # keys per channel: a 4-byte row map entry per row, and room for 63 dead quantized key rows
+    # and 63 full-precision window rows: (512 * 512 - 63 * (40 + 256)) // (80 + 4) = 2898
+    assert [equal_bytes_budget(512, 64, 4, b, "channel") for b in (4, 2)] == [2898, 4702]
+    assert equal_bytes_budget(8, 64, 4, 4, "channel") == 0  # the overheads do not fit
 
 
 @pytest.mark.quality

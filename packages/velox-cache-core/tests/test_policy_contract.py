@@ -693,12 +693,23 @@ def quantized_stream(policy: Any, quant: Quant, stream: tuple) -> tuple[tuple, C
     original rows quantized): the reference sees exactly what the quantized store holds."""
     keys, values, queries = stream
     q_keys, q_values = quant.quantize(mx.array(keys)), quant.quantize(mx.array(values))
-    seen = (np.array(q_keys.dense()), np.array(q_values.dense()), queries)
+    if quant.keys == "channel":
+        # Per-channel keys stay at full precision until a group's worth of rows has come: the
+        # streams here are shorter, so the store holds (and the reference sees) the keys.
+        assert keys.shape[2] < quant.group_size
+        seen = (keys, np.array(q_values.dense()), queries)
+    else:
+        seen = (np.array(q_keys.dense()), np.array(q_values.dense()), queries)
 
     def update(state: Any, k: mx.array, v: mx.array, **kwargs: Any) -> Any:
         part = slice(state.offset, state.offset + int(k.shape[2]))
         np.testing.assert_array_equal(np.array(k), seen[0][:, :, part])
-        return policy.update(state, q_keys[:, :, part], q_values[:, :, part], **kwargs)
+        call_keys = (
+            quant.quantize_keys(mx.array(keys[:, :, part]))
+            if quant.keys == "channel"
+            else q_keys[:, :, part]
+        )
+        return policy.update(state, call_keys, q_values[:, :, part], **kwargs)
 
     return seen, update
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from velox_cache_core import lanes
 from velox_cache_core.engine import Step
-from velox_cache_core.rows import QRows, dense
+from velox_cache_core.rows import QUANTIZED, KRows, QRows, dense
 
 
 def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -36,22 +36,22 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     mask = step.mask
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
-    if isinstance(step.keys, QRows) and isinstance(step.values, QRows) and sinks is None:
+    if isinstance(step.keys, QUANTIZED) and isinstance(step.values, QRows) and sinks is None:
         return _quantized(queries, step.keys, step.values, scale, mask)
     return mx.fast.scaled_dot_product_attention(
         queries, dense(step.keys), dense(step.values), scale=scale, mask=mask, sinks=sinks
     )
 
 
-def _times_values(probs: mx.array, values: mx.array | QRows) -> mx.array:
+def _times_values(probs: mx.array, values: mx.array | QRows | KRows) -> mx.array:
     """``probs [B, H_kv, G, L, n]`` times each KV head's values: ``[B, H_kv, G, L, D]``."""
-    if isinstance(values, QRows):
+    if isinstance(values, QUANTIZED):
         return values.matmul(probs, transpose=False)
     return probs @ values[:, :, None]
 
 
 def _quantized(
-    queries: mx.array, keys: QRows, values: QRows, scale: float, mask: mx.array | None
+    queries: mx.array, keys: QRows | KRows, values: QRows, scale: float, mask: mx.array | None
 ) -> mx.array:
     """Attention over quantized rows with a bool ``mask [B, 1 or H_q, L, n]`` (or none)."""
     B, H_q, L, D = queries.shape

@@ -31,7 +31,8 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import rows as R
-from velox_cache_core.rows import QRows, Rows
+from velox_cache_core.krows import LANES_REFUSED, KRows
+from velox_cache_core.rows import QUANTIZED, Rows
 from velox_cache_core.scoring import exp
 from velox_cache_core.slots import KVSlots
 
@@ -290,6 +291,8 @@ def cut(
     ties lost by the oldest), in slot order, as lanes of ``width``. Every batch row keeps the
     same total (``counts.sum(axis=1)`` equal). ``keep_scores`` (float ``[B, H, n]``), if
     given, become the lanes' running :attr:`Lanes.scores`."""
+    if isinstance(live.keys, KRows):
+        raise ValueError(LANES_REFUSED)
     B, H, n = live.positions.shape
     totals = {sum(row) for row in counts}
     shape_ok = len(counts) == B and all(len(row) == H for row in counts)
@@ -431,7 +434,7 @@ def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array
 def _logits(q: mx.array, keys: Rows) -> mx.array:
     """``q [B, X, M, D]`` times each of ``keys``' ``X`` heads (or lanes): float32
     ``[B, X, M, n]``."""
-    if isinstance(keys, QRows):
+    if isinstance(keys, QUANTIZED):
         return keys.matmul(q[:, :, None].astype(keys.dtype), transpose=True)[:, :, 0].astype(
             mx.float32
         )
@@ -440,7 +443,7 @@ def _logits(q: mx.array, keys: Rows) -> mx.array:
 
 def _times(p: mx.array, values: Rows) -> mx.array:
     """``p [B, X, M, n]`` times each head's values: ``[B, X, M, D_v]`` float32."""
-    if isinstance(values, QRows):
+    if isinstance(values, QUANTIZED):
         out = values.matmul(p[:, :, None].astype(values.dtype), transpose=False)[:, :, 0]
     else:
         out = p.astype(values.dtype) @ values

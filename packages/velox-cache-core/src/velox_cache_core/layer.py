@@ -459,12 +459,12 @@ class Layer:
     def stored(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """A call's keys and values as the store holds them: quantized with :attr:`quant`
         (validated first, so that a bad call changes nothing), else unchanged."""
-        if self.quant is None or isinstance(keys, R.QRows):
+        if self.quant is None or isinstance(keys, R.QUANTIZED):
             return keys, values
         check_fits(None, keys, values)
         self.quant.check_width(int(keys.shape[3]), "the keys' head_dim")
         self.quant.check_width(int(values.shape[3]), "the values' width")
-        return self.quant.quantize(keys), self.quant.quantize(values)
+        return self.quant.quantize_keys(keys), self.quant.quantize(values)
 
     def _waits(self, length: int) -> bool:
         """Whether a call waits for ``attend``: a chunk (which ``attend`` may split and mask

@@ -37,6 +37,7 @@ from velox_cache_core.batch import (
     unpack,
 )
 from velox_cache_core.engine import check_fits
+from velox_cache_core.krows import KRows
 from velox_cache_core.layer import Layer
 from velox_cache_core.validation import check_kv
 
@@ -152,6 +153,8 @@ class LayerBatch:
         if any(not row.quiet or row.group is not group for row in rows):
             return False
         states = [row.state for row in rows]
+        if any(isinstance(getattr(s.slots, "keys", None), KRows) for s in states):
+            return False  # per-channel keys group as each row's own history goes: unpacked
         if not can_pack(policy, states):
             return False
         self._packed = pack(policy, states, [row.log for row in rows])

@@ -192,7 +192,7 @@ POLICIES: dict[str, Policy] = {}
 # integrations add theirs with :func:`reserve_flags`.
 RESERVED_FLAGS: set[str] = set()
 # Config fields every integration has besides ``<policy>_<setting>``.
-RESERVED_FIELDS = {"method", "head_dim", "trim_window", "kv_bits", "kv_group_size"}
+RESERVED_FIELDS = {"method", "head_dim", "trim_window", "kv_bits", "kv_group_size", "kv_key_layout"}
 
 
 def flag_name(policy: str, setting: str) -> str:

@@ -23,17 +23,24 @@ from typing import Any, Union
 
 import mlx.core as mx
 
+from velox_cache_core.krows import KRows, join
+
 BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize accepts (mlx 0.32)
 GROUP_SIZES = (32, 64, 128)
+KEY_LAYOUTS = ("token", "channel")
 
 
 @dataclass(frozen=True)
 class Quant:
-    """How a store quantizes its rows: ``bits`` per element, ``group_size`` features per
-    scale and bias (per-token layout, mlx-lm's ``QuantizedKVCache``)."""
+    """How a store quantizes its rows: ``bits`` per element, ``group_size`` elements per
+    scale and bias. Values are always quantized per token (``group_size`` features, mlx-lm's
+    ``QuantizedKVCache`` layout); keys too with ``keys="token"``, or with ``keys="channel"``
+    per feature over groups of ``group_size`` tokens, the newest in a full-precision window
+    (KIVI's keys, :class:`~velox_cache_core.krows.KRows`)."""
 
     bits: int
     group_size: int = 64
+    keys: str = "token"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -46,6 +53,9 @@ class Quant:
         if group not in GROUP_SIZES:
             choices = ", ".join(map(str, GROUP_SIZES))
             raise ValueError(f"kv_group_size must be one of {choices}, got {group}")
+        if self.keys not in KEY_LAYOUTS:
+            choices = ", ".join(repr(k) for k in KEY_LAYOUTS)
+            raise ValueError(f"kv_key_layout must be one of {choices}, got {self.keys!r}")
 
     def check_width(self, width: int, what: str = "head_dim") -> None:
         """``ValueError`` unless rows ``width`` features wide can be quantized in groups."""
@@ -67,10 +77,20 @@ class Quant:
         packed, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return QRows(packed, scales, biases, self.bits, self.group_size)
 
+    def quantize_keys(self, x: mx.array) -> QRows | KRows:
+        """``[B, H, L, D]`` keys in this spec's key layout. Per channel, a call's keys wait at
+        full precision in the window until the store has cut them: its survivors are then
+        quantized in groups (:meth:`KRows.settled`)."""
+        if self.keys == "token":
+            return self.quantize(x)
+        self.check_width(int(x.shape[-1]), "the rows' width")
+        return KRows.from_dense(x, self.bits, self.group_size, window=True)
+
     @classmethod
-    def of(cls, bits: int | None, group_size: int = 64) -> Quant | None:
-        """The spec for ``kv_bits``/``kv_group_size`` settings (``None``: full precision)."""
-        return None if bits is None else cls(bits, group_size)
+    def of(cls, bits: int | None, group_size: int = 64, keys: str = "token") -> Quant | None:
+        """The spec for ``kv_bits``/``kv_group_size``/``kv_key_layout`` settings (``None``:
+        full precision)."""
+        return None if bits is None else cls(bits, group_size, keys)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,32 +170,39 @@ class QRows:
         )
 
 
-Rows = Union[mx.array, QRows]  # noqa: UP007 (a runtime alias read by isinstance users too)
+Rows = Union[mx.array, QRows, KRows]  # noqa: UP007 (a runtime alias read by isinstance users)
+QUANTIZED = (QRows, KRows)
 
 
 def dense(rows: Rows) -> mx.array:
     """Full-precision ``[B, H, S, D]`` rows (unchanged when they are not quantized)."""
-    return rows.dense() if isinstance(rows, QRows) else rows
+    return rows.dense() if isinstance(rows, QUANTIZED) else rows
 
 
 def quant_of(rows: Rows) -> Quant | None:
     """The rows' quantization (``None``: full precision)."""
+    if isinstance(rows, KRows):
+        return Quant(rows.bits, rows.group_size, "channel")
     return rows.quant if isinstance(rows, QRows) else None
 
 
 def apply(rows: Rows, fn: Callable[[mx.array], mx.array]) -> Rows:
     """A row operation (one that indexes only the batch, head and row axes) on either kind."""
-    return rows.map(fn) if isinstance(rows, QRows) else fn(rows)
+    return rows.map(fn) if isinstance(rows, QUANTIZED) else fn(rows)
 
 
 def arrays(rows: Rows) -> list[mx.array]:
     """The arrays behind ``rows`` (for ``mx.eval``, ``mx.depends`` and saving)."""
-    return rows.arrays() if isinstance(rows, QRows) else [rows]
+    return rows.arrays() if isinstance(rows, QUANTIZED) else [rows]
 
 
 def concat(parts: Sequence[Rows], axis: int) -> Rows:
     """``parts`` joined along ``axis`` (0: batch, 2: rows); all of one kind and format."""
     first = parts[0]
+    if isinstance(first, KRows):
+        if not all(isinstance(p, KRows) for p in parts):
+            raise TypeError("cannot join keys quantized per channel with other rows")
+        return join(list(parts), axis)  # type: ignore[arg-type]
     if isinstance(first, QRows):
         qs = [_same_format(first, p) for p in parts]
         return QRows(
@@ -185,7 +212,7 @@ def concat(parts: Sequence[Rows], axis: int) -> Rows:
             first.bits,
             first.group_size,
         )
-    if any(isinstance(p, QRows) for p in parts):
+    if any(isinstance(p, QUANTIZED) for p in parts):
         raise TypeError("cannot join quantized and full-precision rows")
     return mx.concatenate(list(parts), axis=axis)  # type: ignore[arg-type]
 
@@ -204,12 +231,16 @@ def take(rows: Rows, idx: mx.array) -> Rows:
 def write(rows: Rows, new: Rows, fn: Callable[[mx.array, mx.array], mx.array]) -> Rows:
     """``fn(array, new array)`` on each array of ``rows`` and its counterpart in ``new`` (the
     same kind and format): a write of new rows into a store."""
+    if isinstance(rows, KRows):
+        if not isinstance(new, KRows):
+            raise TypeError(f"cannot write {quant_of(new)} rows into keys quantized per channel")
+        return rows.write(new, fn)
     if isinstance(rows, QRows):
         add = _same_format(rows, new)
         parts = zip(rows.arrays(), add.arrays(), strict=True)
         packed, scales, biases = (fn(a, b) for a, b in parts)
         return QRows(packed, scales, biases, rows.bits, rows.group_size)
-    if isinstance(new, QRows):
+    if isinstance(new, QUANTIZED):
         raise TypeError("cannot write quantized rows into full-precision ones")
     return fn(rows, new)
 
@@ -227,6 +258,8 @@ def put(rows: Rows, row: mx.array, new: Rows) -> Rows:
 
 def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
     """``rows`` with ``n`` zero rows added after (or before) them."""
+    if isinstance(rows, KRows):
+        return rows.pad(n, at_end)
 
     def grow(a: mx.array) -> mx.array:
         B, H, _, W = a.shape
@@ -238,11 +271,15 @@ def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
 
 def tie(rows: Rows, others: list[mx.array]) -> Rows:
     """``rows`` unchanged, evaluated only after ``others`` (``mx.depends`` on each array)."""
+    if isinstance(rows, KRows):
+        return rows.tie(others)
     return apply(rows, lambda a: mx.depends([a], others)[0])
 
 
 def row_bytes(rows: Rows) -> int:
     """Bytes one row takes in every (batch row, head): ``B * H * D * itemsize`` at full
     precision; quantized, ``B * H`` times the packed words' and the scales' and biases'."""
+    if isinstance(rows, KRows):
+        return rows.row_bytes()
     B, H = int(rows.shape[0]), int(rows.shape[1])
     return B * H * sum(int(a.shape[3]) * a.dtype.size for a in arrays(rows))

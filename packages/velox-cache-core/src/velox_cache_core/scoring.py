@@ -12,7 +12,7 @@ import math
 
 import mlx.core as mx
 
-from velox_cache_core.rows import QRows, Rows
+from velox_cache_core.rows import QUANTIZED, Rows
 from velox_cache_core.traits import Scope
 
 _LOG2_E = math.log2(math.e)
@@ -29,7 +29,7 @@ def grouped_logits(probe: mx.array, keys: Rows, scale: float, scope: Scope) -> m
     B, H_p, L, D = probe.shape
     H_kv, n = keys.shape[1], keys.shape[2]
     per_kv = H_p // H_kv
-    if isinstance(keys, QRows):
+    if isinstance(keys, QUANTIZED):
         q = (probe.astype(mx.float32) * scale).reshape(B, H_kv, per_kv, L, D)
         logits = keys.matmul(q, transpose=True).astype(mx.float32)
         return logits.reshape(B, 1, H_kv * per_kv, L, n) if scope == "layer" else logits

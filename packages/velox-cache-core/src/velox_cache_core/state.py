@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.krows import KRows
 from velox_cache_core.lanes import Lanes
 from velox_cache_core.rows import concat, dense, row_bytes
 from velox_cache_core.slots import KVSlots, stored_fields
@@ -117,8 +118,15 @@ class PolicyState:
         (:func:`~velox_cache_core.rows.row_bytes`)."""
         if self.slots is None:
             return 0
-        per_row = row_bytes(self.slots.keys) + row_bytes(self.slots.values)
         lanes = 0 if self.lanes is None else self.lanes.nbytes
+        keys = self.slots.keys
+        if isinstance(keys, KRows):  # groups, window and row map: what the arrays hold
+            room = self.slots.reserve
+            if room is not None and self.slots.n_held > self.slots.n_slots:
+                keys = room.keys  # a growing store: its reserved rows are held too
+            values = self.slots.n_held * row_bytes(self.slots.values)
+            return keys.nbytes + values + lanes
+        per_row = row_bytes(self.slots.keys) + row_bytes(self.slots.values)
         return self.slots.n_held * per_row + lanes
 
     @property

@@ -67,6 +67,9 @@ class Entry:
     appended token) came after; ``order`` int32 ``[B, H_kv, n]`` the candidate index of every
     kept-then-evicted row and ``evicted`` those evicted rows, when the call reordered;
     ``inputs`` (keys, values, queries, scale) of a chunk, to feed a part of it again.
+    ``keys_before``: keys quantized per channel before the call, as held (groups are formed
+    and repacked as rows come and go, so the rows put back are not enough to hold them as
+    they were; the arrays are shared with the store until it regroups).
     """
 
     start: int
@@ -82,6 +85,7 @@ class Entry:
     evicted: KVSlots | None = None
     inputs: tuple[R.Rows, R.Rows, mx.array | None, float] | None = None
     lane_steps: tuple[LaneStep, ...] = ()
+    keys_before: R.Rows | None = None
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = [a for step in self.lane_steps for a in step.arrays()]
@@ -91,6 +95,8 @@ class Entry:
         for store in (self.row, self.victim, self.evicted):
             if store is not None:
                 out += store.arrays()
+        if isinstance(self.keys_before, R.KRows):  # its groups are the store's, or were
+            out += [self.keys_before.window, self.keys_before.where]
         if self.inputs is not None:
             k, v, q, _ = self.inputs
             out += [*R.arrays(k), *R.arrays(v), *([] if q is None else [q])]
@@ -219,6 +225,7 @@ def record(
         order=order,
         evicted=evicted,
         inputs=(keys, values, queries, scale) if L > 1 else None,
+        keys_before=before.keys if isinstance(before.keys, R.KRows) else None,
     )
 
 
@@ -284,6 +291,8 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
             order = mx.concatenate([live_index, entry.free[..., None]], axis=-1)
             live = replace(_permute(_concat(live, entry.row), order), free=entry.free)
         slots = live
+    if entry.keys_before is not None:  # the same rows as they were held, bit for bit
+        slots = KVSlots(entry.keys_before, slots.values, slots.positions, slots.free)
     return replace(state, slots=None if entry.slots_none else slots, **entry.running)
 
 

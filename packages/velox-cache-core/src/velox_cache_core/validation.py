@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.rows import QRows, quant_of
+from velox_cache_core.rows import QUANTIZED, quant_of
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
@@ -41,7 +41,7 @@ def check_budget_and_sinks(budget: Any, n_sink: Any, *, prefix: str = "") -> Non
 def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> Any:
     """An ``mx.array`` of ``ndim`` axes and a floating dtype, or quantized rows
     (:class:`~velox_cache_core.rows.QRows`, 4 axes) where ``ndim`` is 4."""
-    if isinstance(x, QRows) and ndim == 4:
+    if isinstance(x, QUANTIZED) and ndim == 4:
         return x
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array {layout}, got {type(x).__name__}")
@@ -72,7 +72,8 @@ def check_kv(
         )
     if keys.dtype != values.dtype:
         raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
-    if quant_of(keys) != quant_of(values):
+    kq, vq = quant_of(keys), quant_of(values)
+    if (kq and (kq.bits, kq.group_size)) != (vq and (vq.bits, vq.group_size)):
         raise TypeError(
             f"keys and values must be quantized alike, got {quant_of(keys)} and {quant_of(values)}"
         )
@@ -122,6 +123,12 @@ def require_finite(**arrays: Any) -> None:
     """Raise if any given array (or quantized rows' scales and biases) has NaN or inf
     (forces evaluation: boundary use only)."""
     for name, given in arrays.items():
-        parts = [] if given is None else given.arrays()[1:] if isinstance(given, QRows) else [given]
+        parts = (
+            []
+            if given is None
+            else given.arrays()[1:4]
+            if isinstance(given, QUANTIZED)
+            else [given]
+        )
         if any(x.size and not mx.isfinite(x).all().item() for x in parts):
             raise ValueError(f"{name} contains NaN or inf")

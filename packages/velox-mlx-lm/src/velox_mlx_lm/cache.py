@@ -312,7 +312,8 @@ class PolicyKVCache(VeloxKVCache):
 def _quant_name(quant: Quant | None) -> str:
     if quant is None:
         return "at full precision"
-    return f"quantized to {quant.bits} bits in groups of {quant.group_size}"
+    keys = ", keys per channel" if quant.keys == "channel" else ""
+    return f"quantized to {quant.bits} bits in groups of {quant.group_size}{keys}"
 
 
 _CLASSES: dict[str, type[PolicyKVCache]] = {}

@@ -79,6 +79,10 @@ class KVCacheConfig:
     ``kv_bits``/``kv_group_size``: keep the rows quantized (``mx.quantize``'s per-token layout:
     bits 1-6 or 8, groups of 32, 64 or 128 features), for every method; with ``"full"`` the
     cache is mlx-lm's ``QuantizedKVCache``. ``None`` keeps the model's precision.
+    ``kv_key_layout``: ``"token"`` quantizes keys like values, each row along its features
+    (mlx-lm's layout); ``"channel"`` quantizes them KIVI's way, each feature over groups of
+    ``kv_group_size`` tokens with the newest in a full-precision window (needs the attention
+    hook; the layout that keeps 4 and 2 bits usable, docs/quantized.md).
     Every policy's settings are validated once, at construction, whatever the method; the
     object is frozen. Read a field with :meth:`value`, a policy's with :meth:`settings_of`.
     """
@@ -88,6 +92,7 @@ class KVCacheConfig:
     trim_window: int
     kv_bits: int | None
     kv_group_size: int
+    kv_key_layout: str
     _policies: Mapping[str, PolicySettings]
 
     def __init__(
@@ -97,6 +102,7 @@ class KVCacheConfig:
         trim_window: int = TRIM_WINDOW,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        kv_key_layout: str = "token",
         **fields: Any,
     ) -> None:
         if not isinstance(method, str):
@@ -107,19 +113,46 @@ class KVCacheConfig:
         if unknown:
             raise TypeError(
                 f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim, "
-                f"trim_window, kv_bits, kv_group_size and <policy>_<setting>: {', '.join(known)}"
+                "trim_window, kv_bits, kv_group_size, kv_key_layout and <policy>_<setting>: "
+                f"{', '.join(known)}"
             )
         if head_dim is not None:
             check_int("head_dim", head_dim, minimum=1)
         check_int("trim_window", trim_window, minimum=0)
-        Quant(4 if kv_bits is None else kv_bits, kv_group_size)  # validates both, by name
+        if not isinstance(kv_key_layout, str):
+            raise TypeError(f"kv_key_layout must be a str, got {type(kv_key_layout).__name__}")
+        # validates all three, by name
+        Quant(4 if kv_bits is None else kv_bits, kv_group_size, kv_key_layout)
         policies = {p.name: _policy_settings(p, method, fields) for p in POLICIES.values()}
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "trim_window", trim_window)
         object.__setattr__(self, "kv_bits", kv_bits)
         object.__setattr__(self, "kv_group_size", kv_group_size)
+        object.__setattr__(self, "kv_key_layout", kv_key_layout)
         object.__setattr__(self, "_policies", MappingProxyType(policies))
+        if kv_key_layout == "channel":
+            self._check_channel_keys()
+
+    def _check_channel_keys(self) -> None:
+        """``kv_key_layout="channel"`` is a Velox store's layout, for stores whose heads keep
+        their own rows in order (not mlx-lm's cache, not lanes), quantized."""
+        if self.kv_bits is None:
+            raise ValueError(
+                "kv_key_layout='channel' lays out quantized keys: give kv_bits (2 or 4, say)"
+            )
+        if self.policy is None:
+            raise ValueError(
+                "kv_key_layout='channel' is a Velox layout: method='full' gives mlx-lm's "
+                "QuantizedKVCache, which quantizes keys per token; use kv_key_layout='token'"
+            )
+        allocation = self.settings().get("allocation", "uniform")
+        if allocation != "uniform":
+            raise ValueError(
+                f"kv_key_layout='channel' needs {self.policy}_allocation='uniform' (got "
+                f"{allocation!r}): heads keeping different row counts share lanes, which "
+                "regroup rows across heads; or use kv_key_layout='token'"
+            )
 
     # -- frozen value object -------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -134,7 +167,7 @@ class KVCacheConfig:
 
     def _key(self) -> tuple[Any, ...]:
         values = tuple(sorted(self._values().items()))
-        quant = (self.kv_bits, self.kv_group_size)
+        quant = (self.kv_bits, self.kv_group_size, self.kv_key_layout)
         return (self.method, self.head_dim, self.trim_window, quant, values)
 
     def __eq__(self, other: object) -> bool:
@@ -154,6 +187,8 @@ class KVCacheConfig:
             extra += f", kv_bits={self.kv_bits!r}"
         if self.kv_group_size != 64:
             extra += f", kv_group_size={self.kv_group_size!r}"
+        if self.kv_key_layout != "token":
+            extra += f", kv_key_layout={self.kv_key_layout!r}"
         return f"KVCacheConfig({args}{extra})"
 
     def value(self, name: str) -> Any:
@@ -172,6 +207,7 @@ class KVCacheConfig:
             "trim_window": self.trim_window,
             "kv_bits": self.kv_bits,
             "kv_group_size": self.kv_group_size,
+            "kv_key_layout": self.kv_key_layout,
             **self._values(),
         }
 
@@ -183,7 +219,7 @@ class KVCacheConfig:
     @property
     def quant(self) -> Quant | None:
         """How the rows are quantized (``None``: the model's precision)."""
-        return Quant.of(self.kv_bits, self.kv_group_size)
+        return Quant.of(self.kv_bits, self.kv_group_size, self.kv_key_layout)
 
     @property
     def policy(self) -> str | None:

@@ -28,6 +28,7 @@ COMMAND_FLAGS = (
     *("--quantized", "--compare", "--draft-model", "--num-draft-tokens", "--json", "--help"),
     *("--adapter-path", "--allowed-origins", "--chat-template", "--chat-template-args"),
     *("--decode-concurrency", "--host", "--kv-bits", "--kv-group-size", "--log-level"),
+    "--kv-key-layout",
     *("--min-p", "--pipeline", "--port", "--prompt-cache-bytes", "--prompt-cache-size"),
     *("--prompt-concurrency", "--quantized-kv-start", "--top-k", "--top-p"),
     *("--trust-remote-code", "--use-default-chat-template"),
@@ -115,6 +116,15 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
         help="features per scale and bias of quantized rows: 32, 64 or 128 (default: 64)",
     )
     parser.add_argument(
+        "--kv-key-layout",
+        choices=("token", "channel"),
+        default="token",
+        help="how quantized keys are grouped (Velox methods): token, each row along its "
+        "features, as mlx-lm does; channel, each feature over groups of --kv-group-size tokens "
+        "with the newest at full precision (KIVI), which keeps 4 and 2 bits usable "
+        "(default: token)",
+    )
+    parser.add_argument(
         "--quantized-kv-start",
         type=int,
         default=None,
@@ -162,6 +172,12 @@ def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> An
     if method != FULL or quantize_full:
         fields["kv_bits"] = getattr(args, "kv_bits", None)
         fields["kv_group_size"] = getattr(args, "kv_group_size", 64)
+        fields["kv_key_layout"] = getattr(args, "kv_key_layout", "token")
+    elif getattr(args, "kv_key_layout", "token") != "token":
+        raise ValueError(
+            f"--kv-key-layout {args.kv_key_layout} is a Velox layout: --method full keeps "
+            "mlx-lm's QuantizedKVCache (--kv-bits), which quantizes keys per token"
+        )
     try:
         return KVCacheConfig(method=method, **fields)
     except (TypeError, ValueError) as exc:

@@ -34,11 +34,14 @@ def load_prompt_cache(
                 quant = cache.quant
                 saved_bits = None if quant is None else quant.bits
                 saved_group = config.kv_group_size if quant is None else quant.group_size
-                if (saved_bits, saved_group) != (config.kv_bits, config.kv_group_size):
+                saved_layout = config.kv_key_layout if quant is None else quant.keys
+                asked = (config.kv_bits, config.kv_group_size, config.kv_key_layout)
+                if (saved_bits, saved_group, saved_layout) != asked:
                     raise ValueError(
                         f"prompt cache layer {i} was saved with kv_bits={saved_bits} "
-                        f"(kv_group_size={saved_group}), but config asks for "
-                        f"kv_bits={config.kv_bits} (kv_group_size={config.kv_group_size})"
+                        f"(kv_group_size={saved_group}, kv_key_layout={saved_layout!r}), but "
+                        f"config asks for kv_bits={config.kv_bits} (kv_group_size="
+                        f"{config.kv_group_size}, kv_key_layout={config.kv_key_layout!r})"
                     )
                 saved = (cache.policy_name, cache.settings)
                 wanted = (config.policy, settings)

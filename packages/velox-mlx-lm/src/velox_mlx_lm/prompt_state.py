@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention_rule import History
+from velox_cache_core.krows import KRows
 from velox_cache_core.lanes import Lanes
 from velox_cache_core.registry import Policy
 from velox_cache_core.rows import QRows, Quant, quant_of
@@ -45,7 +46,9 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
 
 # Lanes: for files whose undo entries still carried the lanes among their running fields
 # (before LaneStep); LaneStep: an undo entry of a call over lanes holds one per token
-_PACKED_TYPES = {t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, Lanes, LaneStep)}
+_PACKED_TYPES = {
+    t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, KRows, Lanes, LaneStep)
+}
 
 
 def _unpack(skeleton: Any, data: dict[str, Any]) -> Any:
@@ -84,6 +87,8 @@ def encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
     quant = quant_of_state(state)
     if quant is not None:
         meta.update(kv_bits=quant.bits, kv_group_size=quant.group_size)
+        if quant.keys != "token":
+            meta.update(kv_key_layout=quant.keys)
     undo: dict[str, mx.array] = {}
     skeleton = None if log is None else _pack(log, "undo", undo)
     out.update(undo)
@@ -92,9 +97,11 @@ def encode(state: Any, log: UndoLog | None) -> dict[str, Any]:
 
 
 def _put(out: dict[str, Any], name: str, value: Any) -> None:
-    """``value`` under ``name``; quantized rows as ``<name>_packed``/``_scales``/``_biases``."""
-    if isinstance(value, QRows):
-        for part, array in zip(("packed", "scales", "biases"), value.arrays(), strict=True):
+    """``value`` under ``name``; quantized rows as ``<name>_packed``/``_scales``/``_biases``
+    (and, for keys quantized per channel, ``_window``/``_where``)."""
+    if isinstance(value, (QRows, KRows)):
+        parts = ("packed", "scales", "biases", "window", "where")
+        for part, array in zip(parts, value.arrays(), strict=False):
             out[f"{name}_{part}"] = array
     else:
         out[name] = value
@@ -105,6 +112,9 @@ def _get(data: dict[str, Any], name: str, quant: Quant | None) -> Any:
     if quant is None or f"{name}_packed" not in data:
         return data.get(name)
     packed, scales, biases = (data[f"{name}_{part}"] for part in ("packed", "scales", "biases"))
+    if f"{name}_where" in data:
+        window, where = data[f"{name}_window"], data[f"{name}_where"]
+        return KRows(packed, scales, biases, window, where, quant.bits, quant.group_size)
     return QRows(packed, scales, biases, quant.bits, quant.group_size)
 
 
@@ -127,7 +137,7 @@ def decode(policy: Policy, data: dict[str, Any]) -> tuple[Any, UndoLog | None]:
     meta = json.loads(data["meta"])
     skeleton = meta.pop("undo", None)
     bits, group = meta.pop("kv_bits", None), meta.pop("kv_group_size", 64)
-    quant = Quant.of(bits, group)
+    quant = Quant.of(bits, group, meta.pop("kv_key_layout", "token"))
     fix = None
     if policy.upgrade is not None:  # saved by an older release
         meta, fix = policy.upgrade(meta)

@@ -46,7 +46,7 @@ from velox_mlx_lm.serve_messages import MESSAGES_PATH, error_body, parse_request
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
-VELOX_FLAGS: tuple[str, ...] = ("--quantized",)
+VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 SHUTDOWN_HEADERS = {"Retry-After": "2", "Connection": "close"}

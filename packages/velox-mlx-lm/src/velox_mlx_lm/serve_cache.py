@@ -119,7 +119,7 @@ def kept_bytes(cache: Any) -> int:
         return int(cache.nbytes)
     arrays = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
     allocated = int(arrays[0].shape[2])
-    rows = min(int(cache.size()), allocated)
+    rows = min(int(cache.offset), allocated)  # QuantizedKVCache has no size()
     return int(sum(a.nbytes for a in arrays) * rows // max(allocated, 1))
 
 

@@ -33,6 +33,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 WIDTHS: tuple[int | None, ...] = (None, 8, 4, 2)  # None: the model's precision
+CHANNEL_WIDTHS: tuple[int, ...] = (4, 2)  # kv_key_layout="channel" (KIVI's keys)
 GROUP = 64
 RESULTS_NAME = "quality_per_byte"
 
@@ -48,6 +49,7 @@ class PerByteSettings:
     trials: int = 10
     chunk: int = 256
     smoke: bool = False
+    parts: tuple[str, ...] = ("perplexity", "retrieval")
 
     @classmethod
     def smoke_run(cls) -> PerByteSettings:
@@ -71,13 +73,31 @@ def row_bytes(head_dim: int, itemsize: int, bits: int | None, group: int = GROUP
     return 2.0 * (head_dim * bits / 8 + 2 * head_dim / group * itemsize)
 
 
-def equal_bytes_budget(budget: int, head_dim: int, itemsize: int, bits: int | None) -> int:
-    """The budget whose ``bits``-bit rows hold the bytes of ``budget`` full-precision rows."""
+def equal_bytes_budget(
+    budget: int, head_dim: int, itemsize: int, bits: int | None, layout: str = "token"
+) -> int:
+    """The budget whose ``bits``-bit rows hold the bytes of ``budget`` full-precision rows.
+
+    Keys per channel (``layout="channel"``) cost a 4-byte row map entry per row, and at most
+    ``GROUP - 1`` dead quantized key rows and ``GROUP - 1`` full-precision window rows besides:
+    the budget leaves room for the worst case."""
     full = row_bytes(head_dim, itemsize, None)
-    return int(budget * full // row_bytes(head_dim, itemsize, bits))
+    if layout == "token" or bits is None:
+        return int(budget * full // row_bytes(head_dim, itemsize, bits))
+    key_q, key_fp = row_bytes(head_dim, itemsize, bits) / 2, full / 2
+    spare = budget * full - (GROUP - 1) * (key_q + key_fp)
+    return max(0, int(spare // (row_bytes(head_dim, itemsize, bits) + 4)))
 
 
-def _config(method: str, budget: int, bits: int | None) -> Any:
+MIN_BUDGET = 16  # a layout whose overheads leave fewer rows than this is not run
+
+
+def widths() -> list[tuple[int | None, str]]:
+    """(bits, key layout) of every quantized run, full precision first."""
+    return [(b, "token") for b in WIDTHS] + [(b, "channel") for b in CHANNEL_WIDTHS]
+
+
+def _config(method: str, budget: int, bits: int | None, layout: str = "token") -> Any:
     from velox_bench.quality.methods import FULL, _sequential
     from velox_bench.variants import Variant
 
@@ -86,11 +106,17 @@ def _config(method: str, budget: int, bits: int | None) -> Any:
 
         return KVCacheConfig(method="full", kv_bits=bits, kv_group_size=GROUP)
     variant = _sequential(Variant(method, method))
-    return variant.config(budget).replace(kv_bits=bits, kv_group_size=GROUP)
+    config = variant.config(budget).replace(kv_bits=bits, kv_group_size=GROUP)
+    if layout == "channel":
+        config = config.replace(kv_key_layout="channel")
+        if config.settings().get("allocation", "uniform") != "uniform":  # lanes: uniform
+            config = config.replace(**{f"{config.policy}_allocation": "uniform"})
+    return config
 
 
-def _label(method: str, bits: int | None) -> str:
-    return f"{method} {'fp' if bits is None else f'{bits}-bit'}"
+def _label(method: str, bits: int | None, layout: str = "token") -> str:
+    width = "fp" if bits is None else f"{bits}-bit" + (" ch" if layout == "channel" else "")
+    return f"{method} {width}"
 
 
 def _geometry(model: Any) -> tuple[int, int, int]:
@@ -116,18 +142,22 @@ def perplexity_rows(
 
     _, _, head_dim = _geometry(model)
     itemsize = model.layers[0].self_attn.k_proj.weight.dtype.size
-    runs: list[tuple[str, int | None, int | None]] = [("full", None, None)]
-    runs += [("full", bits, None) for bits in (8, 4)]
+    runs: list[tuple[str, int | None, int | None, str]] = [("full", None, None, "token")]
+    runs += [("full", bits, None, "token") for bits in (8, 4)]
     for method in settings.methods:
-        for bits in WIDTHS:
-            runs.append(
-                (method, bits, equal_bytes_budget(settings.budget, head_dim, itemsize, bits))
-            )
+        for bits, layout in widths():
+            fit = equal_bytes_budget(settings.budget, head_dim, itemsize, bits, layout)
+            if layout == "token" or fit >= MIN_BUDGET:
+                runs.append((method, bits, fit, layout))
     # the same budget at 8 and 4 bits: what quantizing costs a cache of a given size
-    same = [(settings.methods[0], bits, settings.budget) for bits in (8, 4)]
+    first = settings.methods[0]
+    same: list[tuple[str, int | None, int | None, str]] = [
+        (first, b, settings.budget, lay) for b, lay in ((8, "token"), (4, "token"))
+    ]
+    same += [(first, b, settings.budget, "channel") for b in CHANNEL_WIDTHS]
     rows = []
-    for method, bits, budget in [*runs, *same]:
-        config = _config(method, budget or settings.budget, bits)
+    for method, bits, budget, layout in [*runs, *same]:
+        config = _config(method, budget or settings.budget, bits, layout)
         held: list[Any] = []
 
         def build(model: Any = model, config: Any = config, held: list[Any] = held) -> list[Any]:
@@ -141,10 +171,11 @@ def perplexity_rows(
             {
                 "method": "mlx-quantized" if method == "full" and bits else method,
                 "bits": bits,
+                "layout": layout,
                 "budget": budget,
                 "kv_bytes": _held(held),
                 "ppl": perplexity(nll),
-                "same_budget": (method, bits, budget) in same,
+                "same_budget": (method, bits, budget, layout) in same,
             }
         )
     return rows
@@ -172,13 +203,17 @@ def retrieval_rows(
     full = run(_config("full", 0, None))
     rows = []
     for method in settings.retrieval_methods:
-        for bits in WIDTHS:
-            budget = equal_bytes_budget(settings.retrieval_budget, head_dim, itemsize, bits)
-            by_depth = _depth_rows(run(_config(method, budget, bits)), full)
+        for bits, layout in widths():
+            B = settings.retrieval_budget
+            budget = equal_bytes_budget(B, head_dim, itemsize, bits, layout)
+            if layout == "channel" and budget < MIN_BUDGET:
+                continue
+            by_depth = _depth_rows(run(_config(method, budget, bits, layout)), full)
             rows.append(
                 {
                     "method": method,
                     "bits": bits,
+                    "layout": layout,
                     "budget": budget,
                     "by_depth": by_depth,
                     "mean": float(np.mean([r["accuracy"] for r in by_depth.values()])),
@@ -204,8 +239,16 @@ def evaluate(settings: PerByteSettings) -> dict[str, Any]:
     tokens = tokenizer.encode(text)[: settings.tokens + 1]
     started = time.perf_counter()
     with tqdm(desc="quality per byte", unit="tok") as bar:
-        ppl = perplexity_rows(model, tokens, settings, bar.update)
-        found = retrieval_rows(model, tokenizer, settings, bar.update)
+        ppl = (
+            perplexity_rows(model, tokens, settings, bar.update)
+            if "perplexity" in settings.parts
+            else []
+        )
+        found = (
+            retrieval_rows(model, tokenizer, settings, bar.update)
+            if "retrieval" in settings.parts
+            else None
+        )
     return {
         "settings": asdict(settings),
         "model": "SmolLM2-135M-Instruct (embedded, float32)",
@@ -218,15 +261,23 @@ def evaluate(settings: PerByteSettings) -> dict[str, Any]:
 
 def summary(results: dict[str, Any]) -> str:
     s = results["settings"]
-    lines = [
-        f"Perplexity over {results['text_tokens']} tokens, equal KV bytes to budget {s['budget']}:",
-        f"{'cache':<22}{'budget':>8}{'KV MB':>9}{'ppl':>9}",
-    ]
+    lines = (
+        []
+        if not results["perplexity"]
+        else [
+            f"Perplexity over {results['text_tokens']} tokens, equal KV bytes to budget "
+            f"{s['budget']}:",
+            f"{'cache':<30}{'budget':>8}{'KV MB':>9}{'ppl':>9}",
+        ]
+    )
     for r in results["perplexity"]:
         budget = "all" if r["budget"] is None else str(r["budget"])
-        name = _label(r["method"], r["bits"]) + (" (same B)" if r.get("same_budget") else "")
-        lines.append(f"{name:<22}{budget:>8}{r['kv_bytes'] / 1e6:>9.2f}{r['ppl']:>9.3f}")
+        name = _label(r["method"], r["bits"], r.get("layout", "token"))
+        name += " (same B)" if r.get("same_budget") else ""
+        lines.append(f"{name:<30}{budget:>8}{r['kv_bytes'] / 1e6:>9.2f}{r['ppl']:>9.3f}")
     ret = results["retrieval"]
+    if ret is None:
+        return "\n".join(lines)
     depths = list(ret["full_by_depth"])
     lines += [
         "",
@@ -239,7 +290,11 @@ def summary(results: dict[str, Any]) -> str:
     full = [ret["full_by_depth"][d] for d in depths]
     table = [("full", "all", full)]
     table += [
-        (_label(r["method"], r["bits"]), str(r["budget"]), [r["by_depth"][d] for d in depths])
+        (
+            _label(r["method"], r["bits"], r.get("layout", "token")),
+            str(r["budget"]),
+            [r["by_depth"][d] for d in depths],
+        )
         for r in ret["rows"]
     ]
     for name, budget, cells in table:
@@ -253,6 +308,26 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _series(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """(label, line style, rows) per method and key layout, the full-precision row in each."""
+    runs = [r for r in rows if not r.get("same_budget")]
+    out = []
+    for method in sorted({r["method"] for r in runs}):
+        for layout in ("token", "channel"):
+            mine = [
+                r
+                for r in runs
+                if r["method"] == method and (r.get("layout", "token") == layout or not r["bits"])
+            ]
+            if layout == "channel" and all(r["bits"] is None for r in mine):
+                continue
+            if layout == "token":
+                out.append((method, "o-" if len(mine) > 1 else "s", mine))
+            else:
+                out.append((f"{method}, keys per channel", "^--", mine))
+    return out
+
+
 def plot(results: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -261,13 +336,14 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     rows = results["perplexity"]
-    for method in sorted({r["method"] for r in rows}):
-        mine = [r for r in rows if r["method"] == method and not r.get("same_budget")]
+    for label, style, mine in _series(rows):
         xs = [r["kv_bytes"] / 1e6 for r in mine]
-        ax.plot(xs, [r["ppl"] for r in mine], "o-" if len(mine) > 1 else "s", label=method)
+        ax.plot(xs, [r["ppl"] for r in mine], style, label=label)
         for r, x in zip(mine, xs, strict=True):
-            ax.annotate("fp" if r["bits"] is None else f"{r['bits']}b", (x, r["ppl"]), fontsize=7)
+            name = "fp" if r["bits"] is None else f"{r['bits']}b"
+            ax.annotate(name, (x, r["ppl"]), fontsize=7)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("KV bytes held (MB)")
     ax.set_ylabel("perplexity")
     ax.set_title(f"Quality per byte, {results['text_tokens']} tokens")
@@ -282,9 +358,20 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 def write(results: dict[str, Any]) -> list[Path]:
     """``<results dir>/quality_per_byte.json`` and the figure (next to the results, and under
     docs/ for a real run)."""
-    from velox_bench.results import figures_dirs, write_json
+    import json
 
+    from velox_bench.results import figures_dirs, results_dir, write_json
+
+    old = results_dir() / f"{RESULTS_NAME}.json"
+    if old.exists():  # a run of one part keeps the other part's last results
+        before = json.loads(old.read_text())
+        for part, key in (("perplexity", "perplexity"), ("retrieval", "retrieval")):
+            if part not in results["settings"]["parts"] and before.get(key):
+                results[key] = before[key]
+                results.setdefault("kept_from_earlier_run", []).append(part)
     path = write_json(RESULTS_NAME, results)
+    if not results["perplexity"]:
+        return [path]
     return [path, *(plot(results, d / f"{RESULTS_NAME}.png") for d in figures_dirs())]
 
 
@@ -295,6 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, help="full-precision budget B (default 512)")
     parser.add_argument("--retrieval-budget", type=int, help="B for retrieval (default 160)")
     parser.add_argument("--trials", type=int, help="retrieval questions per depth (default 10)")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("perplexity", "retrieval"),
+        help="run only these parts (default: both)",
+    )
     args = parser.parse_args(argv)
     settings = PerByteSettings.smoke_run() if args.smoke else PerByteSettings()
     changes = {
@@ -304,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "budget": args.budget,
             "retrieval_budget": args.retrieval_budget,
             "trials": args.trials,
+            "parts": None if args.parts is None else tuple(args.parts),
         }.items()
         if v is not None
     }
