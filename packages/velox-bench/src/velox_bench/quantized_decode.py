@@ -4,9 +4,9 @@
 Each subject holds one layer filled with ``context`` tokens; ``step()`` feeds one token (keys,
 values and the true queries), attends, and evaluates the output and the cache state.
 
-- ``velox``: TOVA at ``budget`` with ``kv_bits`` rows (``velox_cache_core.layer.Layer``): the
-  new token is quantized and written into the freed slot, the query's weights decide and
-  attend. Past the budget it holds ``budget`` rows whatever the context.
+- ``velox``: TOVA at ``budget`` with ``kv_bits`` rows, keys in ``layout``
+  (``velox_cache_core.layer.Layer``): the new token is quantized and written into the freed
+  slot, the query's weights decide and attend. Past the budget it holds ``budget`` rows whatever the context.
 - ``mlx``: ``QuantizedKVCache.update_and_fetch`` then
   ``mlx_lm.models.base.quantized_scaled_dot_product_attention``, as mlx-lm runs it: over every
   token of the context.
@@ -43,6 +43,7 @@ class Case:
     h_kv: int = 8
     h_q: int = 32
     d: int = 128
+    layout: str = "token"  # Velox's kv_key_layout (mlx-lm quantizes keys per token)
 
 
 def _tokens(case: Case, n: int, seed: int) -> tuple[mx.array, mx.array]:
@@ -62,7 +63,10 @@ def make_step(kind: str, case: Case) -> Callable[[], None]:
     if kind == "velox":
         policy = POLICIES["tova"]
         layer = Layer(
-            policy, policy.init(budget=case.budget), None, quant=Quant(case.bits, case.group)
+            policy,
+            policy.init(budget=case.budget),
+            None,
+            quant=Quant(case.bits, case.group, case.layout),
         )
         for start in range(0, case.context, 256):
             part = slice(start, start + 256)

@@ -166,7 +166,8 @@ class KRows:
         return self._with(where[..., 0])
 
     def __getitem__(self, index: Any) -> KRows:
-        """Index the batch, head and row axes (slices on the first two)."""
+        """Index the batch, head and row axes (slices on the first two). A view: the physical
+        rows are shared, not repacked (a store's first rows over its reserved ones)."""
         parts = index if isinstance(index, tuple) else (index,)
         if len(parts) > 3 or any(p is Ellipsis for p in parts):
             raise ValueError(
@@ -187,7 +188,7 @@ class KRows:
             where,
             self.bits,
             self.group_size,
-        ).settled()
+        )
 
     def tie(self, others: list[mx.array]) -> KRows:
         """The same rows, evaluated only after ``others``."""
@@ -318,16 +319,24 @@ def _merge(parts: list[KRows]) -> tuple[KRows, list[mx.array]]:
         w = p.where
         maps.append(mx.where(w < nq, w + q_at, w - nq + w_at))
         q_at, w_at = q_at + nq, w_at + nw
+    grouped = [p for p in parts if p.n_quantized] or [first]
+    windowed = [p for p in parts if p.window.shape[2]] or [first]
     merged = KRows(
-        mx.concatenate([p.packed for p in parts], axis=3),
-        mx.concatenate([p.scales for p in parts], axis=3),
-        mx.concatenate([p.biases for p in parts], axis=3),
-        mx.concatenate([p.window for p in parts], axis=2),
+        _join([p.packed for p in grouped], axis=3),
+        _join([p.scales for p in grouped], axis=3),
+        _join([p.biases for p in grouped], axis=3),
+        _join([p.window for p in windowed], axis=2),
         first.where,
         first.bits,
         first.group_size,
     )
     return merged, maps
+
+
+def _join(arrays: list[mx.array], axis: int) -> mx.array:
+    """``arrays`` concatenated; one array as it is (a decode step's new row joins only the
+    window: the groups are not copied)."""
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)
 
 
 def join(parts: list[KRows], axis: int) -> KRows:

@@ -50,6 +50,8 @@ class PerByteSettings:
     chunk: int = 256
     smoke: bool = False
     parts: tuple[str, ...] = ("perplexity", "retrieval")
+    mlx_bits: tuple[int, ...] = (8, 4)  # QuantizedKVCache references (no eviction)
+    same_budget: bool = True  # also run the first method at B itself, quantized
 
     @classmethod
     def smoke_run(cls) -> PerByteSettings:
@@ -143,7 +145,7 @@ def perplexity_rows(
     _, _, head_dim = _geometry(model)
     itemsize = model.layers[0].self_attn.k_proj.weight.dtype.size
     runs: list[tuple[str, int | None, int | None, str]] = [("full", None, None, "token")]
-    runs += [("full", bits, None, "token") for bits in (8, 4)]
+    runs += [("full", bits, None, "token") for bits in settings.mlx_bits]
     for method in settings.methods:
         for bits, layout in widths():
             fit = equal_bytes_budget(settings.budget, head_dim, itemsize, bits, layout)
@@ -155,6 +157,7 @@ def perplexity_rows(
         (first, b, settings.budget, lay) for b, lay in ((8, "token"), (4, "token"))
     ]
     same += [(first, b, settings.budget, "channel") for b in CHANNEL_WIDTHS]
+    same = same if settings.same_budget else []
     rows = []
     for method, bits, budget, layout in [*runs, *same]:
         config = _config(method, budget or settings.budget, bits, layout)
@@ -382,6 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, help="full-precision budget B (default 512)")
     parser.add_argument("--retrieval-budget", type=int, help="B for retrieval (default 160)")
     parser.add_argument("--trials", type=int, help="retrieval questions per depth (default 10)")
+    parser.add_argument("--methods", nargs="+", help="perplexity methods (default: tova h2o)")
+    parser.add_argument(
+        "--mlx-bits", type=int, nargs="*", help="QuantizedKVCache references (default: 8 4)"
+    )
+    parser.add_argument(
+        "--no-same-budget", action="store_true", help="skip the quantized runs at B itself"
+    )
     parser.add_argument(
         "--parts",
         nargs="+",
@@ -398,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "retrieval_budget": args.retrieval_budget,
             "trials": args.trials,
             "parts": None if args.parts is None else tuple(args.parts),
+            "methods": None if args.methods is None else tuple(args.methods),
+            "mlx_bits": None if args.mlx_bits is None else tuple(args.mlx_bits),
+            "same_budget": False if args.no_same_budget else None,
         }.items()
         if v is not None
     }
