@@ -6,7 +6,8 @@ values and the true queries), attends, and evaluates the output and the cache st
 
 - ``velox``: TOVA at ``budget`` with ``kv_bits`` rows, keys in ``layout``
   (``velox_cache_core.layer.Layer``): the new token is quantized and written into the freed
-  slot, the query's weights decide and attend. Past the budget it holds ``budget`` rows whatever the context.
+  slot, the query's weights decide and attend. Past the budget it holds ``budget`` rows
+  whatever the context.
 - ``mlx``: ``QuantizedKVCache.update_and_fetch`` then
   ``mlx_lm.models.base.quantized_scaled_dot_product_attention``, as mlx-lm runs it: over every
   token of the context.
