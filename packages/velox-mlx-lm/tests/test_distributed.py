@@ -46,6 +46,7 @@ LAYER_SCOPE = {
     "morphkv",
     "morphkv_max",
     "tova_q4",
+    "tova_q4_channel",
 }
 TENSOR_CASES = [
     "tova",
@@ -61,6 +62,7 @@ TENSOR_CASES = [
     "snapkv",
     "streaming_llm",
     "tova_q4",
+    "tova_q4_channel",
     "h2o_head_q8",
 ]
 NEGATIVE = "tova_no_allreduce"
