@@ -37,5 +37,7 @@ def test_quality_per_byte(benchmark: Any) -> None:
     assert all(math.isfinite(r["ppl"]) for r in rows)
     fp = next(r for r in rows if r["method"] == "tova" and r["bits"] is None)
     for r in rows:  # equal bytes: every quantized Velox row holds at most its fp row's bytes
-        if r["method"] == "tova" and r["bits"] is not None:
+        # (the same-budget rows are not equal bytes: per-channel keys' window and dead rows
+        # outweigh a tiny smoke budget's rows)
+        if r["method"] == "tova" and r["bits"] is not None and not r["same_budget"]:
             assert r["kv_bytes"] <= fp["kv_bytes"] * 1.01

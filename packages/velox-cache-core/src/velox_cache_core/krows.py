@@ -308,17 +308,8 @@ def _merge(parts: list[KRows]) -> tuple[KRows, list[mx.array]]:
     """One physical store holding every part's rows (groups first, then windows, each in part
     order), and each part's row map into it."""
     first = parts[0]
-    for p in parts[1:]:
-        if (p.bits, p.group_size) != (first.bits, first.group_size):
-            raise TypeError("cannot join per-channel keys of different widths or group sizes")
-    quantized = [p.n_quantized for p in parts]
-    windows = [int(p.window.shape[2]) for p in parts]
-    P = sum(quantized)
-    maps, q_at, w_at = [], 0, P
-    for p, nq, nw in zip(parts, quantized, windows, strict=True):
-        w = p.where
-        maps.append(mx.where(w < nq, w + q_at, w - nq + w_at))
-        q_at, w_at = q_at + nq, w_at + nw
+    if any((p.bits, p.group_size) != (first.bits, first.group_size) for p in parts):
+        raise TypeError("cannot join per-channel keys of different widths or group sizes")
     grouped = [p for p in parts if p.n_quantized] or [first]
     windowed = [p for p in parts if p.window.shape[2]] or [first]
     merged = KRows(
@@ -330,7 +321,19 @@ def _merge(parts: list[KRows]) -> tuple[KRows, list[mx.array]]:
         first.bits,
         first.group_size,
     )
-    return merged, maps
+    return merged, _maps(parts)
+
+
+def _maps(parts: list[KRows]) -> list[mx.array]:
+    """Each part's row map into the joined physical rows: its groups after the groups of the
+    parts before it, its window rows after every group and the windows before it."""
+    P = sum(p.n_quantized for p in parts)
+    maps, q_at, w_at = [], 0, P
+    for p in parts:
+        nq, w = p.n_quantized, p.where
+        maps.append(mx.where(w < nq, w + q_at, w - nq + w_at))
+        q_at, w_at = q_at + nq, w_at + int(p.window.shape[2])
+    return maps
 
 
 def _join(arrays: list[mx.array], axis: int) -> mx.array:

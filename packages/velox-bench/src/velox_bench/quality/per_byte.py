@@ -52,6 +52,7 @@ class PerByteSettings:
     smoke: bool = False
     parts: tuple[str, ...] = ("perplexity", "retrieval")
     mlx_bits: tuple[int, ...] = (8, 4)  # QuantizedKVCache references (no eviction)
+    widths: tuple[str, ...] = ("fp", "8", "4", "2", "4ch", "2ch")  # the Velox runs
     same_budget: bool = True  # also run the first method at B itself, quantized
 
     @classmethod
@@ -95,9 +96,17 @@ def equal_bytes_budget(
 MIN_BUDGET = 16  # a layout whose overheads leave fewer rows than this is not run
 
 
-def widths() -> list[tuple[int | None, str]]:
-    """(bits, key layout) of every quantized run, full precision first."""
-    return [(b, "token") for b in WIDTHS] + [(b, "channel") for b in CHANNEL_WIDTHS]
+def widths(names: Sequence[str] | None = None) -> list[tuple[int | None, str]]:
+    """(bits, key layout) of the runs named (``fp``, ``8``, ``4ch``, ...; default: all), full
+    precision first."""
+    every = [(b, "token") for b in WIDTHS] + [(b, "channel") for b in CHANNEL_WIDTHS]
+    if names is None:
+        return every
+    return [w for w in every if width_name(*w) in names]
+
+
+def width_name(bits: int | None, layout: str) -> str:
+    return "fp" if bits is None else f"{bits}{'ch' if layout == 'channel' else ''}"
 
 
 def _config(method: str, budget: int, bits: int | None, layout: str = "token") -> Any:
@@ -148,7 +157,7 @@ def perplexity_rows(
     runs: list[tuple[str, int | None, int | None, str]] = [("full", None, None, "token")]
     runs += [("full", bits, None, "token") for bits in settings.mlx_bits]
     for method in settings.methods:
-        for bits, layout in widths():
+        for bits, layout in widths(settings.widths):
             fit = equal_bytes_budget(settings.budget, head_dim, itemsize, bits, layout)
             if layout == "token" or fit >= MIN_BUDGET:
                 runs.append((method, bits, fit, layout))
@@ -207,7 +216,7 @@ def retrieval_rows(
     full = run(_config("full", 0, None))
     rows = []
     for method in settings.retrieval_methods:
-        for bits, layout in widths():
+        for bits, layout in widths(settings.widths):
             B = settings.retrieval_budget
             budget = equal_bytes_budget(B, head_dim, itemsize, bits, layout)
             if layout == "channel" and budget < MIN_BUDGET:
@@ -432,6 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mlx-bits", type=int, nargs="*", help="QuantizedKVCache references (default: 8 4)"
     )
     parser.add_argument(
+        "--widths",
+        nargs="+",
+        choices=[width_name(*w) for w in widths()],
+        help="the Velox runs: fp, 8, 4, 2 (keys per token), 4ch, 2ch (per channel); default all",
+    )
+    parser.add_argument(
         "--no-same-budget", action="store_true", help="skip the quantized runs at B itself"
     )
     parser.add_argument(
@@ -453,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "methods": None if args.methods is None else tuple(args.methods),
             "mlx_bits": None if args.mlx_bits is None else tuple(args.mlx_bits),
             "same_budget": False if args.no_same_budget else None,
+            "widths": None if args.widths is None else tuple(args.widths),
         }.items()
         if v is not None
     }
