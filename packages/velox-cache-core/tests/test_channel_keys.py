@@ -5,15 +5,14 @@ time by ``mx.quantize``), its bounds and bytes, and every policy over it.
 
 from __future__ import annotations
 
-import core_harness as harness
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_policy_contract import CASES, NAMES, needs_queries, run_against_reference
+from test_policy_contract import NAMES
+from test_quantized_rows import every_chunking
 
-from velox_cache_core import POLICIES
 from velox_cache_core import rows as R
 from velox_cache_core.krows import KRows
 from velox_cache_core.rows import Quant
@@ -212,18 +211,4 @@ def test_every_policy_over_channel_keys(name: str, bits: int) -> None:
     """Every policy keeps, scores and attends over per-channel keys (held in the window here:
     calls, streams and reserves shorter than a group of 64) as its reference does over the
     same rows."""
-    settings = CASES[name].settings
-    full = POLICIES[name].init(**settings).settings
-    for i, chunks in enumerate([[1] * 14, [6, 0, 1, 5, 2], [14]]):
-        run_against_reference(
-            name,
-            settings,
-            shape=(2, 2, 2, 64),
-            prompt=chunks,
-            decode=[1, 1, 2] if CASES[name].prompt_end is not None else [],
-            give_queries=i % 2 == 0 or needs_queries(name, full),
-            scale=None,
-            seed=3000 + i + bits,
-            close_call=harness.assert_clear,
-            quant=Quant(bits, 64, "channel"),
-        )
+    every_chunking(name, Quant(bits, 64, "channel"), head_dim=64, seed=3000 + bits)

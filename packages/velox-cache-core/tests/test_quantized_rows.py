@@ -67,20 +67,26 @@ def test_mlx_quantization_matches_numpy(bits: int, group: int) -> None:
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("name", NAMES)
 def test_every_policy_over_quantized_rows(name: str, bits: int) -> None:
+    every_chunking(name, Quant(bits, 32), head_dim=D, seed=2000 + bits)
+
+
+def every_chunking(name: str, quant: Quant, head_dim: int, seed: int) -> None:
+    """``name`` against its reference over rows stored as ``quant`` holds them, prompts fed
+    token by token, in uneven chunks and at once (then a few decode steps after a prompt end)."""
     settings = CASES[name].settings
     full = POLICIES[name].init(**settings).settings
     for i, chunks in enumerate([[1] * 14, [6, 0, 1, 5, 2], [14]]):
         run_against_reference(
             name,
             settings,
-            shape=(2, 2, 2, D),
+            shape=(2, 2, 2, head_dim),
             prompt=chunks,
             decode=[1, 1, 2] if CASES[name].prompt_end is not None else [],
             give_queries=i % 2 == 0 or needs_queries(name, full),
             scale=None,
-            seed=2000 + i + bits,
+            seed=seed + i,
             close_call=harness.assert_clear,
-            quant=Quant(bits, 32),
+            quant=quant,
         )
 
 
