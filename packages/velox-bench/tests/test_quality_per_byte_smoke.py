@@ -24,6 +24,28 @@ def test_equal_bytes_budgets() -> None:
     assert equal_bytes_budget(8, 64, 4, 4, "channel") == 0  # the overheads do not fit
 
 
+def test_a_partial_run_keeps_the_rows_it_did_not_measure() -> None:
+    from velox_bench.quality.per_byte import merged
+
+    def row(method: str, bits: int | None, ppl: float) -> dict[str, Any]:
+        return {"method": method, "bits": bits, "layout": "token", "same_budget": False, "ppl": ppl}
+
+    settings = {"tokens": 64, "budget": 8, "retrieval_budget": 8, "retrieval_tokens": 50}
+    settings |= {"trials": 1, "chunk": 16}
+    before = {"settings": settings, "perplexity": [row("full", None, 1.0), row("tova", None, 2.0)]}
+    before["retrieval"] = {"rows": [row("kvzip", 4, 0.5)]}
+    now = {"settings": settings, "perplexity": [row("tova", 8, 3.0), row("full", None, 1.5)]}
+    now["retrieval"] = None
+    out = merged(before, now)
+    got = [(r["method"], r["bits"], r["ppl"]) for r in out["perplexity"]]
+    assert got == [("full", None, 1.5), ("tova", None, 2.0), ("tova", 8, 3.0)]
+    assert out["retrieval"] == before["retrieval"]
+    assert out["kept_from_earlier_run"] == ["perplexity tova fp", "retrieval"]
+    # another text or budget: nothing is kept
+    other = merged(before, {**now, "settings": {**settings, "budget": 16}})
+    assert other["retrieval"] is None and len(other["perplexity"]) == 2
+
+
 @pytest.mark.quality
 @pytest.mark.model
 @pytest.mark.corpus

@@ -45,7 +45,7 @@ class PerByteSettings:
     budget: int = 512  # the full-precision budget B; the others hold its bytes
     methods: tuple[str, ...] = ("tova", "h2o")
     retrieval_budget: int = 160  # B for retrieval: 10.7 B stays below the ~1,865-token document
-    retrieval_methods: tuple[str, ...] = ("kvzip", "tova")
+    retrieval_methods: tuple[str, ...] = ("kvzip", "tova", "h2o")
     retrieval_tokens: int = 1800
     trials: int = 10
     chunk: int = 256
@@ -393,6 +393,54 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["method"], row["bits"], row.get("layout", "token"), row.get("same_budget"))
+
+
+def _order(row: dict[str, Any]) -> tuple[Any, ...]:
+    """References first, then by method, equal-bytes rows before same-budget ones, widest
+    first, per token before per channel."""
+    rank = {"full": 0, "mlx-quantized": 1}.get(row["method"], 2)
+    bits = 99 if row["bits"] is None else row["bits"]
+    return (rank, row["method"], bool(row.get("same_budget")), -bits, row.get("layout", "token"))
+
+
+def merged(before: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """A run of some parts, methods or widths keeps the earlier run's other rows, if both ran
+    on the same text, budgets and chunk: a part not run is kept whole, and a perplexity or
+    retrieval row this run did not measure is kept (the rows this run measured replace
+    theirs). Kept rows are listed under ``kept_from_earlier_run``."""
+    same = ("tokens", "budget", "retrieval_budget", "retrieval_tokens", "trials", "chunk")
+    if any(before.get("settings", {}).get(k) != results["settings"][k] for k in same):
+        return results
+    out = dict(results)
+    kept: list[str] = []
+    if not out["perplexity"] and before.get("perplexity"):
+        out["perplexity"] = before["perplexity"]
+        kept.append("perplexity")
+    elif before.get("perplexity"):
+        new = {_row_key(r) for r in out["perplexity"]}
+        old = [r for r in before["perplexity"] if _row_key(r) not in new]
+        out["perplexity"] = sorted(old + out["perplexity"], key=_order)
+        kept += [
+            f"perplexity {_label(r['method'], r['bits'], r.get('layout', 'token'))}" for r in old
+        ]
+    if out["retrieval"] is None and before.get("retrieval"):
+        out["retrieval"] = before["retrieval"]
+        kept.append("retrieval")
+    elif out["retrieval"] is not None and before.get("retrieval"):
+        new = {_row_key(r) for r in out["retrieval"]["rows"]}
+        old = [r for r in before["retrieval"]["rows"] if _row_key(r) not in new]
+        rows = sorted(old + out["retrieval"]["rows"], key=_order)
+        out["retrieval"] = {**out["retrieval"], "rows": rows}
+        kept += [
+            f"retrieval {_label(r['method'], r['bits'], r.get('layout', 'token'))}" for r in old
+        ]
+    if kept:
+        out["kept_from_earlier_run"] = kept
+    return out
+
+
 def write(results: dict[str, Any]) -> list[Path]:
     """``<results dir>/quality_per_byte.json`` and the figure (next to the results, and under
     docs/ for a real run)."""
@@ -401,12 +449,8 @@ def write(results: dict[str, Any]) -> list[Path]:
     from velox_bench.results import figures_dirs, results_dir, write_json
 
     old = results_dir() / f"{RESULTS_NAME}.json"
-    if old.exists():  # a run of one part keeps the other part's last results
-        before = json.loads(old.read_text())
-        for part, key in (("perplexity", "perplexity"), ("retrieval", "retrieval")):
-            if part not in results["settings"]["parts"] and before.get(key):
-                results[key] = before[key]
-                results.setdefault("kept_from_earlier_run", []).append(part)
+    if old.exists():
+        results = merged(json.loads(old.read_text()), results)
     path = write_json(RESULTS_NAME, results)
     if not results["perplexity"]:
         return [path]
@@ -438,6 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, help="retrieval questions per depth (default 10)")
     parser.add_argument("--methods", nargs="+", help="perplexity methods (default: tova h2o)")
     parser.add_argument(
+        "--retrieval-methods", nargs="+", help="retrieval methods (default: kvzip tova h2o)"
+    )
+    parser.add_argument(
         "--mlx-bits", type=int, nargs="*", help="QuantizedKVCache references (default: 8 4)"
     )
     parser.add_argument(
@@ -466,6 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trials": args.trials,
             "parts": None if args.parts is None else tuple(args.parts),
             "methods": None if args.methods is None else tuple(args.methods),
+            "retrieval_methods": None
+            if args.retrieval_methods is None
+            else tuple(args.retrieval_methods),
             "mlx_bits": None if args.mlx_bits is None else tuple(args.mlx_bits),
             "same_budget": False if args.no_same_budget else None,
             "widths": None if args.widths is None else tuple(args.widths),
