@@ -12,7 +12,10 @@
 3. Against the full cache (issue 32): speculative tokens/s of every Velox method and of the full
    cache on the same draft, a 571-token prompt of real text (the corpus) and 64 new tokens,
    with self-drafts of 8 and 24 layers; the methods alternate within each round, and the ratio
-   of medians to the full cache's is the figure (goal: at least 0.9x).
+   of medians to the full cache's is the figure (goal: at least 0.9x). Timed from the first
+   token on, as mlx-lm's generation tokens/s. Past its budget a Velox cache answers other
+   tokens than the full cache, so its draft is accepted at another rate; the time per verify
+   round (``round_ms``, ``round_vs_full``) is the cost that does not depend on it.
 
 Writes ``benchmarks/results/speculative.json``. ``VELOX_BENCH_SMOKE=1`` uses tiny random models.
 """
@@ -167,10 +170,11 @@ def speculative() -> dict[str, Any]:
 
 
 def _spec_run(model: Any, draft: Any, config: KVCacheConfig, prompt: mx.array) -> dict[str, Any]:
-    """One speculative generation: seconds, tokens, tokens from the draft."""
+    """One speculative generation: the seconds from the first token to the last (the prompt's
+    prefill and the first round are not timed, as mlx-lm's generation tokens/s), tokens, and
+    how many of the timed ones came from the draft."""
     caches = KVCacheBuilder.for_model(model, config) + KVCacheBuilder.for_model(draft, config)
-    start = time.perf_counter()
-    tokens, accepted = [], 0
+    tokens, accepted, first = [], 0, 0.0
     for token, _, from_draft in speculative_generate_step(
         prompt,
         model,
@@ -179,9 +183,13 @@ def _spec_run(model: Any, draft: Any, config: KVCacheConfig, prompt: mx.array) -
         max_tokens=VS_FULL_TOKENS,
         num_draft_tokens=NUM_DRAFT,
     ):
+        if not tokens:
+            first = time.perf_counter()
+        else:
+            accepted += bool(from_draft)
         tokens.append(int(token))
-        accepted += bool(from_draft)
-    return {"seconds": time.perf_counter() - start, "tokens": tokens, "accepted": accepted}
+    seconds = time.perf_counter() - first
+    return {"seconds": seconds, "tokens": tokens, "accepted": accepted}
 
 
 def speculative_vs_full() -> dict[str, Any]:
@@ -205,14 +213,22 @@ def speculative_vs_full() -> dict[str, Any]:
             for method, config in configs.items():  # alternate: drifts hit every method alike
                 runs[method].append(_spec_run(model, draft, config, prompt))
         rate = {
-            m: statistics.median(len(r["tokens"]) / r["seconds"] for r in rs)
+            m: statistics.median((len(r["tokens"]) - 1) / r["seconds"] for r in rs)
+            for m, rs in runs.items()
+        }
+        # verify rounds: each yields its accepted draft tokens and one from the target, so the
+        # time per round does not depend on how often a cache's tokens match the draft's
+        per_round = {
+            m: statistics.median(r["seconds"] / (len(r["tokens"]) - 1 - r["accepted"]) for r in rs)
             for m, rs in runs.items()
         }
         out[f"draft_{layers}"] = {
             m: {
                 "speculative_tokens_per_s": rate[m],
                 "vs_full": rate[m] / rate["full"],
-                "acceptance_rate": rs[0]["accepted"] / len(rs[0]["tokens"]),
+                "round_ms": per_round[m] * 1e3,
+                "round_vs_full": per_round[m] / per_round["full"],
+                "acceptance_rate": rs[0]["accepted"] / (len(rs[0]["tokens"]) - 1),
                 "tokens": len(rs[0]["tokens"]),
                 "rounds": len(rs),
             }
@@ -272,6 +288,6 @@ def test_speculative_suite() -> None:
             _table(
                 f"speculative against the full cache, {name.replace('_', ' ')} layers",
                 rows,
-                ["speculative_tokens_per_s", "vs_full", "acceptance_rate"],
+                ["speculative_tokens_per_s", "vs_full", "round_vs_full", "acceptance_rate"],
             )
         )

