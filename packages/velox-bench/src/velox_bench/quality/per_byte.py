@@ -55,6 +55,7 @@ class PerByteSettings:
     mlx_bits: tuple[int, ...] = (8, 4)  # QuantizedKVCache references (no eviction)
     widths: tuple[str, ...] = ("fp", "8", "4", "2", "4ch", "2ch")  # the Velox runs
     same_budget: bool = True  # also run the first method at B itself, quantized
+    full_reference: bool = True  # run the full cache (off: keep the last run's, same text)
 
     @classmethod
     def smoke_run(cls) -> PerByteSettings:
@@ -119,12 +120,10 @@ def _config(method: str, budget: int, bits: int | None, layout: str = "token") -
 
         return KVCacheConfig(method="full", kv_bits=bits, kv_group_size=GROUP)
     variant = _sequential(Variant(method, method))
-    config = variant.config(budget).replace(kv_bits=bits, kv_group_size=GROUP)
-    if layout == "channel":
-        config = config.replace(kv_key_layout="channel")
-        if config.settings().get("allocation", "uniform") != "uniform":  # lanes: uniform
-            config = config.replace(**{f"{config.policy}_allocation": "uniform"})
-    return config
+    config = variant.config(budget)
+    if layout == "channel" and config.settings().get("allocation", "uniform") != "uniform":
+        config = config.replace(**{f"{config.policy}_allocation": "uniform"})  # lanes: uniform
+    return config.replace(kv_bits=bits, kv_group_size=GROUP, kv_key_layout=layout)
 
 
 def _label(method: str, bits: int | None, layout: str = "token") -> str:
@@ -155,7 +154,9 @@ def perplexity_rows(
 
     _, _, head_dim = _geometry(model)
     itemsize = model.layers[0].self_attn.k_proj.weight.dtype.size
-    runs: list[tuple[str, int | None, int | None, str]] = [("full", None, None, "token")]
+    runs: list[tuple[str, int | None, int | None, str]] = (
+        [("full", None, None, "token")] if settings.full_reference else []
+    )
     runs += [("full", bits, None, "token") for bits in settings.mlx_bits]
     for method in settings.methods:
         for bits, layout in widths(settings.widths):
@@ -531,6 +532,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the Velox runs: fp, 8, 4, 2 (keys per token), 4ch, 2ch (per channel); default all",
     )
     parser.add_argument(
+        "--no-full-reference",
+        action="store_true",
+        help="skip the full cache's perplexity (the last run's row is kept)",
+    )
+    parser.add_argument(
         "--no-same-budget", action="store_true", help="skip the quantized runs at B itself"
     )
     parser.add_argument(
@@ -555,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else tuple(args.retrieval_methods),
             "mlx_bits": None if args.mlx_bits is None else tuple(args.mlx_bits),
             "same_budget": False if args.no_same_budget else None,
+            "full_reference": False if args.no_full_reference else None,
             "widths": None if args.widths is None else tuple(args.widths),
         }.items()
         if v is not None
