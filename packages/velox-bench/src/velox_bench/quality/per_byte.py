@@ -527,9 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--widths",
-        nargs="+",
+        nargs="*",
         choices=[width_name(*w) for w in widths()],
-        help="the Velox runs: fp, 8, 4, 2 (keys per token), 4ch, 2ch (per channel); default all",
+        help="the Velox runs: fp, 8, 4, 2 (keys per token), 4ch, 2ch (per channel); default "
+        "all; none (`--widths` alone) runs only the references",
     )
     parser.add_argument(
         "--no-full-reference",
