@@ -442,6 +442,19 @@ def _order(row: dict[str, Any]) -> tuple[Any, ...]:
     return (rank, row["method"], bool(row.get("same_budget")), -bits, row.get("layout", "token"))
 
 
+def _kept_rows(
+    before: list[dict[str, Any]], now: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(earlier rows this run did not measure, all rows in table order)."""
+    new = {_row_key(r) for r in now}
+    old = [r for r in before if _row_key(r) not in new]
+    return old, sorted(old + now, key=_order)
+
+
+def _names(part: str, rows: list[dict[str, Any]]) -> list[str]:
+    return [f"{part} {_label(r['method'], r['bits'], r.get('layout', 'token'))}" for r in rows]
+
+
 def merged(before: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
     """A run of some parts, methods or widths keeps the earlier run's other rows, if both ran
     on the same text, budgets and chunk: a part not run is kept whole, and a perplexity or
@@ -452,27 +465,16 @@ def merged(before: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         return results
     out = dict(results)
     kept: list[str] = []
-    if not out["perplexity"] and before.get("perplexity"):
-        out["perplexity"] = before["perplexity"]
-        kept.append("perplexity")
-    elif before.get("perplexity"):
-        new = {_row_key(r) for r in out["perplexity"]}
-        old = [r for r in before["perplexity"] if _row_key(r) not in new]
-        out["perplexity"] = sorted(old + out["perplexity"], key=_order)
-        kept += [
-            f"perplexity {_label(r['method'], r['bits'], r.get('layout', 'token'))}" for r in old
-        ]
-    if out["retrieval"] is None and before.get("retrieval"):
+    if before.get("perplexity"):
+        old, out["perplexity"] = _kept_rows(before["perplexity"], out["perplexity"])
+        kept += ["perplexity"] if not results["perplexity"] else _names("perplexity", old)
+    if before.get("retrieval") and out["retrieval"] is None:
         out["retrieval"] = before["retrieval"]
         kept.append("retrieval")
-    elif out["retrieval"] is not None and before.get("retrieval"):
-        new = {_row_key(r) for r in out["retrieval"]["rows"]}
-        old = [r for r in before["retrieval"]["rows"] if _row_key(r) not in new]
-        rows = sorted(old + out["retrieval"]["rows"], key=_order)
+    elif before.get("retrieval"):
+        old, rows = _kept_rows(before["retrieval"]["rows"], out["retrieval"]["rows"])
         out["retrieval"] = {**out["retrieval"], "rows": rows}
-        kept += [
-            f"retrieval {_label(r['method'], r['bits'], r.get('layout', 'token'))}" for r in old
-        ]
+        kept += _names("retrieval", old)
     if kept:
         out["kept_from_earlier_run"] = kept
         out["commands"] = [*before.get("commands", []), *results.get("commands", [])]
