@@ -6,7 +6,7 @@ process; medians and ratios to mlx-lm's ``RotatingKVCache(512)`` + ``scaled_dot_
 Velox caches attend through ``cache.attend`` (what the attention hook calls), so the attend-once
 path runs where it applies. ``--no-log`` rows use ``trim_window=0`` (no undo log).
 
-    python tools/decode_step_compare.py [--rounds 7] [--steps 30]
+    python tools/decode_step_compare.py [--rounds 7] [--steps 30] [--methods tova h2o ...]
 """
 
 from __future__ import annotations
@@ -27,7 +27,16 @@ from velox_mlx_lm import KVCacheConfig, KVCacheFactory  # noqa: E402
 
 B, H_Q, H_KV, D, BUDGET = 1, 32, 8, 128, 512
 SCALE = D**-0.5
-METHODS = ["rotating", "tova", "tova (no log)", "tova_adapted", "h2o", "morphkv", "snapkv"]
+METHODS = [
+    "rotating",
+    "tova",
+    "tova (no log)",
+    "tova_adapted",
+    "h2o",
+    "streaming_llm",
+    "morphkv",
+    "snapkv",
+]
 
 
 def make(method: str) -> Any:
@@ -85,10 +94,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS[1:], default=METHODS[1:], help="besides rotating"
+    )
     args = parser.parse_args()
     print(f"BLAS: {BLAS}; device: {mx.default_device()}")
     caches = {}
-    for method in METHODS:
+    for method in ["rotating", *args.methods]:
         cache = make(method)
         n = BUDGET + 8
         k, v = mx.random.normal((B, H_KV, n, D)), mx.random.normal((B, H_KV, n, D))

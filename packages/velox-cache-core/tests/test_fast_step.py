@@ -264,6 +264,37 @@ def test_off_switch_and_ineligible_states_take_the_general_path() -> None:
         assert layer._fast_next is not None
 
 
+def test_streaming_llm_reads_the_row_it_overwrites_one_step_ahead() -> None:
+    """With an undo log, StreamingLLM's step frees the oldest row before writing over it; the
+    fast path reads that row in the step before (so the write is not in the graph that reads
+    the old store, and MLX writes in place) and the undo entry holds exactly that row."""
+    policy = POLICIES["streaming_llm"]
+    layer = Layer(policy, policy.init(budget=5, n_sink=1), new_log(4))
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.normal(size=(1, 2, 7, 4)).astype(np.float32))
+    layer.lay_out(k, k)
+    layer.attend(mx.ones((1, 2, 7, 4)), 0.5)
+    rows = []
+    for _ in range(3):
+        new = mx.array(rng.normal(size=(1, 2, 1, 4)).astype(np.float32))
+        before = layer.state.slots
+        layer.lay_out(new, new)
+        layer.attend(mx.ones((1, 2, 1, 4)), 0.5)
+        entry = layer.log.entries[-1]
+        assert entry.row is not None
+        slot = np.array(entry.written)
+        want = np.take_along_axis(np.array(before.keys), slot[:, :, None, None], axis=2)
+        assert np.array_equal(np.array(entry.row.keys), want)
+        rows.append(layer._fast_next is not None and layer._fast_next[2] is not None)
+    assert rows == [True, True, True]
+    without = Layer(policy, policy.init(budget=5, n_sink=1), None)
+    without.lay_out(k, k)
+    without.attend(mx.ones((1, 2, 7, 4)), 0.5)
+    without.lay_out(k[:, :, :1], k[:, :, :1])
+    without.attend(mx.ones((1, 2, 1, 4)), 0.5)
+    assert without._fast_next is not None and without._fast_next[2] is None  # nothing to keep
+
+
 def test_bad_queries_on_the_fast_path_change_nothing() -> None:
     tova = POLICIES["tova"]
     layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(4))

@@ -151,26 +151,48 @@ _WRITE: dict[tuple[Any, ...], Kernel] = {}
 _DECIDE: dict[tuple[Any, ...], Kernel] = {}
 
 
+Prefetch = tuple[mx.array, KVSlots]
+"""The slot ``[B, H_kv]`` an ``evict_before`` will free at the next step and the row it holds
+(``[B, H_kv, 1, *]``), read by the step before (:func:`decide`)."""
+
+
 def write(
-    policy: Policy, state: Any, key: tuple[Any, ...], keys: mx.array, values: mx.array
+    policy: Policy,
+    state: Any,
+    key: tuple[Any, ...],
+    keys: mx.array,
+    values: mx.array,
+    prefetch: Prefetch | None = None,
 ) -> Written:
     """Write the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` into its slot (the dead
-    one, or the one the policy's ``evict_before`` frees), as the general layout does."""
+    one, or the one the policy's ``evict_before`` frees), as the general layout does.
+
+    ``prefetch``: that slot and its row, read by the previous step (:func:`decide`) from the
+    same store. Reading the row here, in the graph that overwrites it, would keep the old
+    buffer alive next to the write, so MLX would copy the whole store instead of writing one
+    row in place."""
     slots = state.slots
-    kernel = _WRITE.get(key)
+    full_key = key if prefetch is None else (*key, "prefetched")
+    kernel = _WRITE.get(full_key)
     if kernel is None:
-        kernel = _WRITE[key] = mx.compile(_write_kernel(policy, state))
+        kernel = _WRITE[full_key] = mx.compile(
+            _write_kernel(policy, state, prefetched=prefetch is not None)
+        )
     start = mx.array(state.offset, dtype=mx.int32)
     free = [] if slots.free is None else [slots.free]
+    if prefetch is not None:
+        free = [prefetch[0]]
     k, v, p, written, row = kernel(
         slots.keys, slots.values, slots.positions, free, keys, values, start
     )
     candidates = _slots(k, v, p)
     row_slots = _slots(*row) if row else None
+    if prefetch is not None:
+        row_slots = prefetch[1]
     return Written(candidates, slots, written, row_slots, keys, values, start)
 
 
-def _write_kernel(policy: Policy, template: Any) -> Kernel:
+def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
     def kernel(
         keys: mx.array,
         values: mx.array,
@@ -180,15 +202,19 @@ def _write_kernel(policy: Policy, template: Any) -> Kernel:
         new_values: mx.array,
         start: mx.array,
     ) -> Any:
+        row: list[mx.array] = []
+        B = int(positions.shape[0])
+        if prefetched:  # evict_before's slot, and its row, read by the step before
+            slots = KVSlots(keys, values, positions, free[0])
+            laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
+            return laid.keys, laid.values, laid.positions, free[0], row
         before = KVSlots(keys, values, positions, free[0] if free else None)
         slots = before
         if policy.evict_before is not None:
             call = Call(new_keys, new_values, None, 1.0, start)  # type: ignore[arg-type]
             slots = policy.evict_before(template, before, call)
         assert slots.free is not None
-        B = int(positions.shape[0])
         laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
-        row: list[mx.array] = []
         if slots.free is not before.free:  # a live row freed now: the undo log keeps it
             row = _rows_at(before, slots.free)
         return laid.keys, laid.values, laid.positions, slots.free, row
@@ -205,16 +231,20 @@ def decide(
     queries: mx.array | None,
     scale: float,
     attend_here: bool,
-) -> tuple[Step, mx.array | None, tuple[Any, ...] | None]:
+) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, Prefetch | None]:
     """The step's decision over ``written.candidates`` (with the true ``queries`` or without):
     the step (state after it, log after it, the query's weights); when ``attend_here`` (the
     CPU, a query-signal decision, no attention sinks), the attention output computed from
-    those weights as :func:`velox_cache_core.attention.attend` would; and the kernel key of
-    the next step (``None`` when the running fields changed kind: ask :func:`eligible`)."""
+    those weights as :func:`velox_cache_core.attention.attend` would; the kernel key of the
+    next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
+    a policy with an
+    ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read with this step,
+    from the rows the next step overwrites)."""
     _, running = _state_fields(_type_of(state))
     kinds = key[2]
-    free, victim, changes, probs, out = _run_decide(
-        policy, state, key, written, queries, scale, attend_here
+    prefetch_next = log is not None and policy.evict_before is not None
+    free, victim, changes, probs, out, ahead = _run_decide(
+        policy, state, key, written, queries, scale, attend_here, prefetch_next
     )
     cand = written.candidates
     B, H = cand.positions.shape[:2]
@@ -227,10 +257,15 @@ def decide(
         **new,
     )
     values: Any = cand.values
+    prefetch: Prefetch | None = None
     if log is not None:
         log = log.push(_entry(state, written, victim))
-        # read the victim with the attention, before the next step writes over its slot
+        # read the victim (and the next step's row) with the attention, before the next step
+        # writes over its slot
         read = victim if written.row is None else [*victim, *written.row.arrays()]
+        if ahead:
+            prefetch = (ahead[0], _slots(*ahead[1:]))
+            read = [*read, *ahead]
         if read and out is not None:
             out = mx.depends([out], read)[0]
         elif read:
@@ -239,7 +274,7 @@ def decide(
     step: Step = fresh(
         _EMPTY_STEP, keys=cand.keys, values=values, state=after, log=log, probs=probs
     )
-    return step, out, key if same else None
+    return step, out, key if same else None, prefetch
 
 
 def _run_decide(
@@ -250,19 +285,22 @@ def _run_decide(
     queries: mx.array | None,
     scale: float,
     attend_here: bool,
-) -> tuple[Any, list[mx.array], list[Any], Any, Any]:
+    prefetch_next: bool,
+) -> tuple[Any, list[mx.array], list[Any], Any, Any, list[mx.array]]:
     """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
-    running fields after, the query's weights or ``None``, attention output or ``None``)."""
+    running fields after, the query's weights or ``None``, attention output or ``None``, the
+    next step's ``evict_before`` slot and row when ``prefetch_next`` and it frees one)."""
     _, running = _state_fields(_type_of(state))
-    full_key = (*key, scale, attend_here, queries is None)
+    full_key = (*key, scale, attend_here, queries is None, prefetch_next)
     kernel = _DECIDE.get(full_key)
     if kernel is None:
+        settings = (scale, attend_here, prefetch_next)
         kernel = _DECIDE[full_key] = mx.compile(
-            _decide_kernel(policy, state, running, key[2], scale, attend_here)
+            _decide_kernel(policy, state, running, key[2], settings)
         )
     cand = written.candidates
     old = [_flat(getattr(state, name)) for name in running]
-    free, victim, changes, probs, out = kernel(
+    free, victim, changes, probs, out, ahead = kernel(
         cand.keys,
         cand.values,
         cand.positions,
@@ -279,6 +317,7 @@ def _run_decide(
         [c[0] if c else None for c in changes],
         probs[0] if probs else None,
         out[0] if out else None,
+        ahead,
     )
 
 
@@ -302,9 +341,10 @@ def _decide_kernel(
     template: Any,
     running: tuple[str, ...],
     kinds: tuple[str | None, ...],
-    scale: float,
-    attend_here: bool,
+    settings: tuple[float, bool, bool],
 ) -> Kernel:
+    scale, attend_here, prefetch_next = settings
+
     def kernel(
         keys: mx.array,
         values: mx.array,
@@ -343,7 +383,13 @@ def _decide_kernel(
             out = [(probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)]
         free = [] if kept.free is None else [kept.free]
         probs_out = [] if decision.probs is None else [decision.probs]
-        return free, victim, changes, probs_out, out
+        ahead: list[mx.array] = []
+        if prefetch_next and policy.evict_before is not None and kept.free is None:
+            after = Call(new_keys, new_values, None, 1.0, start + 1)  # type: ignore[arg-type]
+            nxt = policy.evict_before(template, KVSlots(keys, values, positions), after)
+            if nxt.free is not None:
+                ahead = [nxt.free, *_rows_at(candidates, nxt.free)]
+        return free, victim, changes, probs_out, out, ahead
 
     return kernel
 

@@ -208,9 +208,10 @@ class Layer:
         self.must_attend = False
         # the model's layers sharing a global allocation (velox_cache_core.model_shares)
         self.shares: Any = None
-        # (state, kernel key): the state the last fast decode step left, whose next step takes
-        # the same kernels (velox_cache_core.fast_step); any other state is checked again
-        self._fast_next: tuple[Any, tuple[Any, ...]] | None = None
+        # (state, kernel key, prefetch): the state the last fast decode step left, whose next
+        # step takes the same kernels (velox_cache_core.fast_step), and the row its
+        # evict_before will free, read already; any other state is checked again
+        self._fast_next: tuple[Any, tuple[Any, ...], FS.Prefetch | None] | None = None
         # the last call was a short chunk run as decode steps (SteppedWaiting): the query rows
         # [a, b) of each step, for a layer sharing this one's keys and values
         self.stepped: list[tuple[int, int, Step]] = []
@@ -353,7 +354,7 @@ class Layer:
         key = self._fast_key(state)
         if key is None or not _fits(state.slots, keys, values):
             return None
-        written = FS.write(self.policy, state, key, keys, values)
+        written = FS.write(self.policy, state, key, keys, values, self._prefetched(state))
         if key[-1]:  # waits for the queries
             self.pending = FS.fresh(
                 _FAST_WAITING, keys=keys, values=values, written=written, key=key
@@ -361,8 +362,10 @@ class Layer:
             self.fetched = (written.candidates.keys, written.candidates.values)
             return self.fetched
         scale = check_scale(None, int(keys.shape[3]))
-        step, _, follow = FS.decide(self.policy, state, key, written, self.log, None, scale, False)
-        self._fast_next = None if follow is None else (step.state, follow)
+        step, _, follow, ahead = FS.decide(
+            self.policy, state, key, written, self.log, None, scale, False
+        )
+        self._fast_next = None if follow is None else (step.state, follow, ahead)
         return self._decided(step)
 
     def _fast_key(self, state: Any) -> tuple[Any, ...] | None:
@@ -372,6 +375,29 @@ class Layer:
         if follows is not None and follows[0] is state:
             return follows[1]
         return FS.eligible(self.policy, state, queries_needed=self._waits(1))
+
+    def _prefetched(self, state: Any) -> FS.Prefetch | None:
+        """The row ``state``'s next fast step frees, read by the step that left ``state``."""
+        follows = self._fast_next
+        return follows[2] if follows is not None and follows[0] is state else None
+
+    def _decide_fast(
+        self,
+        key: tuple[Any, ...],
+        written: FS.Written,
+        queries: mx.array,
+        scale: float,
+        sinks: mx.array | None,
+    ) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, FS.Prefetch | None]:
+        """A fast step's decision once its queries ``[B, H_q, 1, D]`` are at hand: a
+        query-signal rule takes them and the model's ``scale`` (attending on the CPU from its
+        weights); a step that decides without them does so with the default scale, as at
+        lay-out time."""
+        if key[-1]:  # the kernel key says whether the step waits for its queries
+            here = sinks is None and mx.default_device() == mx.cpu
+            return FS.decide(self.policy, self.state, key, written, self.log, queries, scale, here)
+        own = check_scale(None, int(written.keys.shape[3]))
+        return FS.decide(self.policy, self.state, key, written, self.log, None, own, False)
 
     def _steps_chunk(self, keys: Any, values: Any) -> tuple[Any, ...] | None:
         """The kernel key of a short chunk's first step when it runs as fast decode steps
@@ -400,14 +426,12 @@ class Layer:
         except (TypeError, ValueError):
             self.pending = pending  # nothing changed
             raise
-        here = sinks is None and mx.default_device() == mx.cpu
         needs = self._waits(1)
-        # a step deciding without the queries decides at lay-out time, with the default scale
-        own_scale = check_scale(None, int(keys.shape[3]))
         outs: list[mx.array] = []
         steps: list[tuple[int, int, Step]] = []
         L = int(keys.shape[2])
         key: tuple[Any, ...] | None = pending.key
+        ahead = self._prefetched(self.state)
         for i in range(L):
             key = key or FS.eligible(self.policy, self.state, queries_needed=needs)
             q = mx.contiguous(queries[:, :, i : i + 1])
@@ -430,21 +454,13 @@ class Layer:
                 key,
                 mx.contiguous(keys[:, :, i : i + 1]),
                 mx.contiguous(values[:, :, i : i + 1]),
+                ahead,
             )
-            step, out, key = FS.decide(
-                self.policy,
-                self.state,
-                key,
-                written,
-                self.log,
-                q if needs else None,
-                scale if needs else own_scale,
-                here and needs,
-            )
+            step, out, key, ahead = self._decide_fast(key, written, q, scale, sinks)
             self.log, self.state = step.log, step.state
             steps.append((i, i + 1, step))
             outs.append(out if out is not None else attend_step(q, step, scale, sinks))
-        self._fast_next = None if key is None else (self.state, key)
+        self._fast_next = None if key is None else (self.state, key, ahead)
         self.stepped = steps
         return mx.concatenate(outs, axis=2)
 
@@ -612,14 +628,13 @@ class Layer:
         except (TypeError, ValueError):
             self.pending = pending  # nothing changed
             raise
-        here = sinks is None and mx.default_device() == mx.cpu
-        step, out, follow = FS.decide(
-            self.policy, self.state, pending.key, pending.written, self.log, queries, scale, here
+        step, out, follow, ahead = self._decide_fast(
+            pending.key, pending.written, queries, scale, sinks
         )
         self.log = step.log
         self.state = self._after_call(step.state, 1)
         self.last = step
-        self._fast_next = None if follow is None else (self.state, follow)
+        self._fast_next = None if follow is None else (self.state, follow, ahead)
         return out if out is not None else attend_step(queries, step, scale, sinks)
 
     def _attend_subchunks(
