@@ -221,7 +221,10 @@ def test_streaming_llm_decode_matches_rotating_kv_cache(tiny_model, h, arch):
             ring = _np(r.keys)[0, :, : min(seen, budget)]  # [H, n, D], ring order
             mine = _np(c.policy_state.slots.compact().keys)[0]
             assert ring.shape == mine.shape
-            np.testing.assert_array_equal(_rows(mine), _rows(ring))
+            # the same rows; on the CPU a Velox decode step attends with its own softmax
+            # (velox_cache_core.attention.attend_row), so later layers' keys may differ from
+            # mlx-lm's in the last bits
+            np.testing.assert_allclose(_rows(mine), _rows(ring), rtol=1e-5, atol=1e-6)
         y = mx.argmax(la[:, -1], axis=-1)[:, None]
     assert prompt + steps >= budget + 40
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 from velox_cache_core import lanes
 from velox_cache_core.engine import Step
 from velox_cache_core.rows import QUANTIZED, KRows, QRows, dense
+from velox_cache_core.scoring import grouped_logits, softmax
 
 
 def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -34,6 +35,8 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
         out = _times_values(probs, step.values)  # [B, H_kv, H_q / H_kv, 1, D]
         return out.reshape(B, -1, 1, D).astype(queries.dtype)
     mask = step.mask
+    if mask is None and sinks is None and queries.shape[2] == 1 and _dense_on_cpu(step):
+        return attend_row(queries, step.keys, step.values, scale)  # type: ignore[arg-type]
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
     if isinstance(step.keys, QUANTIZED) and isinstance(step.values, QRows) and sinks is None:
@@ -41,6 +44,27 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     return mx.fast.scaled_dot_product_attention(
         queries, dense(step.keys), dense(step.values), scale=scale, mask=mask, sinks=sinks
     )
+
+
+def _dense_on_cpu(step: Step) -> bool:
+    """Full-precision rows, on the CPU backend."""
+    dense_rows = isinstance(step.keys, mx.array) and isinstance(step.values, mx.array)
+    return dense_rows and mx.default_device() == mx.cpu
+
+
+def attend_row(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """One query row ``[B, H_q, 1, D]`` over every row of ``keys``/``values``
+    ``[B, H_kv, n, D]``, unmasked: ``[B, H_q, 1, D]``.
+
+    How a decode step attends on the CPU, where MLX's attention is not a fused kernel either:
+    the scores as the eviction rules compute them (:func:`velox_cache_core.scoring.
+    grouped_logits`), their softmax, times the values. The decode fast path computes the same
+    inside its compiled step (fewer ops to dispatch than the attention's own), so both paths
+    agree bit for bit; against MLX's attention the last bits differ."""
+    B, H_kv, n, D = values.shape
+    probs = softmax(grouped_logits(queries, keys, scale, "head"))
+    probs = probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
+    return (probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)
 
 
 def _times_values(probs: mx.array, values: mx.array | QRows | KRows) -> mx.array:

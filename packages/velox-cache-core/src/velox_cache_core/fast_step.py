@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.attention import attend_row
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call, Step
 from velox_cache_core.registry import Policy
@@ -231,11 +232,14 @@ def decide(
     queries: mx.array | None,
     scale: float,
     attend_here: bool,
+    attend_scale: float | None = None,
 ) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, Prefetch | None]:
     """The step's decision over ``written.candidates`` (with the true ``queries`` or without):
     the step (state after it, log after it, the query's weights); when ``attend_here`` (the
-    CPU, a query-signal decision, no attention sinks), the attention output computed from
-    those weights as :func:`velox_cache_core.attention.attend` would; the kernel key of the
+    CPU, no attention sinks) and ``queries`` are given, the attention output as
+    :func:`velox_cache_core.attention.attend` computes it: from the decision's weights when it
+    scored with the queries, else :func:`~velox_cache_core.attention.attend_row` at
+    ``attend_scale`` (the model's scale; ``scale`` is then the decision's); the kernel key of the
     next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
     a policy with an
     ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read with this step,
@@ -244,7 +248,7 @@ def decide(
     kinds = key[2]
     prefetch_next = log is not None and policy.evict_before is not None
     free, victim, changes, probs, out, ahead = _run_decide(
-        policy, state, key, written, queries, scale, attend_here, prefetch_next
+        policy, state, key, written, queries, (scale, attend_here, attend_scale, prefetch_next)
     )
     cand = written.candidates
     B, H = cand.positions.shape[:2]
@@ -283,18 +287,16 @@ def _run_decide(
     key: tuple[Any, ...],
     written: Written,
     queries: mx.array | None,
-    scale: float,
-    attend_here: bool,
-    prefetch_next: bool,
+    settings: tuple[float, bool, float | None, bool],
 ) -> tuple[Any, list[mx.array], list[Any], Any, Any, list[mx.array]]:
     """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
     running fields after, the query's weights or ``None``, attention output or ``None``, the
-    next step's ``evict_before`` slot and row when ``prefetch_next`` and it frees one)."""
+    next step's ``evict_before`` slot and row when ``prefetch_next`` and it frees one).
+    ``settings``: (scale, attend_here, attend_scale, prefetch_next), see :func:`decide`."""
     _, running = _state_fields(_type_of(state))
-    full_key = (*key, scale, attend_here, queries is None, prefetch_next)
+    full_key = (*key, *settings, queries is None)
     kernel = _DECIDE.get(full_key)
     if kernel is None:
-        settings = (scale, attend_here, prefetch_next)
         kernel = _DECIDE[full_key] = mx.compile(
             _decide_kernel(policy, state, running, key[2], settings)
         )
@@ -341,9 +343,9 @@ def _decide_kernel(
     template: Any,
     running: tuple[str, ...],
     kinds: tuple[str | None, ...],
-    settings: tuple[float, bool, bool],
+    settings: tuple[float, bool, float | None, bool],
 ) -> Kernel:
-    scale, attend_here, prefetch_next = settings
+    scale, attend_here, attend_scale, prefetch_next = settings
 
     def kernel(
         keys: mx.array,
@@ -381,6 +383,9 @@ def _decide_kernel(
             B, H_kv, n, D = values.shape
             probs = decision.probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
             out = [(probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)]
+        elif attend_here and queries is not None:  # decided without them: attend here too
+            own = scale if attend_scale is None else attend_scale
+            out = [attend_row(queries, keys, values, own)]
         free = [] if kept.free is None else [kept.free]
         probs_out = [] if decision.probs is None else [decision.probs]
         ahead: list[mx.array] = []

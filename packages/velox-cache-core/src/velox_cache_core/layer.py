@@ -339,7 +339,7 @@ class Layer:
         state = self.view()
         if FS.appends(self.policy, state):
             return True
-        return FS.eligible(self.policy, state, queries_needed=self._waits(1)) is not None
+        return FS.eligible(self.policy, state, queries_needed=self._waits_fast()) is not None
 
     def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
         """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
@@ -374,7 +374,15 @@ class Layer:
         follows = self._fast_next
         if follows is not None and follows[0] is state:
             return follows[1]
-        return FS.eligible(self.policy, state, queries_needed=self._waits(1))
+        return FS.eligible(self.policy, state, queries_needed=self._waits_fast())
+
+    def _waits_fast(self) -> bool:
+        """Whether a fast decode step waits for its queries: a query-signal decision, or, on
+        the CPU with the hook's queries to come, a decision without them whose compiled kernel
+        attends too (attend once: one kernel instead of the kernel plus the attention's ops)."""
+        if self._waits(1):
+            return True
+        return self.mode is Mode.QUERIES and mx.default_device() == mx.cpu
 
     def _prefetched(self, state: Any) -> FS.Prefetch | None:
         """The row ``state``'s next fast step frees, read by the step that left ``state``."""
@@ -391,13 +399,23 @@ class Layer:
     ) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, FS.Prefetch | None]:
         """A fast step's decision once its queries ``[B, H_q, 1, D]`` are at hand: a
         query-signal rule takes them and the model's ``scale`` (attending on the CPU from its
-        weights); a step that decides without them does so with the default scale, as at
-        lay-out time."""
-        if key[-1]:  # the kernel key says whether the step waits for its queries
-            here = sinks is None and mx.default_device() == mx.cpu
+        weights); any other decides with the default scale, as at lay-out time, and on the
+        CPU its kernel attends with the queries at ``scale``."""
+        here = sinks is None and mx.default_device() == mx.cpu
+        if self._waits(1):
             return FS.decide(self.policy, self.state, key, written, self.log, queries, scale, here)
         own = check_scale(None, int(written.keys.shape[3]))
-        return FS.decide(self.policy, self.state, key, written, self.log, None, own, False)
+        return FS.decide(
+            self.policy,
+            self.state,
+            key,
+            written,
+            self.log,
+            queries if here else None,
+            own,
+            here,
+            attend_scale=scale,
+        )
 
     def _steps_chunk(self, keys: Any, values: Any) -> tuple[Any, ...] | None:
         """The kernel key of a short chunk's first step when it runs as fast decode steps
@@ -427,13 +445,14 @@ class Layer:
             self.pending = pending  # nothing changed
             raise
         needs = self._waits(1)
+        waits = self._waits_fast()
         outs: list[mx.array] = []
         steps: list[tuple[int, int, Step]] = []
         L = int(keys.shape[2])
         key: tuple[Any, ...] | None = pending.key
         ahead = self._prefetched(self.state)
         for i in range(L):
-            key = key or FS.eligible(self.policy, self.state, queries_needed=needs)
+            key = key or FS.eligible(self.policy, self.state, queries_needed=waits)
             q = mx.contiguous(queries[:, :, i : i + 1])
             if key is None:  # not a steady step any more
                 rest = slice(i, L)
