@@ -35,7 +35,7 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
         out = _times_values(probs, step.values)  # [B, H_kv, H_q / H_kv, 1, D]
         return out.reshape(B, -1, 1, D).astype(queries.dtype)
     mask = step.mask
-    if mask is None and sinks is None and queries.shape[2] == 1 and _dense_on_cpu(step):
+    if _row_on_cpu(queries, step, sinks):
         return attend_row(queries, step.keys, step.values, scale)  # type: ignore[arg-type]
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
@@ -46,8 +46,10 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     )
 
 
-def _dense_on_cpu(step: Step) -> bool:
-    """Full-precision rows, on the CPU backend."""
+def _row_on_cpu(queries: mx.array, step: Step, sinks: mx.array | None) -> bool:
+    """One query row over full-precision rows, unmasked, no sinks, on the CPU backend."""
+    if step.mask is not None or sinks is not None or queries.shape[2] != 1:
+        return False
     dense_rows = isinstance(step.keys, mx.array) and isinstance(step.values, mx.array)
     return dense_rows and mx.default_device() == mx.cpu
 
