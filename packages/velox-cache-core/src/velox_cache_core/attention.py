@@ -30,10 +30,7 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
         return lanes.attend(queries, step.lanes, step.keys, step.values, step.mask, scale, sinks)
     quantized = isinstance(step.values, QRows)
     if step.probs is not None and sinks is None and (quantized or mx.default_device() == mx.cpu):
-        B, H_kv, n, D = step.values.shape
-        probs = step.probs.reshape(B, H_kv, -1, 1, n).astype(step.values.dtype)
-        out = _times_values(probs, step.values)  # [B, H_kv, H_q / H_kv, 1, D]
-        return out.reshape(B, -1, 1, D).astype(queries.dtype)
+        return weights_times_values(step.probs, step.values, queries.dtype)
     mask = step.mask
     if _row_on_cpu(queries, step, sinks):
         return attend_row(queries, step.keys, step.values, scale)  # type: ignore[arg-type]
@@ -63,10 +60,19 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     grouped_logits`), their softmax, times the values. The decode fast path computes the same
     inside its compiled step (fewer ops to dispatch than the attention's own), so both paths
     agree bit for bit; against MLX's attention the last bits differ."""
-    B, H_kv, n, D = values.shape
     probs = softmax(grouped_logits(queries, keys, scale, "head"))
-    probs = probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
-    return (probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)
+    return weights_times_values(probs, values, queries.dtype)
+
+
+def weights_times_values(
+    probs: mx.array, values: mx.array | QRows | KRows, dtype: mx.Dtype
+) -> mx.array:
+    """One query row's attention weights (``[B, H_q, 1, n]``, or grouped per KV head
+    ``[B, H_kv, G, 1, n]``) times each KV head's ``values [B, H_kv, n, D]``: the attention
+    output ``[B, H_q, 1, D]`` in ``dtype`` (the queries')."""
+    B, H_kv, n, D = values.shape
+    weights = probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
+    return _times_values(weights, values).reshape(B, -1, 1, D).astype(dtype)
 
 
 def _times_values(probs: mx.array, values: mx.array | QRows | KRows) -> mx.array:

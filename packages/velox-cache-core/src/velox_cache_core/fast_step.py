@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.attention import attend_row
+from velox_cache_core.attention import attend_row, weights_times_values
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call, Step
 from velox_cache_core.registry import Policy
@@ -241,9 +241,8 @@ def decide(
     scored with the queries, else :func:`~velox_cache_core.attention.attend_row` at
     ``attend_scale`` (the model's scale; ``scale`` is then the decision's); the kernel key of the
     next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
-    a policy with an
-    ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read with this step,
-    from the rows the next step overwrites)."""
+    a policy with an ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read
+    with this step, from the rows the next step overwrites)."""
     _, running = _state_fields(_type_of(state))
     kinds = key[2]
     prefetch_next = log is not None and policy.evict_before is not None
@@ -380,9 +379,7 @@ def _decide_kernel(
         out: list[mx.array] = []
         if attend_here and decision.probs is not None:
             assert queries is not None
-            B, H_kv, n, D = values.shape
-            probs = decision.probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
-            out = [(probs @ values[:, :, None]).reshape(B, -1, 1, D).astype(queries.dtype)]
+            out = [weights_times_values(decision.probs, values, queries.dtype)]
         elif attend_here and queries is not None:  # decided without them: attend here too
             own = scale if attend_scale is None else attend_scale
             out = [attend_row(queries, keys, values, own)]
