@@ -14,6 +14,9 @@ nothing. Each part of the grid can be set on its own:
 - ``VELOX_RULER_METHODS``: methods beside the full cache;
 - ``VELOX_BENCH_SMOKE=1``: one 256-token sample of each task on SmolLM2, TOVA(64), 4 tokens.
 ``VELOX_BENCH_RESULTS_DIR`` writes ruler.json there, whatever the size.
+
+Rows are appended to ``ruler.partial.jsonl`` beside ruler.json as they come; a rerun skips
+the rows already there, so the grid can be stopped and resumed, or grown (more samples).
 """
 
 # conftest.py beside this file loads OpenBLAS before anything imports mlx.
@@ -24,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from velox_bench.quality import methods
-from velox_bench.quality.ruler_run import Grid, evaluate
+from velox_bench.quality import methods, ruler_report
+from velox_bench.quality.ruler_run import Grid, evaluate, row_key
 
 pytestmark = [pytest.mark.quality, pytest.mark.slow, pytest.mark.model, pytest.mark.corpus]
 
@@ -66,26 +69,52 @@ def _grid() -> tuple[list[str], Grid]:
     return _setting("MODELS"), grid
 
 
+def _out_dir() -> Path | None:
+    where = os.environ.get("VELOX_BENCH_RESULTS_DIR")
+    if where is None and not FULL:
+        return None
+    return Path(where) if where else Path(__file__).parents[3] / "benchmarks" / "results"
+
+
+def _rows_so_far(partial: Path) -> list[dict[str, Any]]:
+    """Rows an earlier run (cut short, or with a smaller grid) appended to ``partial``."""
+    if not partial.exists():
+        return []
+    lines = partial.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def test_ruler(benchmark: Any) -> None:
+    """Rows are appended to ruler.partial.jsonl as they come, and a rerun skips the rows
+    already there, so the long grid can be stopped and resumed (or grown: more samples).
+    ruler.json holds every row of the file at the end."""
     from velox_mlx_lm.embedded import load
 
-    models, grid = _grid()
+    names, grid = _grid()
+    out = _out_dir()
+    partial = out / "ruler.partial.jsonl" if out else None
+    earlier = _rows_so_far(partial) if partial else []
+    if partial:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(row: dict[str, Any]) -> None:
+        if partial:
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
     def run() -> list[dict[str, Any]]:
-        rows = []
-        for name in models:
-            model, tokenizer = load(name)
-            rows += evaluate(model, tokenizer, name, grid)
-        return rows
+        models = [(name, *load(name)) for name in names]
+        return evaluate(models, grid, {row_key(r) for r in earlier}, keep)
 
     rows = benchmark.pedantic(run, rounds=1, iterations=1)
-    assert rows and all(0 <= r["score"] <= 1 for r in rows)
+    assert all(0 <= r["score"] <= 1 for r in rows)
     for r in rows:
         run_name = f"{r['method']}({r['budget']})" if r["budget"] else r["method"]
         print(f"{r['model']} {r['task']} {r['length']} #{r['seed']} {run_name}: {r['score']:.2f}")
-    where = os.environ.get("VELOX_BENCH_RESULTS_DIR")
-    if where is None and not FULL:
+    if out is None or partial is None:
+        assert rows
         return
-    out = Path(where) if where else Path(__file__).parents[3] / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ruler.json").write_text(json.dumps({"grid": str(grid), "rows": rows}, indent=1))
+    every = _rows_so_far(partial)
+    (out / "ruler.json").write_text(json.dumps({"grid": str(grid), "rows": every}, indent=1))
+    if "VELOX_BENCH_RESULTS_DIR" not in os.environ:  # the repository's own results: the docs too
+        ruler_report.write(every, Path(__file__).parents[3])

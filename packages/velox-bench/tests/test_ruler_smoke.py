@@ -75,3 +75,46 @@ def test_every_task_runs_on_the_embedded_model(
         pytest.skip(str(exc))
     proc = run_bench_smoke("test_ruler.py", extra=("-s",))
     assert "1 passed" in proc.stdout
+
+
+def test_report_means_per_run_task_and_length(tmp_path: Any) -> None:
+    """ruler_report averages the samples of each cell and writes a table and a figure."""
+    from velox_bench.quality import ruler_report
+
+    def row(method: str, budget: int | None, task: str, length: int, seed: int, s: float) -> Any:
+        return {
+            "model": "m",
+            "method": method,
+            "budget": budget,
+            "task": task,
+            "length": length,
+            "seed": seed,
+            "score": s,
+            "seconds": 30.0,
+        }
+
+    rows = [
+        row("full", None, "multikey", 2048, 0, 1.0),
+        row("full", None, "multikey", 2048, 1, 0.0),
+        row("full", None, "multikey", 4096, 0, 1.0),
+        row("tova", 256, "multikey", 2048, 0, 0.25),
+        row("tova", 256, "multikey", 2048, 1, 0.75),
+        row("tova", 256, "common_words", 4096, 0, 0.5),
+        row("other", 1, "multikey", 2048, 0, 1.0),
+    ]
+    found, counts = ruler_report.means(rows[:-1], "m")
+    assert found[("full", None)] == {("multikey", 2048): 0.5, ("multikey", 4096): 1.0}
+    assert found[("tova", 256)][("multikey", 2048)] == 0.5
+    assert counts[("multikey", 2048)] == 2
+    text = ruler_report.markdown(rows[:-1])
+    assert "| full | 0.50 / 1.00 | - / - | 0.75 |" in text
+    assert "| tova (256) | 0.50 / - | - / 0.50 | 0.50 |" in text
+    assert "multikey (2k / 4k)" in text and "common_words (2k / 4k)" in text
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text(
+        "a\n<!-- ruler:start -->\nold\n<!-- ruler:end -->\nb\n"
+    )
+    ruler_report.write(rows[:-1], tmp_path)
+    doc = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "old" not in doc and "| tova (256) |" in doc and doc.endswith("b\n")
+    assert (tmp_path / "docs" / "figures" / "ruler_m.png").stat().st_size > 0

@@ -8,7 +8,9 @@ model's name; ``nox -s bench -- ruler`` runs the full grid (``benchmarks/test_ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import time
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ from velox_bench.quality.ruler import KINDS, LENGTHS, Task, make_task, score
 from velox_bench.variants import Variant
 from velox_mlx_lm import KVCacheBuilder
 
-__all__ = ["Grid", "answer", "evaluate", "prompt_ids"]
+__all__ = ["Grid", "answer", "evaluate", "prompt_ids", "row_key"]
 
 MAX_TOKENS = {"multikey": 16, "multivalue": 48, "variable_tracking": 32, "common_words": 64}
 
@@ -60,33 +62,68 @@ def answer(model: Any, tokenizer: Any, task: Task, config: Any, max_tokens: int)
     )
 
 
-def evaluate(model: Any, tokenizer: Any, model_name: str, grid: Grid) -> list[dict[str, Any]]:
-    """One row per (task, length, sample, variant, budget): the score and the output."""
+Key = tuple[str, str, int, int, str, int | None]  # model, task, length, seed, method, budget
 
+
+def row_key(row: dict[str, Any]) -> Key:
+    """What identifies a row of the grid, so that a resumed run skips it."""
+    return (row["model"], row["task"], row["length"], row["seed"], row["method"], row["budget"])
+
+
+def evaluate(
+    models: Sequence[tuple[str, Any, Any]],
+    grid: Grid,
+    done: Container[Key] = (),
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (model, task, length, sample, variant, budget): the score and the output.
+
+    ``models`` holds (name, model, tokenizer). Samples are the outer loop, then lengths, tasks
+    and models, so that a run cut short has every cell of the first samples for both models.
+    Rows whose :func:`row_key` is in ``done`` are skipped; ``on_row`` sees each new row as soon
+    as it exists (to append it to a file). A tqdm bar counts prompt tokens.
+    """
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    cells = list(itertools.product(range(grid.samples), grid.lengths, grid.kinds, models))
+    todo = sum(
+        length
+        for seed, length, kind, (name, _, _) in cells
+        for variant, budget in grid.runs
+        if (name, kind, length, seed, variant.name, budget or None) not in done
+    )
+    rows = []
+    with tqdm(total=todo, unit="tok", desc="ruler", smoothing=0.05) as bar:
+        for seed, length, kind, (name, model, tokenizer) in cells:
+            task = make_task(kind, length, seed, _encoder(tokenizer))
+            n_prompt = len(prompt_ids(tokenizer, task))
+            for variant, budget in grid.runs:
+                if (name, kind, length, seed, variant.name, budget or None) in done:
+                    continue
+                start = time.perf_counter()
+                tokens = grid.max_tokens or MAX_TOKENS[kind]
+                output = answer(model, tokenizer, task, variant.config(budget), tokens)
+                row = {
+                    "model": name,
+                    "task": kind,
+                    "length": length,
+                    "prompt_tokens": n_prompt,
+                    "seed": seed,
+                    "method": variant.name,
+                    "budget": budget or None,
+                    "score": score(task, output),
+                    "output": output,
+                    "seconds": round(time.perf_counter() - start, 2),
+                }
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+                bar.update(length)
+    return rows
+
+
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    rows = []
-    for kind in grid.kinds:
-        for length in grid.lengths:
-            for seed in range(grid.samples):
-                task = make_task(kind, length, seed, encode)
-                n_prompt = len(prompt_ids(tokenizer, task))
-                for variant, budget in grid.runs:
-                    output = answer(
-                        model, tokenizer, task, variant.config(budget), MAX_TOKENS[kind]
-                    )
-                    rows.append(
-                        {
-                            "model": model_name,
-                            "task": kind,
-                            "length": length,
-                            "prompt_tokens": n_prompt,
-                            "seed": seed,
-                            "method": variant.name,
-                            "budget": budget or None,
-                            "score": score(task, output),
-                            "output": output,
-                        }
-                    )
-    return rows
+    return encode
