@@ -88,9 +88,30 @@ def _running_kind(value: Any) -> str | None:
     return "other"
 
 
-def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> tuple[Any, ...] | None:
-    """The kernel key of ``state``'s next decode step when the fast path can take it (see the
-    module doc), else ``None``. ``queries_needed``: the step will wait for its queries."""
+@dataclass(eq=False, slots=True)
+class Kernels:
+    """What a kernel key (policy, settings, running fields' kinds, whether the step waits for
+    its queries) needs per step, looked up once per key rather than per step: the compiled
+    kernels, built on first use, and the state's field names. One object per key, shared by
+    every layer whose steps have it (:func:`eligible` returns it)."""
+
+    key: tuple[Any, ...]
+    waits: bool  # the step waits for its queries
+    query_signal: bool  # the rule scores with the true queries (a setting: part of the key)
+    running: tuple[str, ...]  # running fields the rule may read (kernel inputs and outputs)
+    undo_names: tuple[str, ...]  # running fields an undo entry keeps
+    write: dict[bool, Kernel]  # by "the row to overwrite was prefetched"
+    # by (scale, attend_here, attend_scale, prefetch_next, no queries): the kernel, and whether
+    # the running fields it returns keep their kinds (the output structure is the trace's)
+    decide: dict[tuple[Any, ...], tuple[Kernel, list[bool]]]
+
+
+_KERNELS: dict[tuple[Any, ...], Kernels] = {}
+
+
+def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | None:
+    """The :class:`Kernels` of ``state``'s next decode step when the fast path can take it (see
+    the module doc), else ``None``. ``queries_needed``: the step will wait for its queries."""
     if not policy.compiled_decode:
         return None
     slots = state.slots
@@ -107,7 +128,13 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> tuple[Any, 
     if "other" in kinds:
         return None
     values = tuple(getattr(state, name) for name in settings)
-    return (policy.name, values, kinds, queries_needed)
+    key = (policy.name, values, kinds, queries_needed)
+    found = _KERNELS.get(key)
+    if found is None:
+        names = _running_names(_type_of(state))
+        query = policy.traits.signal(state) == "query"
+        found = _KERNELS[key] = Kernels(key, queries_needed, query, running, names, {}, {})
+    return found
 
 
 def appends(policy: Policy, state: Any) -> bool:
@@ -148,10 +175,6 @@ def _unflat(kind: str | None, value: Any) -> Any:
     return History(*value) if kind == "history" else value
 
 
-_WRITE: dict[tuple[Any, ...], Kernel] = {}
-_DECIDE: dict[tuple[Any, ...], Kernel] = {}
-
-
 Prefetch = tuple[mx.array, KVSlots]
 """The slot ``[B, H_kv]`` an ``evict_before`` will free at the next step and the row it holds
 (``[B, H_kv, 1, *]``), read by the step before (:func:`decide`)."""
@@ -160,7 +183,7 @@ Prefetch = tuple[mx.array, KVSlots]
 def write(
     policy: Policy,
     state: Any,
-    key: tuple[Any, ...],
+    kernels: Kernels,
     keys: mx.array,
     values: mx.array,
     prefetch: Prefetch | None = None,
@@ -173,11 +196,11 @@ def write(
     buffer alive next to the write, so MLX would copy the whole store instead of writing one
     row in place."""
     slots = state.slots
-    full_key = key if prefetch is None else (*key, "prefetched")
-    kernel = _WRITE.get(full_key)
+    prefetched = prefetch is not None
+    kernel = kernels.write.get(prefetched)
     if kernel is None:
-        kernel = _WRITE[full_key] = mx.compile(
-            _write_kernel(policy, state, prefetched=prefetch is not None)
+        kernel = kernels.write[prefetched] = mx.compile(
+            _write_kernel(policy, state, prefetched=prefetched)
         )
     start = mx.array(state.offset, dtype=mx.int32)
     free = [] if slots.free is None else [slots.free]
@@ -226,14 +249,14 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
 def decide(
     policy: Policy,
     state: Any,
-    key: tuple[Any, ...],
+    kernels: Kernels,
     written: Written,
     log: UndoLog | None,
     queries: mx.array | None,
     scale: float,
     attend_here: bool,
     attend_scale: float | None = None,
-) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, Prefetch | None]:
+) -> tuple[Step, mx.array | None, Kernels | None, Prefetch | None]:
     """The step's decision over ``written.candidates`` (with the true ``queries`` or without):
     the step (state after it, log after it, the query's weights); when ``attend_here`` (the
     CPU, no attention sinks) and ``queries`` are given, the attention output as
@@ -243,15 +266,17 @@ def decide(
     next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
     a policy with an ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read
     with this step, from the rows the next step overwrites)."""
-    _, running = _state_fields(_type_of(state))
-    kinds = key[2]
+    kinds = kernels.key[2]
     prefetch_next = log is not None and policy.evict_before is not None
-    free, victim, changes, probs, out, ahead = _run_decide(
-        policy, state, key, written, queries, (scale, attend_here, attend_scale, prefetch_next)
+    free, victim, changes, probs, out, ahead, same = _run_decide(
+        policy, state, kernels, written, queries, (scale, attend_here, attend_scale, prefetch_next)
     )
     cand = written.candidates
     B, H = cand.positions.shape[:2]
-    new = dict(zip(running, map(_unflat, kinds, changes), strict=True))
+    new = {
+        name: _unflat(kind, c[0]) if c else None
+        for name, kind, c in zip(kernels.running, kinds, changes, strict=True)
+    }
     after = fresh(
         state,
         slots=fresh(cand, free=free),
@@ -262,7 +287,7 @@ def decide(
     values: Any = cand.values
     prefetch: Prefetch | None = None
     if log is not None:
-        log = log.push(_entry(state, written, victim))
+        log = log.push(_entry(state, kernels, written, victim))
         # read the victim (and the next step's row) with the attention, before the next step
         # writes over its slot
         read = victim if written.row is None else [*victim, *written.row.arrays()]
@@ -273,34 +298,37 @@ def decide(
             out = mx.depends([out], read)[0]
         elif read:
             values = mx.depends([values], read)[0]
-    same = tuple(map(_running_kind, new.values())) == kinds
+    if not same:  # first call of this kernel: do its running fields keep their kinds?
+        same.append(tuple(map(_running_kind, new.values())) == kinds)
     step: Step = fresh(
         _EMPTY_STEP, keys=cand.keys, values=values, state=after, log=log, probs=probs
     )
-    return step, out, key if same else None, prefetch
+    return step, out, kernels if same[0] else None, prefetch
 
 
 def _run_decide(
     policy: Policy,
     state: Any,
-    key: tuple[Any, ...],
+    kernels: Kernels,
     written: Written,
     queries: mx.array | None,
     settings: tuple[float, bool, float | None, bool],
-) -> tuple[Any, list[mx.array], list[Any], Any, Any, list[mx.array]]:
+) -> tuple[Any, list[mx.array], list[Any], Any, Any, list[mx.array], list[bool]]:
     """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
-    running fields after, the query's weights or ``None``, attention output or ``None``, the
-    next step's ``evict_before`` slot and row when ``prefetch_next`` and it frees one).
+    running fields after (each ``[]`` for ``None`` or ``[flat value]``), the query's weights
+    or ``None``, attention output or ``None``, the next step's ``evict_before`` slot and row
+    when ``prefetch_next`` and it frees one, and the kernel's "keeps the kinds" flag: empty
+    until :func:`decide` has seen its first output).
     ``settings``: (scale, attend_here, attend_scale, prefetch_next), see :func:`decide`."""
-    _, running = _state_fields(_type_of(state))
-    full_key = (*key, *settings, queries is None)
-    kernel = _DECIDE.get(full_key)
-    if kernel is None:
-        kernel = _DECIDE[full_key] = mx.compile(
-            _decide_kernel(policy, state, running, key[2], settings)
-        )
+    running = kernels.running
+    full_key = (*settings, queries is None)
+    found = kernels.decide.get(full_key)
+    if found is None:
+        compiled = mx.compile(_decide_kernel(policy, state, running, kernels.key[2], settings))
+        found = kernels.decide[full_key] = (compiled, [])
+    kernel, same = found
     cand = written.candidates
-    old = [_flat(getattr(state, name)) for name in running]
+    old = [[] if (v := getattr(state, name)) is None else [_flat(v)] for name in running]
     free, victim, changes, probs, out, ahead = kernel(
         cand.keys,
         cand.values,
@@ -310,25 +338,26 @@ def _run_decide(
         written.values,
         [] if queries is None else [queries],
         written.start,
-        [[] if v is None else [v] for v in old],
+        old,
     )
     return (
         free[0] if free else None,
         victim,
-        [c[0] if c else None for c in changes],
+        changes,
         probs[0] if probs else None,
         out[0] if out else None,
         ahead,
+        same,
     )
 
 
-def _entry(state: Any, written: Written, victim: list[mx.array]) -> Entry:
+def _entry(state: Any, kernels: Kernels, written: Written, victim: list[mx.array]) -> Entry:
     """The undo entry the general path's ``undo.record`` makes for this step."""
     victim_slots = _slots(*victim) if victim else None
     entry: Entry = fresh(
         _EMPTY_ENTRY,
         start=state.offset,
-        running={name: getattr(state, name) for name in _running_names(_type_of(state))},
+        running={name: getattr(state, name) for name in kernels.undo_names},
         free=written.before.free,
         written=written.written,
         row=written.row,

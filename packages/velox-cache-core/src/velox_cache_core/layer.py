@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -80,7 +81,7 @@ class FastWaiting(Waiting):
     settles it as a plain :class:`Waiting` call, through the general path."""
 
     written: FS.Written
-    key: tuple[Any, ...]
+    key: FS.Kernels
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class SteppedWaiting(Waiting):
     Anything but ``attend`` settles it as a plain :class:`Waiting` call. ``key``: the kernel
     key of its first step."""
 
-    key: tuple[Any, ...]
+    key: FS.Kernels
 
 
 # A chunk of at most this many tokens, at the budget on the fast path, runs as decode steps.
@@ -144,13 +145,14 @@ def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
     """Whether a decode token ``[B, H_kv, 1, D]`` (or a short chunk ``[B, H_kv, L, D]``)
     matches the store exactly (shapes, dtype)."""
     held_k, held_v = slots.keys, slots.values
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        return False
+    ks, vs, hk = keys.shape, values.shape, held_k.shape  # each .shape builds a tuple
     return (
-        isinstance(keys, mx.array)
-        and isinstance(values, mx.array)
-        and keys.shape[:2] == held_k.shape[:2]
-        and keys.shape[3] == held_k.shape[3]
-        and values.shape[:3] == keys.shape[:3]
-        and values.shape[3] == held_v.shape[3]
+        ks[:2] == hk[:2]
+        and ks[3] == hk[3]
+        and vs[:3] == ks[:3]
+        and vs[3] == held_v.shape[3]
         and keys.dtype == held_k.dtype
         and values.dtype == held_v.dtype
     )
@@ -211,7 +213,7 @@ class Layer:
         # (state, kernel key, prefetch): the state the last fast decode step left, whose next
         # step takes the same kernels (velox_cache_core.fast_step), and the row its
         # evict_before will free, read already; any other state is checked again
-        self._fast_next: tuple[Any, tuple[Any, ...], FS.Prefetch | None] | None = None
+        self._fast_next: tuple[Any, FS.Kernels, FS.Prefetch | None] | None = None
         # the last call was a short chunk run as decode steps (SteppedWaiting): the query rows
         # [a, b) of each step, for a layer sharing this one's keys and values
         self.stepped: list[tuple[int, int, Step]] = []
@@ -346,16 +348,20 @@ class Layer:
         step is not one it takes (the general path then runs, and raises on bad input)."""
         if not self._may_go_fast():
             return None
-        state = self.state
-        if FS.appends(self.policy, state):
+        state, policy, follows = self.state, self.policy, self._fast_next
+        if policy.appends_now is not None and FS.appends(policy, state):
             if not _fits(state.slots, keys, values):
                 return None
             return self._decided(FS.append(state, keys, values, self.log))
-        key = self._fast_key(state)
+        key: FS.Kernels | None
+        if follows is not None and follows[0] is state:  # the state the last fast step left
+            key, ahead = follows[1], follows[2]
+        else:
+            key, ahead = FS.eligible(policy, state, queries_needed=self._waits_fast()), None
         if key is None or not _fits(state.slots, keys, values):
             return None
-        written = FS.write(self.policy, state, key, keys, values, self._prefetched(state))
-        if key[-1]:  # waits for the queries
+        written = FS.write(policy, state, key, keys, values, ahead)
+        if key.waits:  # waits for the queries
             self.pending = FS.fresh(
                 _FAST_WAITING, keys=keys, values=values, written=written, key=key
             )
@@ -368,7 +374,7 @@ class Layer:
         self._fast_next = None if follow is None else (step.state, follow, ahead)
         return self._decided(step)
 
-    def _fast_key(self, state: Any) -> tuple[Any, ...] | None:
+    def _fast_key(self, state: Any) -> FS.Kernels | None:
         """The kernel key of ``state``'s next decode step on the fast path (``None``: not one
         it takes); the state the last fast step left is not checked again."""
         follows = self._fast_next
@@ -391,18 +397,18 @@ class Layer:
 
     def _decide_fast(
         self,
-        key: tuple[Any, ...],
+        key: FS.Kernels,
         written: FS.Written,
         queries: mx.array,
         scale: float,
         sinks: mx.array | None,
-    ) -> tuple[Step, mx.array | None, tuple[Any, ...] | None, FS.Prefetch | None]:
+    ) -> tuple[Step, mx.array | None, FS.Kernels | None, FS.Prefetch | None]:
         """A fast step's decision once its queries ``[B, H_q, 1, D]`` are at hand: a
         query-signal rule takes them and the model's ``scale`` (attending on the CPU from its
         weights); any other decides with the default scale, as at lay-out time, and on the
         CPU its kernel attends with the queries at ``scale``."""
         here = sinks is None and mx.default_device() == mx.cpu
-        if self._waits(1):
+        if key.query_signal and self.mode is not Mode.AT_ONCE:  # self._waits(1), known by key
             return FS.decide(self.policy, self.state, key, written, self.log, queries, scale, here)
         own = check_scale(None, int(written.keys.shape[3]))
         return FS.decide(
@@ -417,7 +423,7 @@ class Layer:
             attend_scale=scale,
         )
 
-    def _steps_chunk(self, keys: Any, values: Any) -> tuple[Any, ...] | None:
+    def _steps_chunk(self, keys: Any, values: Any) -> FS.Kernels | None:
         """The kernel key of a short chunk's first step when it runs as fast decode steps
         (:class:`SteppedWaiting`): the layer waits for the true queries, its policy ends no
         prompt, and its next step is one the fast path takes; else ``None``."""
@@ -449,7 +455,7 @@ class Layer:
         outs: list[mx.array] = []
         steps: list[tuple[int, int, Step]] = []
         L = int(keys.shape[2])
-        key: tuple[Any, ...] | None = pending.key
+        key: FS.Kernels | None = pending.key
         ahead = self._prefetched(self.state)
         for i in range(L):
             key = key or FS.eligible(self.policy, self.state, queries_needed=waits)
@@ -527,6 +533,8 @@ class Layer:
         if self.phase is not None:
             return self._attend_phase(queries, scale, sinks)
         pending, self.pending = self.pending, None
+        if pending.__class__ is FastWaiting and self.mode is not Mode.STEP_SUMS:  # the common one
+            return self._attend_fast(pending, queries, scale, sinks)
         if isinstance(pending, Waiting):
             return self._decide_waiting(pending, queries, scale, sinks)
         if isinstance(pending, Decided):
@@ -643,7 +651,8 @@ class Layer:
         try:
             if not _decode_queries(queries, pending.keys):
                 check_queries(queries, pending.keys)  # raises, naming what differs
-            scale = check_scale(scale, int(pending.keys.shape[3]))
+            if scale.__class__ is not float or not 0.0 < scale < math.inf:  # else: as it is
+                scale = check_scale(scale, int(pending.keys.shape[3]))
         except (TypeError, ValueError):
             self.pending = pending  # nothing changed
             raise

@@ -132,8 +132,10 @@ class UndoLog:
         while tokens - entries[0].length >= self.window:
             tokens -= entries[0].length
             entries = entries[1:]
-        log = UndoLog(self.window, entries)
-        object.__setattr__(log, "_tokens", tokens)  # a decode step asks every token
+        # built without the frozen __init__ (a decode step pushes once per layer per token);
+        # ``_tokens`` remembered: a decode step asks every token
+        log = object.__new__(UndoLog)
+        log.__dict__.update(window=self.window, entries=entries, _tokens=tokens)
         return log
 
     def cleared(self) -> UndoLog:
