@@ -276,13 +276,9 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         row = entry.row or (previous.victim if previous is not None else None)
         slots = KVSlots(candidates.keys, candidates.values, candidates.positions, entry.free)
         if row is not None:  # else the slot was dead and stays dead: its content is moot
-            slot = entry.written[..., None]
-            slots = KVSlots(
-                R.put(candidates.keys, slot, row.keys),
-                R.put(candidates.values, slot, row.values),
-                mx.put_along_axis(candidates.positions, slot, row.positions, axis=2),
-                entry.free,
-            )
+            held = (candidates.keys, candidates.values, candidates.positions)
+            put = _put_row(*held, entry.written, row.keys, row.values, row.positions)
+            slots = KVSlots(*put, entry.free)
     else:
         live = candidates.head(entry.n_live)
         if entry.free is not None:  # put the compacted-away dead slot back where it was
@@ -296,6 +292,89 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
     if entry.keys_before is not None:  # the same rows as they were held, bit for bit
         slots = KVSlots(entry.keys_before, slots.values, slots.positions, slots.free)
     return replace(state, slots=None if entry.slots_none else slots, **entry.running)
+
+
+def _one_token_write(entry: Entry) -> bool:
+    """Whether ``entry`` is a decode step that wrote its token over one slot (full-precision
+    or quantized rows, no lanes, no reordering): :func:`undo` puts one row back for it."""
+    return (
+        entry.length == 1
+        and entry.written is not None
+        and not entry.lane_steps
+        and entry.evicted is None
+        and entry.keys_before is None
+        and not entry.slots_none
+    )
+
+
+def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
+    """Undo the newest of ``entries`` while they are decode steps that wrote over a slot (up
+    to ``n`` tokens), popping them: the rows :func:`undo` would put back, newest first, with
+    one new state at the end instead of one per token (a speculative round trims a few steps
+    per layer). Returns the state and the tokens left to trim."""
+    steps = 0
+    while steps < n and steps < len(entries) and _one_token_write(entries[-1 - steps]):
+        steps += 1
+    if steps < 2:  # nothing to save: undo() it
+        return state, n
+    kept = state.slots
+    assert kept is not None
+    puts: list[tuple[mx.array, KVSlots]] = []  # (slot [B, H_kv], row), newest first
+    for i in range(len(entries) - 1, len(entries) - 1 - steps, -1):
+        entry = entries[i]
+        row = entry.row or (entries[i - 1].victim if i > 0 else None)
+        if row is not None:  # else the slot was dead and stays dead: its content is moot
+            assert entry.written is not None
+            puts.append((entry.written, row))
+    arrays = (kept.keys, kept.values, kept.positions)
+    rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
+    plain = all(isinstance(a, mx.array) for a in (*arrays, *(a for r in rows_in for a in r)))
+    if plain and puts:  # one compiled call
+        arrays = _puts_kernel(len(puts))(*arrays, [slot for slot, _ in puts], rows_in)
+    else:
+        for slot, row in puts:
+            arrays = _put_row(*arrays, slot, row.keys, row.values, row.positions)
+    oldest = entries[-steps]
+    del entries[-steps:]
+    slots = KVSlots(*arrays, oldest.free)
+    return replace(state, slots=slots, **oldest.running), n - steps
+
+
+def _put_row(
+    keys: R.Rows,
+    values: R.Rows,
+    positions: mx.array,
+    slot: mx.array,
+    row_keys: R.Rows,
+    row_values: R.Rows,
+    row_positions: mx.array,
+) -> tuple[R.Rows, R.Rows, mx.array]:
+    """The store's rows with ``slot`` (int ``[B, H_kv]``) of each head set to the given row,
+    as :func:`undo` puts it back."""
+    at = slot[..., None]
+    return (
+        R.put(keys, at, row_keys),
+        R.put(values, at, row_values),
+        mx.put_along_axis(positions, at, row_positions, axis=2),
+    )
+
+
+@cache
+def _puts_kernel(n: int) -> Callable[..., Any]:
+    """``n`` rows put back in turn (:func:`_put_row`), compiled: full-precision rows only."""
+
+    def kernel(
+        keys: mx.array,
+        values: mx.array,
+        positions: mx.array,
+        slots: list[mx.array],
+        rows: list[list[mx.array]],
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        for slot, (k, v, p) in zip(slots, rows, strict=True):
+            keys, values, positions = _put_row(keys, values, positions, slot, k, v, p)
+        return keys, values, positions
+
+    return mx.compile(kernel)
 
 
 Feed = Callable[[Any, R.Rows, R.Rows, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]]
@@ -315,6 +394,7 @@ def trim(state: Any, log: UndoLog, n: int, feed: Feed) -> tuple[Any, UndoLog]:
             f"(trim_window={log.window}; a longer call or a prompt-end step clears it)"
         )
     entries = list(log.entries)
+    state, n = _undo_steps(state, entries, n)
     while n > 0:
         entry = entries.pop()
         state = undo(state, entry, entries[-1] if entries else None)
