@@ -326,7 +326,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
         if row is not None:  # else the slot was dead and stays dead: its content is moot
             assert entry.written is not None
             puts.append((entry.written, row))
-    arrays = (kept.keys, kept.values, kept.positions)
+    arrays: tuple[R.Rows, R.Rows, mx.array] = (kept.keys, kept.values, kept.positions)
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
     plain = all(isinstance(a, mx.array) for a in (*arrays, *(a for r in rows_in for a in r)))
     if plain and puts:  # one compiled call
@@ -370,9 +370,10 @@ def _puts_kernel(n: int) -> Callable[..., Any]:
         slots: list[mx.array],
         rows: list[list[mx.array]],
     ) -> tuple[mx.array, mx.array, mx.array]:
+        held: tuple[Any, Any, mx.array] = (keys, values, positions)
         for slot, (k, v, p) in zip(slots, rows, strict=True):
-            keys, values, positions = _put_row(keys, values, positions, slot, k, v, p)
-        return keys, values, positions
+            held = _put_row(*held, slot, k, v, p)
+        return held
 
     return mx.compile(kernel)
 
