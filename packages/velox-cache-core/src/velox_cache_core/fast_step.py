@@ -266,11 +266,22 @@ def decide(
     next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
     a policy with an ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read
     with this step, from the rows the next step overwrites)."""
-    kinds = kernels.key[2]
     prefetch_next = log is not None and policy.evict_before is not None
-    free, victim, changes, probs, out, ahead, same = _run_decide(
-        policy, state, kernels, written, queries, (scale, attend_here, attend_scale, prefetch_next)
-    )
+    settings = (scale, attend_here, attend_scale, prefetch_next)
+    outputs = _run_decide(policy, state, kernels, written, queries, settings)
+    return _finish(state, kernels, written, log, outputs)
+
+
+Outputs = tuple[Any, list[mx.array], list[list[Any]], Any, Any, list[mx.array], list[bool]]
+"""A decision kernel's outputs for one step, as :func:`_run_decide` returns them."""
+
+
+def _finish(
+    state: Any, kernels: Kernels, written: Written, log: UndoLog | None, outputs: Outputs
+) -> tuple[Step, mx.array | None, Kernels | None, Prefetch | None]:
+    """The step :func:`decide` returns, from its decision kernel's ``outputs``."""
+    kinds = kernels.key[2]
+    free, victim, changes, probs, out, ahead, same = outputs
     cand = written.candidates
     B, H = cand.positions.shape[:2]
     new = {
@@ -313,7 +324,7 @@ def _run_decide(
     written: Written,
     queries: mx.array | None,
     settings: tuple[float, bool, float | None, bool],
-) -> tuple[Any, list[mx.array], list[Any], Any, Any, list[mx.array], list[bool]]:
+) -> Outputs:
     """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
     running fields after (each ``[]`` for ``None`` or ``[flat value]``), the query's weights
     or ``None``, attention output or ``None``, the next step's ``evict_before`` slot and row
@@ -348,6 +359,154 @@ def _run_decide(
         out[0] if out else None,
         ahead,
         same,
+    )
+
+
+class _NotSteady(Exception):
+    """Raised while tracing :func:`_steps_kernel`: a step of the chunk would leave the steady
+    state (no slot to write the next token into, or running fields changing kind)."""
+
+
+def run_steps(
+    policy: Policy,
+    state: Any,
+    kernels: Kernels,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array | None,
+    log: UndoLog | None,
+    settings: tuple[float, bool, float | None],
+    prefetch: Prefetch | None,
+) -> list[tuple[Step, mx.array | None, Kernels | None, Prefetch | None]] | None:
+    """The ``L`` tokens of a short chunk (``keys``/``values`` ``[B, H_kv, L, D]``, ``queries``
+    ``[B, H_q, L, D]`` or ``None``) as ``L`` fast decode steps, each what :func:`write` then
+    :func:`decide` give (same kernels, same order, traced into one compiled call instead of
+    ``2 L``): one (step, attention output, next kernels, next prefetch) per token. ``None``
+    when a step of the chunk would leave the steady state: the caller then runs the steps one
+    by one. ``settings``: (scale, attend_here, attend_scale), see :func:`decide`."""
+    L = int(keys.shape[2])
+    prefetch_next = log is not None and policy.evict_before is not None
+    full = (*settings, prefetch_next)
+    chunk_key = ("steps", L, prefetch is not None, *full, queries is None)
+    found = kernels.decide.get(chunk_key)
+    if found is None:
+        traced = _steps_kernel(policy, state, kernels, full, L, prefetch is not None)
+        found = kernels.decide[chunk_key] = (mx.compile(traced), [])
+    kernel, steady = found
+    if steady == [False]:
+        return None
+    slots = state.slots
+    first_free = [] if slots.free is None else [slots.free]
+    if prefetch is not None:
+        first_free = [prefetch[0]]
+    old = [[] if (v := getattr(state, name)) is None else [_flat(v)] for name in kernels.running]
+    try:
+        per_step = kernel(
+            slots.keys,
+            slots.values,
+            slots.positions,
+            first_free,
+            keys,
+            values,
+            [] if queries is None else [queries],
+            mx.array(state.offset, dtype=mx.int32),
+            old,
+        )
+    except _NotSteady:
+        steady.append(False)
+        return None
+    return _steps_taken(state, kernels, keys, values, log, prefetch, per_step)
+
+
+def _steps_taken(
+    state: Any,
+    kernels: Kernels,
+    keys: mx.array,
+    values: mx.array,
+    log: UndoLog | None,
+    prefetch: Prefetch | None,
+    per_step: list[tuple[Any, Any]],
+) -> list[tuple[Step, mx.array | None, Kernels | None, Prefetch | None]]:
+    """:func:`run_steps`'s steps from its kernel's outputs, as :func:`decide` makes them."""
+    out = []
+    row = None if prefetch is None else prefetch[1]
+    for wrote, decided in per_step:
+        k, v, p, written_slot, row_arrays = wrote
+        if row_arrays:
+            row = _slots(*row_arrays)
+        written = Written(_slots(k, v, p), state.slots, written_slot, row, keys, values, _NO_START)
+        free, victim, changes, probs, attn, ahead = decided
+        outputs: Outputs = (
+            free[0] if free else None,
+            victim,
+            changes,
+            probs[0] if probs else None,
+            attn[0] if attn else None,
+            ahead,
+            [True],  # the trace checked it
+        )
+        step, attn_out, follow, fetched = _finish(state, kernels, written, log, outputs)
+        out.append((step, attn_out, follow, fetched))
+        state, log = step.state, step.log
+        row = None if fetched is None else fetched[1]
+    return out
+
+
+def _steps_kernel(
+    policy: Policy,
+    template: Any,
+    kernels: Kernels,
+    settings: tuple[float, bool, float | None, bool],
+    L: int,
+    prefetched_first: bool,
+) -> Kernel:
+    """``L`` write kernels and decision kernels in turn, as :func:`run_steps` takes them."""
+    kinds = kernels.key[2]
+    decide_one = _decide_kernel(policy, template, kernels.running, kinds, settings)
+    writes = {flag: _write_kernel(policy, template, prefetched=flag) for flag in (False, True)}
+
+    def kernel(
+        keys: mx.array,
+        values: mx.array,
+        positions: mx.array,
+        free: list[mx.array],
+        new_keys: mx.array,
+        new_values: mx.array,
+        query: list[mx.array],
+        start: mx.array,
+        old: list[list[Any]],
+    ) -> Any:
+        per_step = []
+        prefetched = prefetched_first
+        for i in range(L):
+            k_i = mx.contiguous(new_keys[:, :, i : i + 1])
+            v_i = mx.contiguous(new_values[:, :, i : i + 1])
+            q_i = [mx.contiguous(q[:, :, i : i + 1]) for q in query]
+            at = start + i
+            wrote = writes[prefetched](keys, values, positions, free, k_i, v_i, at)
+            keys, values, positions, written, _ = wrote
+            decided = decide_one(keys, values, positions, written, k_i, v_i, q_i, at, old)
+            next_free, _, changes, _, _, ahead = decided
+            per_step.append((wrote, decided))
+            if i == L - 1:
+                break
+            if _kinds_after(changes) != kinds:
+                raise _NotSteady  # a running field changes kind: another kernel key
+            prefetched = bool(ahead)
+            free = [ahead[0]] if ahead else next_free
+            if not free and policy.evict_before is None:
+                raise _NotSteady  # nothing frees a slot for the next token
+            old = changes
+        return per_step
+
+    return kernel
+
+
+def _kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
+    """The kinds of a decision kernel's running fields (flat: a history is a tuple)."""
+    return tuple(
+        None if not c else "history" if isinstance(c[0], tuple) else _running_kind(c[0])
+        for c in changes
     )
 
 
@@ -452,6 +611,7 @@ def fresh(like: Any, **changes: Any) -> Any:
 
 
 _NONE = mx.zeros((1, 1, 0, 1))
+_NO_START = mx.zeros((), dtype=mx.int32)  # a Written's start once its kernels have run
 _EMPTY_SLOTS = KVSlots(_NONE, _NONE, mx.zeros((1, 1, 0), dtype=mx.int32))
 _EMPTY_ENTRY = Entry(start=0, length=1, running={}, slots_none=False)
 _EMPTY_STEP = Step(_NONE, _NONE, None, None)

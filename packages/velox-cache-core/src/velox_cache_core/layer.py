@@ -158,6 +158,18 @@ def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
     )
 
 
+def _joined_kernel(
+    keys: Any, values: Any, positions: mx.array, free: mx.array, new_keys: Any, new_values: Any
+) -> tuple[R.Rows, R.Rows]:
+    """``retained + new``: the live rows of a store with a dead slot, then a call's rows
+    (full-precision arrays: ``mx.compile`` takes nothing else)."""
+    live = KVSlots(keys, values, positions, free).compact()
+    return R.concat([live.keys, new_keys], axis=2), R.concat([live.values, new_values], axis=2)
+
+
+_joined = mx.compile(_joined_kernel)
+
+
 class Layer:
     """One layer's cache: ``policy``, ``state`` (its frozen core state), ``log`` (undo log or
     ``None``), the ``mode`` and the call in flight (``pending``).
@@ -407,21 +419,19 @@ class Layer:
         query-signal rule takes them and the model's ``scale`` (attending on the CPU from its
         weights); any other decides with the default scale, as at lay-out time, and on the
         CPU its kernel attends with the queries at ``scale``."""
+        given, settings = self._decide_args(key, queries, scale, sinks)
+        return FS.decide(self.policy, self.state, key, written, self.log, given, *settings)
+
+    def _decide_args(
+        self, key: FS.Kernels, queries: mx.array, scale: float, sinks: mx.array | None
+    ) -> tuple[mx.array | None, tuple[float, bool, float | None]]:
+        """What a fast step's decision takes: (the queries or ``None``, (decision scale,
+        attend here, attention scale)); see :meth:`_decide_fast`."""
         here = sinks is None and mx.default_device() == mx.cpu
         if key.query_signal and self.mode is not Mode.AT_ONCE:  # self._waits(1), known by key
-            return FS.decide(self.policy, self.state, key, written, self.log, queries, scale, here)
-        own = check_scale(None, int(written.keys.shape[3]))
-        return FS.decide(
-            self.policy,
-            self.state,
-            key,
-            written,
-            self.log,
-            queries if here else None,
-            own,
-            here,
-            attend_scale=scale,
-        )
+            return queries, (scale, here, None)
+        own = check_scale(None, int(queries.shape[3]))
+        return (queries if here else None), (own, here, scale)
 
     def _steps_chunk(self, keys: Any, values: Any) -> FS.Kernels | None:
         """The kernel key of a short chunk's first step when it runs as fast decode steps
@@ -457,6 +467,13 @@ class Layer:
         L = int(keys.shape[2])
         key: FS.Kernels | None = pending.key
         ahead = self._prefetched(self.state)
+        if key is not None and len(keys.shape) == 4:  # every step in one compiled call
+            given, settings = self._decide_args(key, queries, scale, sinks)
+            run = FS.run_steps(
+                self.policy, self.state, key, keys, values, given, self.log, settings, ahead
+            )
+            if run is not None:
+                return self._took_steps(run, queries, scale, sinks)
         for i in range(L):
             key = key or FS.eligible(self.policy, self.state, queries_needed=waits)
             q = mx.contiguous(queries[:, :, i : i + 1])
@@ -485,6 +502,27 @@ class Layer:
             self.log, self.state = step.log, step.state
             steps.append((i, i + 1, step))
             outs.append(out if out is not None else attend_step(q, step, scale, sinks))
+        self._fast_next = None if key is None else (self.state, key, ahead)
+        self.stepped = steps
+        return mx.concatenate(outs, axis=2)
+
+    def _took_steps(
+        self,
+        run: list[tuple[Step, mx.array | None, FS.Kernels | None, FS.Prefetch | None]],
+        queries: mx.array,
+        scale: float,
+        sinks: mx.array | None,
+    ) -> mx.array:
+        """Take a short chunk's steps from :func:`FS.run_steps`; ``[B, H_q, L, D]`` out."""
+        outs: list[mx.array] = []
+        steps: list[tuple[int, int, Step]] = []
+        for i, (step, out, _, _) in enumerate(run):
+            steps.append((i, i + 1, step))
+            if out is None:
+                out = attend_step(mx.contiguous(queries[:, :, i : i + 1]), step, scale, sinks)
+            outs.append(out)
+        last, _, key, ahead = run[-1]
+        self.log, self.state = last.log, last.state
         self._fast_next = None if key is None else (self.state, key, ahead)
         self.stepped = steps
         return mx.concatenate(outs, axis=2)
@@ -524,6 +562,10 @@ class Layer:
             # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
             laid_out = slots.write_free(keys, values, self.state.offset)
             return laid_out.keys, laid_out.values
+        if slots.free is not None and all(
+            isinstance(a, mx.array) for a in (slots.keys, slots.values, keys, values)
+        ):  # a verify chunk at the budget: the same ops, one compiled call
+            return _joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
         live = slots.compact()
         return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)
 

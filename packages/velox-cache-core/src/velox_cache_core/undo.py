@@ -319,13 +319,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
         return state, n
     kept = state.slots
     assert kept is not None
-    puts: list[tuple[mx.array, KVSlots]] = []  # (slot [B, H_kv], row), newest first
-    for i in range(len(entries) - 1, len(entries) - 1 - steps, -1):
-        entry = entries[i]
-        row = entry.row or (entries[i - 1].victim if i > 0 else None)
-        if row is not None:  # else the slot was dead and stays dead: its content is moot
-            assert entry.written is not None
-            puts.append((entry.written, row))
+    puts = _rows_back(entries, steps)
     arrays: tuple[R.Rows, R.Rows, mx.array] = (kept.keys, kept.values, kept.positions)
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
     plain = all(isinstance(a, mx.array) for a in (*arrays, *(a for r in rows_in for a in r)))
@@ -338,6 +332,19 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     del entries[-steps:]
     slots = KVSlots(*arrays, oldest.free)
     return replace(state, slots=slots, **oldest.running), n - steps
+
+
+def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:
+    """(slot ``[B, H_kv]``, row) that :func:`undo` puts back for each of the last ``steps``
+    entries, newest first; an entry whose slot was dead puts nothing back."""
+    puts = []
+    for i in range(len(entries) - 1, len(entries) - 1 - steps, -1):
+        entry = entries[i]
+        row = entry.row or (entries[i - 1].victim if i > 0 else None)
+        if row is not None:  # else the slot was dead and stays dead: its content is moot
+            assert entry.written is not None
+            puts.append((entry.written, row))
+    return puts
 
 
 def _put_row(
