@@ -360,6 +360,32 @@ def test_short_chunks_run_as_decode_steps(case: str) -> None:
     assert stepped >= 7 if opted_in else stepped == 0, f"{case}: {stepped} of 8 chunks stepped"
 
 
+@pytest.mark.parametrize("case", ["tova", "h2o", "morphkv", "streaming_llm"])
+def test_a_chunk_whose_trace_leaves_the_steady_state_runs_its_steps_one_by_one(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_steps gives up when its trace finds a step leaving the steady state (here: every
+    step's running fields made to look as if they changed kind), marks the chunk key, and the
+    layer runs the chunk's steps one by one, with the same results."""
+    monkeypatch.setattr(FS, "_KERNELS", {})  # no chunk kernel traced by an earlier test
+    monkeypatch.setattr(FS, "_kinds_after", lambda changes: ("changed",))
+    calls: list[bool] = []
+    run_steps = FS.run_steps
+
+    def counted(*args: Any) -> Any:
+        out = run_steps(*args)
+        calls.append(out is None)
+        return out
+
+    monkeypatch.setattr(FS, "run_steps", counted)
+    stepped = _drive_chunks(
+        case, B=1, H=2, group=2, budget=8, chunks=[4, 4, 3, 5], trims=[3, 0, 2, 1], seed=5
+    )
+    assert stepped >= 3 and calls and all(calls)  # every chunk fell back, and still stepped
+    flags = [flag for k in FS._KERNELS.values() for _, flag in k.decide.values()]
+    assert [False] in flags
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     case=st.sampled_from(sorted(CASES)),

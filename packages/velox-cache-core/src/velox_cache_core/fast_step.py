@@ -102,7 +102,9 @@ class Kernels:
     undo_names: tuple[str, ...]  # running fields an undo entry keeps
     write: dict[bool, Kernel]  # by "the row to overwrite was prefetched"
     # by (scale, attend_here, attend_scale, prefetch_next, no queries): the kernel, and whether
-    # the running fields it returns keep their kinds (the output structure is the trace's)
+    # the running fields it returns keep their kinds (the output structure is the trace's);
+    # and run_steps' chunk kernels, by ("steps", L, prefetched, ...): the kernel, and [False]
+    # once its trace found a step of the chunk leaving the steady state
     decide: dict[tuple[Any, ...], tuple[Kernel, list[bool]]]
 
 

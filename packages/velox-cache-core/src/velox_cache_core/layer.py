@@ -467,7 +467,7 @@ class Layer:
         L = int(keys.shape[2])
         key: FS.Kernels | None = pending.key
         ahead = self._prefetched(self.state)
-        if key is not None and len(keys.shape) == 4:  # every step in one compiled call
+        if key is not None:  # every step in one compiled call, when the chunk stays steady
             given, settings = self._decide_args(key, queries, scale, sinks)
             run = FS.run_steps(
                 self.policy, self.state, key, keys, values, given, self.log, settings, ahead
