@@ -107,8 +107,8 @@ def test_report_means_per_run_task_and_length(tmp_path: Any) -> None:
     assert found[("tova", 256)][("multikey", 2048)] == 0.5
     assert counts[("multikey", 2048)] == 2
     text = ruler_report.markdown(rows[:-1])
-    assert "| full | 0.50 / 1.00 | - / - | 0.75 |" in text
-    assert "| tova (256) | 0.50 / - | - / 0.50 | 0.50 |" in text
+    assert "| full | 0.50 / 1.00 | - / - | 0.50 / 1.00 |" in text
+    assert "| tova (256) | 0.50 / - | - / 0.50 | 0.50 / 0.50 |" in text
     assert "multikey (2k / 4k)" in text and "common_words (2k / 4k)" in text
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "benchmarks.md").write_text(

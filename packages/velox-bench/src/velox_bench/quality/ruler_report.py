@@ -54,12 +54,14 @@ def _k(n: int) -> str:
 
 
 def table(found: Means, lengths: Sequence[int]) -> str:
-    """Markdown: a row per run; per task the mean score at each length ("2k / 4k / 8k"), and
-    the mean over every cell the run has."""
+    """Markdown: a row per run; per task the mean score at each length ("2k / 4k / 8k"), then
+    the mean over the tasks at each length (a run's lengths can differ: ``-`` where not run)."""
     kinds = [k for k in KINDS if any(k == task for cells in found.values() for task, _ in cells)]
     spans = " / ".join(_k(n) for n in lengths)
     lines = [
-        "| method (budget) | " + " | ".join(f"{k} ({spans})" for k in kinds) + " | mean |",
+        "| method (budget) | "
+        + " | ".join(f"{k} ({spans})" for k in kinds)
+        + f" | mean ({spans}) |",
         "| --- | " + " | ".join("---:" for _ in kinds) + " | ---: |",
     ]
     for run in sorted(found, key=_order):
@@ -68,7 +70,11 @@ def table(found: Means, lengths: Sequence[int]) -> str:
             " / ".join(f"{cells[(k, n)]:.2f}" if (k, n) in cells else "-" for n in lengths)
             for k in kinds
         ]
-        lines.append(f"| {_label(run)} | " + " | ".join(parts) + f" | {mean(cells.values()):.2f} |")
+        per_length = []
+        for n in lengths:
+            scores = [v for (_, m), v in cells.items() if m == n]
+            per_length.append(f"{mean(scores):.2f}" if scores else "-")
+        lines.append(f"| {_label(run)} | " + " | ".join(parts) + f" | {' / '.join(per_length)} |")
     return "\n".join(lines)
 
 
@@ -113,7 +119,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         parts.append(
             f"#### {model}\n\n"
             f"{'/'.join(map(str, samples))} sample(s) per task and length; "
-            f"{sum(r['model'] == model for r in rows)} answers, {minutes:.0f} minutes.\n\n"
+            f"{sum(r['model'] == model for r in rows)} answers, "
+            f"{minutes:.0f} minutes of wall time.\n\n"
             f"{table(found, lengths)}\n\n"
             f"![RULER-style tasks, {model}](figures/ruler_{model}.png)"
         )
