@@ -21,9 +21,11 @@ freeze), and positions only through ``Call.positions``/``Call.newest``.
 Which steps take it (:func:`eligible`): one token, a single process (no tensor-parallel group),
 full-precision rows held as one uniform store (no lanes: ``allocation="uniform"``), after the
 prompt (no held prompt, no prompt-end step), with a dead slot to write into or an
-``evict_before`` that frees one. Everything else (chunks, the first steps below the budget,
-SnapKV and KVzip's growing decode, Expected Attention, lanes, quantized rows, packed batches,
-``STEP_SUMS``) takes the general path, which stays the reference.
+``evict_before`` that frees one. A short chunk whose steps all stay steady (a speculative
+verify chunk) runs as those steps, traced into one compiled call (:func:`run_steps`).
+Everything else (longer chunks, the first steps below the budget, SnapKV and KVzip's growing
+decode, Expected Attention, lanes, quantized rows, packed batches, ``STEP_SUMS``) takes the
+general path, which stays the reference.
 """
 
 from __future__ import annotations
