@@ -33,7 +33,7 @@ from velox_cache_core.registry import policy_for_method, unregister
 from velox_cache_core.slots import KVSlots
 from velox_cache_core.state import PolicyState, running
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "POLICIES",
