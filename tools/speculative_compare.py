@@ -16,8 +16,6 @@ match the draft's; the time per round does not).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 from velox_bench.blas import preload
@@ -25,9 +23,9 @@ from velox_bench.blas import preload
 BLAS = preload()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import speculative_generate_step  # noqa: E402
 
-from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_bench.speculative_run import spec_run, vs_full  # noqa: E402
+from velox_mlx_lm import KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import draft_of, load_default  # noqa: E402
 
 PROMPT, TOKENS, NUM_DRAFT, BUDGET, TRIM_WINDOW = 571, 64, 3, 256, 16
@@ -38,22 +36,6 @@ def config(method: str) -> KVCacheConfig:
         return KVCacheConfig(method="full")
     policy = "tova" if method.startswith("tova") else method
     return KVCacheConfig(method=method, trim_window=TRIM_WINDOW, **{f"{policy}_budget": BUDGET})
-
-
-def run(model: Any, draft: Any, cfg: KVCacheConfig, prompt: mx.array) -> dict[str, Any]:
-    """One generation: seconds from the first token to the last, tokens, tokens from the draft."""
-    caches = KVCacheBuilder.for_model(model, cfg) + KVCacheBuilder.for_model(draft, cfg)
-    tokens: list[int] = []
-    accepted, first = 0, 0.0
-    for token, _, from_draft in speculative_generate_step(
-        prompt, model, draft, prompt_cache=caches, max_tokens=TOKENS, num_draft_tokens=NUM_DRAFT
-    ):
-        if not tokens:
-            first = time.perf_counter()
-        else:
-            accepted += bool(from_draft)
-        tokens.append(int(token))
-    return {"seconds": time.perf_counter() - first, "tokens": tokens, "accepted": accepted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,20 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
         for _ in range(args.rounds):
             for method in methods:  # alternate: drifts hit every method alike
-                runs[method].append(run(model, draft, config(method), prompt))
-        rate = {
-            m: statistics.median((len(r["tokens"]) - 1) / r["seconds"] for r in rs)
-            for m, rs in runs.items()
-        }
-        per_round = {
-            m: statistics.median(r["seconds"] / (len(r["tokens"]) - 1 - r["accepted"]) for r in rs)
-            for m, rs in runs.items()
-        }
-        for m, rs in runs.items():
-            accepted = rs[0]["accepted"] / (len(rs[0]["tokens"]) - 1)
+                runs[method].append(
+                    spec_run(model, draft, config(method), prompt, TOKENS, NUM_DRAFT)
+                )
+        for m, row in vs_full(runs).items():
             print(
-                f"{layers:>5} {m:<14} {rate[m]:7.2f} {rate[m] / rate['full']:7.3f}x "
-                f"{accepted:8.1%} {per_round[m] / per_round['full']:8.3f}x"
+                f"{layers:>5} {m:<14} {row['speculative_tokens_per_s']:7.2f} "
+                f"{row['vs_full']:7.3f}x {row['acceptance_rate']:8.1%} "
+                f"{row['round_vs_full']:8.3f}x"
             )
     return 0
 

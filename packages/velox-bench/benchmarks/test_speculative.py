@@ -33,6 +33,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from velox_bench.blas import blas_report
 from velox_bench.results import machine_info, smoke, write_json
+from velox_bench.speculative_run import spec_run, vs_full
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.embedded import draft_of, load_default
 
@@ -169,29 +170,6 @@ def speculative() -> dict[str, Any]:
     return rows
 
 
-def _spec_run(model: Any, draft: Any, config: KVCacheConfig, prompt: mx.array) -> dict[str, Any]:
-    """One speculative generation: the seconds from the first token to the last (the prompt's
-    prefill and the first round are not timed, as mlx-lm's generation tokens/s), tokens, and
-    how many of the timed ones came from the draft."""
-    caches = KVCacheBuilder.for_model(model, config) + KVCacheBuilder.for_model(draft, config)
-    tokens, accepted, first = [], 0, 0.0
-    for token, _, from_draft in speculative_generate_step(
-        prompt,
-        model,
-        draft,
-        prompt_cache=caches,
-        max_tokens=VS_FULL_TOKENS,
-        num_draft_tokens=NUM_DRAFT,
-    ):
-        if not tokens:
-            first = time.perf_counter()
-        else:
-            accepted += bool(from_draft)
-        tokens.append(int(token))
-    seconds = time.perf_counter() - first
-    return {"seconds": seconds, "tokens": tokens, "accepted": accepted}
-
-
 def speculative_vs_full() -> dict[str, Any]:
     """Speculative tokens/s of each Velox method over the full cache's, same draft."""
     if SMOKE:
@@ -211,29 +189,10 @@ def speculative_vs_full() -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in configs}
         for _ in tqdm(range(VS_FULL_ROUNDS), desc=f"vs full, draft {layers}", disable=SMOKE):
             for method, config in configs.items():  # alternate: drifts hit every method alike
-                runs[method].append(_spec_run(model, draft, config, prompt))
-        rate = {
-            m: statistics.median((len(r["tokens"]) - 1) / r["seconds"] for r in rs)
-            for m, rs in runs.items()
-        }
-        # verify rounds: each yields its accepted draft tokens and one from the target, so the
-        # time per round does not depend on how often a cache's tokens match the draft's
-        per_round = {
-            m: statistics.median(r["seconds"] / (len(r["tokens"]) - 1 - r["accepted"]) for r in rs)
-            for m, rs in runs.items()
-        }
-        out[f"draft_{layers}"] = {
-            m: {
-                "speculative_tokens_per_s": rate[m],
-                "vs_full": rate[m] / rate["full"],
-                "round_ms": per_round[m] * 1e3,
-                "round_vs_full": per_round[m] / per_round["full"],
-                "acceptance_rate": rs[0]["accepted"] / (len(rs[0]["tokens"]) - 1),
-                "tokens": len(rs[0]["tokens"]),
-                "rounds": len(rs),
-            }
-            for m, rs in runs.items()
-        }
+                runs[method].append(
+                    spec_run(model, draft, config, prompt, VS_FULL_TOKENS, NUM_DRAFT)
+                )
+        out[f"draft_{layers}"] = vs_full(runs)
     return out
 
 
