@@ -70,12 +70,15 @@ def table(found: Means, lengths: Sequence[int]) -> str:
             " / ".join(f"{cells[(k, n)]:.2f}" if (k, n) in cells else "-" for n in lengths)
             for k in kinds
         ]
-        per_length = []
-        for n in lengths:
-            scores = [v for (_, m), v in cells.items() if m == n]
-            per_length.append(f"{mean(scores):.2f}" if scores else "-")
+        per_length = [_mean_at(cells, n) for n in lengths]
         lines.append(f"| {_label(run)} | " + " | ".join(parts) + f" | {' / '.join(per_length)} |")
     return "\n".join(lines)
+
+
+def _mean_at(cells: dict[tuple[str, int], float], length: int) -> str:
+    """The mean over the tasks a run has at ``length``, formatted (``-``: none)."""
+    scores = [v for (_, n), v in cells.items() if n == length]
+    return f"{mean(scores):.2f}" if scores else "-"
 
 
 def plot(found: Means, lengths: Sequence[int], model: str, path: Path) -> None:
