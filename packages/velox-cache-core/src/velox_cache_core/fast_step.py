@@ -283,22 +283,26 @@ Outputs = tuple[Any, list[mx.array], list[list[Any]], Any, Any, list[mx.array], 
 def _finish(
     state: Any, kernels: Kernels, written: Written, log: UndoLog | None, outputs: Outputs
 ) -> tuple[Step, mx.array | None, Kernels | None, Prefetch | None]:
-    """The step :func:`decide` returns, from its decision kernel's ``outputs``."""
-    kinds = kernels.key[2]
+    """The step :func:`decide` returns, from its decision kernel's ``outputs``.
+
+    Built with plain dict updates (:func:`fresh`'s way, inlined): this runs once per layer
+    per token, and each constructor call is a measurable share of a decode step's host time."""
     free, victim, changes, probs, out, ahead, same = outputs
     cand = written.candidates
-    B, H = cand.positions.shape[:2]
-    new = {
-        name: _unflat(kind, c[0]) if c else None
-        for name, kind, c in zip(kernels.running, kinds, changes, strict=True)
-    }
-    after = fresh(
-        state,
-        slots=fresh(cand, free=free),
-        offset=state.offset + 1,
-        tokens_seen=state.tokens_seen + B * H,
-        **new,
-    )
+    shape = cand.positions.shape
+    after = object.__new__(state.__class__)
+    fields = after.__dict__
+    fields.update(state.__dict__)
+    kept = object.__new__(KVSlots)
+    kept.__dict__.update(cand.__dict__)
+    kept.__dict__["free"] = free
+    fields["slots"] = kept
+    fields["offset"] = state.offset + 1
+    fields["tokens_seen"] = state.tokens_seen + shape[0] * shape[1]
+    running = kernels.running
+    if running:
+        for name, kind, c in zip(running, kernels.key[2], changes, strict=True):
+            fields[name] = (History(*c[0]) if kind == "history" else c[0]) if c else None
     values: Any = cand.values
     prefetch: Prefetch | None = None
     if log is not None:
@@ -314,10 +318,11 @@ def _finish(
         elif read:
             values = mx.depends([values], read)[0]
     if not same:  # first call of this kernel: do its running fields keep their kinds?
-        same.append(tuple(map(_running_kind, new.values())) == kinds)
-    step: Step = fresh(
-        _EMPTY_STEP, keys=cand.keys, values=values, state=after, log=log, probs=probs
-    )
+        kinds = tuple(_running_kind(getattr(after, name)) for name in running)
+        same.append(kinds == kernels.key[2])
+    step: Step = object.__new__(Step)
+    step.__dict__.update(_EMPTY_STEP.__dict__)
+    step.__dict__.update(keys=cand.keys, values=values, state=after, log=log, probs=probs)
     return step, out, kernels if same[0] else None, prefetch
 
 
@@ -516,16 +521,16 @@ def _kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
 
 def _entry(state: Any, kernels: Kernels, written: Written, victim: list[mx.array]) -> Entry:
     """The undo entry the general path's ``undo.record`` makes for this step."""
-    victim_slots = _slots(*victim) if victim else None
-    entry: Entry = fresh(
-        _EMPTY_ENTRY,
-        start=state.offset,
-        running={name: getattr(state, name) for name in kernels.undo_names},
-        free=written.before.free,
-        written=written.written,
-        row=written.row,
-        victim=victim_slots,
-    )
+    entry: Entry = object.__new__(Entry)
+    fields = entry.__dict__
+    fields.update(_EMPTY_ENTRY.__dict__)
+    fields["start"] = state.offset
+    names = kernels.undo_names
+    fields["running"] = {name: getattr(state, name) for name in names} if names else {}
+    fields["free"] = written.before.free
+    fields["written"] = written.written
+    fields["row"] = written.row
+    fields["victim"] = _slots(*victim) if victim else None
     return entry
 
 
@@ -600,7 +605,12 @@ def _rows_at(slots: KVSlots, slot: mx.array) -> list[mx.array]:
 
 def _slots(keys: mx.array, values: mx.array, positions: mx.array) -> KVSlots:
     """A store of these rows with no dead slot (:func:`fresh` of an empty one)."""
-    out: KVSlots = fresh(_EMPTY_SLOTS, keys=keys, values=values, positions=positions)
+    out: KVSlots = object.__new__(KVSlots)
+    fields = out.__dict__
+    fields.update(_EMPTY_SLOTS.__dict__)
+    fields["keys"] = keys
+    fields["values"] = values
+    fields["positions"] = positions
     return out
 
 

@@ -99,9 +99,6 @@ class SteppedWaiting(Waiting):
 # A chunk of at most this many tokens, at the budget on the fast path, runs as decode steps.
 STEPPED_CHUNK = 16
 
-# what a FastWaiting is made from (fast_step.fresh: no frozen __init__ per token)
-_FAST_WAITING = FastWaiting(None, None, None, ())  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
 class Decided:
@@ -310,11 +307,12 @@ class Layer:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
-        self.stepped = []
+        if self.stepped:
+            self.stepped = []
         idle = self.pending is None and self.phase is None and self.quant is None
         if idle and keys.shape[2] == 1:  # a decode step with nothing in flight: maybe fast
             self.last = None
-            fast = self._lay_out_fast(keys, values)
+            fast = self._lay_out_fast(keys, values) if self._may_go_fast() else None
             if fast is not None:
                 return fast
         short = idle and 1 < keys.shape[2] <= STEPPED_CHUNK
@@ -357,9 +355,8 @@ class Layer:
 
     def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
         """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
-        step is not one it takes (the general path then runs, and raises on bad input)."""
-        if not self._may_go_fast():
-            return None
+        step is not one it takes (the general path then runs, and raises on bad input). The
+        caller has checked :meth:`_may_go_fast`."""
         state, policy, follows = self.state, self.policy, self._fast_next
         if policy.appends_now is not None and FS.appends(policy, state):
             if not _fits(state.slots, keys, values):
@@ -374,10 +371,11 @@ class Layer:
             return None
         written = FS.write(policy, state, key, keys, values, ahead)
         if key.waits:  # waits for the queries
-            self.pending = FS.fresh(
-                _FAST_WAITING, keys=keys, values=values, written=written, key=key
-            )
-            self.fetched = (written.candidates.keys, written.candidates.values)
+            waiting = object.__new__(FastWaiting)  # FS.fresh's way, inlined (every token)
+            waiting.__dict__.update(keys=keys, values=values, written=written, key=key)
+            self.pending = waiting
+            cand = written.candidates
+            self.fetched = (cand.keys, cand.values)
             return self.fetched
         scale = check_scale(None, int(keys.shape[3]))
         step, _, follow, ahead = FS.decide(
