@@ -209,6 +209,5 @@ class KVSlots:
 def _view(room: Reserve, n: int) -> KVSlots:
     """The store of the first ``n`` rows of ``room``'s buffers, owning them."""
     keys = room.keys[:, :, :n]
-    return KVSlots(
-        keys, room.values[:, :, :n], room.positions[:, :, :n], None, replace(room, view=keys)
-    )
+    owned = Reserve(room.keys, room.values, room.positions, keys)  # cheaper than replace()
+    return KVSlots(keys, room.values[:, :, :n], room.positions[:, :, :n], None, owned)
