@@ -43,7 +43,7 @@ from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call, Step
 from velox_cache_core.registry import Policy
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import running_fields, setting_fields
+from velox_cache_core.state import fresh, running_fields, setting_fields
 from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
 
 Kernel = Callable[..., Any]
@@ -611,16 +611,6 @@ def _slots(keys: mx.array, values: mx.array, positions: mx.array) -> KVSlots:
     fields["keys"] = keys
     fields["values"] = values
     fields["positions"] = positions
-    return out
-
-
-def fresh(like: Any, **changes: Any) -> Any:
-    """``dataclasses.replace(like, **changes)`` without re-running the frozen ``__init__``
-    (a few microseconds per object per layer per token): the fields are the ones the general
-    path sets, of the same types."""
-    out = object.__new__(type(like))
-    out.__dict__.update(like.__dict__)
-    out.__dict__.update(changes)
     return out
 
 

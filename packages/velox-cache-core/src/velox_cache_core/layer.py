@@ -371,7 +371,7 @@ class Layer:
             return None
         written = FS.write(policy, state, key, keys, values, ahead)
         if key.waits:  # waits for the queries
-            waiting = object.__new__(FastWaiting)  # FS.fresh's way, inlined (every token)
+            waiting = object.__new__(FastWaiting)  # state.fresh, inlined (every token)
             waiting.__dict__.update(keys=keys, values=values, written=written, key=key)
             self.pending = waiting
             cand = written.candidates

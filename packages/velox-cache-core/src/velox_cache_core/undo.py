@@ -35,7 +35,7 @@ import mlx.core as mx
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running_fields
+from velox_cache_core.state import PolicyState, fresh, running_fields
 from velox_cache_core.validation import check_int
 
 
@@ -322,7 +322,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     puts = _rows_back(entries, steps)
     arrays: tuple[R.Rows, R.Rows, mx.array] = (kept.keys, kept.values, kept.positions)
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
-    plain = all(isinstance(a, mx.array) for a in (*arrays, *(a for r in rows_in for a in r)))
+    plain = all(a.__class__ is mx.array for r in (arrays, *rows_in) for a in r)
     if plain and puts:  # one compiled call
         arrays = _puts_kernel(len(puts))(*arrays, [slot for slot, _ in puts], rows_in)
     else:
@@ -331,7 +331,8 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     oldest = entries[-steps]
     del entries[-steps:]
     slots = KVSlots(*arrays, oldest.free)
-    return replace(state, slots=slots, **oldest.running), n - steps
+    # the running fields the entry kept, as they were (fresh: no frozen __init__ per layer)
+    return fresh(state, slots=slots, **oldest.running), n - steps
 
 
 def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:
