@@ -231,10 +231,9 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
         start: mx.array,
     ) -> Any:
         row: list[mx.array] = []
-        B = int(positions.shape[0])
         if prefetched:  # evict_before's slot, and its row, read by the step before
             slots = KVSlots(keys, values, positions, free[0])
-            laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
+            laid = slots.write_free(new_keys, new_values, start)
             return laid.keys, laid.values, laid.positions, free[0], row
         before = KVSlots(keys, values, positions, free[0] if free else None)
         slots = before
@@ -242,7 +241,7 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
             call = Call(new_keys, new_values, None, 1.0, start)  # type: ignore[arg-type]
             slots = policy.evict_before(template, before, call)
         assert slots.free is not None
-        laid = slots.write_free(new_keys, new_values, mx.broadcast_to(start, (B,)))
+        laid = slots.write_free(new_keys, new_values, start)
         if slots.free is not before.free:  # a live row freed now: the undo log keeps it
             row = _rows_at(before, slots.free)
         return laid.keys, laid.values, laid.positions, slots.free, row

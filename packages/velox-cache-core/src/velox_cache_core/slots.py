@@ -185,11 +185,14 @@ class KVSlots:
 
     def write_free(self, keys: Rows, values: Rows, position: int | mx.array) -> KVSlots:
         """Write one new token (keys ``[B, H_kv, 1, D]``, values ``[B, H_kv, 1, D_v]``) into the
-        dead slot, in place; ``position``: its position, or int ``[B]`` one per row."""
+        dead slot, in place; ``position``: its position (an int or a 0-d array), or int ``[B]``
+        one per row."""
         assert self.free is not None
         B, H = self.positions.shape[:2]
         row = self.free[:, :, None]
-        if isinstance(position, mx.array):
+        if isinstance(position, mx.array) and position.ndim == 0:  # one op, not three
+            pos = mx.broadcast_to(position.astype(mx.int32), (B, H, 1))
+        elif isinstance(position, mx.array):
             pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1, 1), (B, H, 1))
         else:
             pos = mx.full((B, H, 1), position, dtype=mx.int32)
