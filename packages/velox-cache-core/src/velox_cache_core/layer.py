@@ -317,9 +317,9 @@ class Layer:
                 return fast
         short = idle and 1 < keys.shape[2] <= STEPPED_CHUNK
         first = self._steps_chunk(keys, values) if short else None
-        if first is not None:
+        if first is not None:  # _steps_chunk found them the store's exact shape and dtype
             self.last = None
-            self.fetched = self._wait(keys, values)
+            self.fetched = self._with_new(keys, values)
             self.pending = SteppedWaiting(keys, values, first)
             return self.fetched
         if self.phase is not None:
@@ -551,9 +551,14 @@ class Layer:
         return length > 1 or self.policy.traits.signal(self.state) == "query"
 
     def _wait(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
-        slots = self.state.slots
-        check_fits(slots, keys, values)
+        check_fits(self.state.slots, keys, values)
         self.pending = Waiting(keys, values)
+        return self._with_new(keys, values)
+
+    def _with_new(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
+        """``retained + new``: what :meth:`lay_out` returns for a call that waits for its
+        queries (``keys``/``values`` already checked against the store)."""
+        slots = self.state.slots
         if slots is None:
             return keys, values
         if keys.shape[2] == 1 and slots.free is not None:
