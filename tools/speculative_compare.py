@@ -38,17 +38,22 @@ def config(method: str) -> KVCacheConfig:
     return KVCacheConfig(method=method, trim_window=TRIM_WINDOW, **{f"{policy}_budget": BUDGET})
 
 
+def setting() -> tuple[Any, mx.array]:
+    """The embedded model and the ``PROMPT``-token prompt of real text every run here uses."""
+    from velox_bench.quality import corpus
+
+    model, tokenizer = load_default()
+    text = "\n\n".join(s.text() for s in corpus.speeches()[-2:])
+    return model, mx.array(tokenizer.encode(text)[:PROMPT])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--drafts", default="8,24", help="draft layers, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default="tova", help="Velox methods, comma-separated")
     args = parser.parse_args(argv)
-    from velox_bench.quality import corpus
-
-    model, tokenizer = load_default()
-    text = "\n\n".join(s.text() for s in corpus.speeches()[-2:])
-    prompt = mx.array(tokenizer.encode(text)[:PROMPT])
+    model, prompt = setting()
     methods = ["full", *args.methods.split(",")]
     print(f"BLAS: {BLAS}; budget {BUDGET}, {NUM_DRAFT} draft tokens, {TOKENS} tokens")
     print(f"{'draft':>5} {'method':<14} {'tok/s':>7} {'vs full':>8} {'accepted':>9} {'round':>9}")

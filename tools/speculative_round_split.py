@@ -38,10 +38,10 @@ BLAS = preload()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import trim_prompt_cache  # noqa: E402
-from speculative_compare import BUDGET, NUM_DRAFT, PROMPT, config  # noqa: E402
+from speculative_compare import BUDGET, NUM_DRAFT, config, setting  # noqa: E402
 
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
-from velox_mlx_lm.embedded import draft_of, load_default  # noqa: E402
+from velox_mlx_lm.embedded import draft_of  # noqa: E402
 
 PARTS = ("draft", "verify host", "verify eval", "trim", "round")
 WARMUP, CHUNK = 5, 256
@@ -98,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--methods", default="tova", help="Velox methods, comma-separated")
     args = parser.parse_args(argv)
-    from velox_bench.quality import corpus
-
-    model, tokenizer = load_default()
-    text = "\n\n".join(s.text() for s in corpus.speeches()[-2:])
-    prompt = mx.array(tokenizer.encode(text)[:PROMPT])
+    model, prompt = setting()
     draft = draft_of(model, args.draft)
     methods = ["full", *args.methods.split(",")]
     reps: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
