@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import mlx.core as mx
 
 from velox_cache_core import lanes
@@ -33,7 +36,10 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
         return weights_times_values(step.probs, step.values, queries.dtype)
     mask = step.mask
     if _row_on_cpu(queries, step, sinks):
-        return attend_row(queries, step.keys, step.values, scale)  # type: ignore[arg-type]
+        keys, values = step.keys, step.values
+        if keys.shape[2] < 2:  # a shapeless trace is unsafe at one row (see _compiled_row)
+            return attend_row(queries, keys, values, scale)  # type: ignore[arg-type]
+        return _compiled_row(queries, keys, values, scale)(queries, keys, values)  # type: ignore[arg-type]
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
     if isinstance(step.keys, QUANTIZED) and isinstance(step.values, QRows) and sinks is None:
@@ -62,6 +68,35 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     agree bit for bit; against MLX's attention the last bits differ."""
     probs = softmax(grouped_logits(queries, keys, scale, "head"))
     return weights_times_values(probs, values, queries.dtype)
+
+
+_ROWS: dict[tuple[Any, ...], Callable[[mx.array, mx.array, mx.array], mx.array]] = {}
+
+
+def _compiled_row(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float
+) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    """:func:`attend_row` compiled once per (batch, heads, widths, dtypes, scale) and
+    ``shapeless``: one call, whatever the number of rows ``n`` (a store that grows by a row per
+    step, as SnapKV's after its cut, would retrace a plain compiled function every step). The
+    same ops in the same order, so the same bits (``tests/test_attention_row.py``); nothing in it
+    depends on ``n`` but the arrays themselves. Only for ``n >= 2``: a shapeless trace treats a
+    dimension of size 1 as broadcastable, and replaying one across ``n = 1`` and ``n > 1``
+    (either way) corrupts memory (MLX 0.32, measured)."""
+    B, H_q, _, D = queries.shape
+    H_kv, D_v = keys.shape[1], values.shape[3]
+    key = (B, H_q, H_kv, D, D_v, queries.dtype, keys.dtype, values.dtype, scale)
+    found = _ROWS.get(key)
+    if found is None:
+
+        def row(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+            # attend_row with weights_times_values' reshape of the weights left out: they are
+            # already [B, H_kv, G, 1, n], and that reshape would fix n in the trace
+            probs = softmax(grouped_logits(q, k, scale, "head")).astype(v.dtype)
+            return _times_values(probs, v).reshape(B, H_q, 1, D_v).astype(q.dtype)
+
+        found = _ROWS[key] = mx.compile(row, shapeless=True)
+    return found
 
 
 def weights_times_values(
