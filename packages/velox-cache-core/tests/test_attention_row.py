@@ -37,6 +37,7 @@ def _step(keys: mx.array, values: mx.array) -> Step:
     rows=st.lists(st.integers(1, 40), min_size=2, max_size=8),
     scale=st.sampled_from([0.125, 0.5]),
     half=st.booleans(),
+    views=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_compiled_row_is_attend_row_for_every_row_count(
@@ -48,16 +49,21 @@ def test_compiled_row_is_attend_row_for_every_row_count(
     rows: list[int],
     scale: float,
     half: bool,
+    views: bool,
     seed: int,
 ) -> None:
+    """``views``: keys/values are the first rows of larger buffers (a store in its reserve, as
+    SnapKV's after its cut), strided, not contiguous arrays."""
     rng = np.random.default_rng(seed)
     dtype = mx.float16 if half else mx.float32
     with mx.stream(mx.cpu):
         for n in rows:  # one trace per shape key; the row count changes from call to call
             q = rng.standard_normal((B, H_kv * group, 1, D)).astype(np.float32)
-            k = rng.standard_normal((B, H_kv, n, D)).astype(np.float32)
-            v = rng.standard_normal((B, H_kv, n, D_v)).astype(np.float32)
+            extra = 7 if views else 0
+            k = rng.standard_normal((B, H_kv, n + extra, D)).astype(np.float32)
+            v = rng.standard_normal((B, H_kv, n + extra, D_v)).astype(np.float32)
             queries, keys, values = (mx.array(x).astype(dtype) for x in (q, k, v))
+            keys, values = keys[:, :, :n], values[:, :, :n]
             got = attend(queries, _step(keys, values), scale)
             want = attend_row(queries, keys, values, scale)
             assert got.shape == (B, H_kv * group, 1, D_v) and got.dtype == dtype
