@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -79,8 +81,8 @@ def _compiled_row(
     """:func:`attend_row` compiled once per (batch, heads, widths, dtypes, scale) and
     ``shapeless``: one call, whatever the number of rows ``n`` (a store that grows by a row per
     step, as SnapKV's after its cut, would retrace a plain compiled function every step). The
-    same ops in the same order, so the same bits (``tests/test_attention_row.py``); nothing in it
-    depends on ``n`` but the arrays themselves. Only for ``n >= 2``: a shapeless trace treats a
+    same function, so the same bits (``tests/test_attention_row.py``); none of its shapes but
+    the arrays' own depend on ``n``. Only for ``n >= 2``: a shapeless trace treats a
     dimension of size 1 as broadcastable, and replaying one across ``n = 1`` and ``n > 1``
     (either way) corrupts memory (MLX 0.32, measured)."""
     B, H_q, _, D = queries.shape
@@ -88,13 +90,7 @@ def _compiled_row(
     key = (B, H_q, H_kv, D, D_v, queries.dtype, keys.dtype, values.dtype, scale)
     found = _ROWS.get(key)
     if found is None:
-
-        def row(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-            # attend_row with weights_times_values' reshape of the weights left out: they are
-            # already [B, H_kv, G, 1, n], and that reshape would fix n in the trace
-            probs = softmax(grouped_logits(q, k, scale, "head")).astype(v.dtype)
-            return _times_values(probs, v).reshape(B, H_q, 1, D_v).astype(q.dtype)
-
+        row = functools.partial(attend_row, scale=scale)
         found = _ROWS[key] = mx.compile(row, shapeless=True)
     return found
 
@@ -104,9 +100,11 @@ def weights_times_values(
 ) -> mx.array:
     """One query row's attention weights (``[B, H_q, 1, n]``, or grouped per KV head
     ``[B, H_kv, G, 1, n]``) times each KV head's ``values [B, H_kv, n, D]``: the attention
-    output ``[B, H_q, 1, D]`` in ``dtype`` (the queries')."""
-    B, H_kv, n, D = values.shape
-    weights = probs.reshape(B, H_kv, -1, 1, n).astype(values.dtype)
+    output ``[B, H_q, 1, D]`` in ``dtype`` (the queries'). The row count ``n`` is left for the
+    reshape to infer, so a ``shapeless`` trace of this (:func:`_compiled_row`) fits every ``n``."""
+    B, H_kv, _, D = values.shape
+    group = math.prod(probs.shape[1:-2]) // H_kv  # the query heads per KV head
+    weights = probs.reshape(B, H_kv, group, 1, -1).astype(values.dtype)
     return _times_values(weights, values).reshape(B, -1, 1, D).astype(dtype)
 
 
