@@ -32,6 +32,10 @@ def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFi
     assert instrument.main(["--quick", "--out", str(out)]) == 0  # nothing left to run
     assert "0 to run" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == len(rows)
+    capsys.readouterr()
+    assert instrument.main(["--quick", "--out", str(out), "--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert "| 256 | tova | 64 |" in table and "| code | 128 | tova | 32 |" in table
 
 
 def test_plan_puts_the_mandatory_cells_first() -> None:

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=10, help="questions answered as one batch")
     p.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS})")
     p.add_argument("--plan", action="store_true", help="print the cells and the estimate only")
+    p.add_argument(
+        "--markdown", action="store_true", help="print the measured rows as Markdown tables only"
+    )
     return p
 
 
@@ -111,6 +114,55 @@ def _run(args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Pat
         print(summary([row]).splitlines()[1], flush=True)
 
 
+def _share(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """Accuracy by depth as a share of the full cache's (``-`` where the full cache has 0)."""
+    if ref is None:
+        return ""
+    acc = [row["depths"][str(d)]["accuracy"] for d in grid.DEPTHS]
+    base = [ref["depths"][str(d)]["accuracy"] for d in grid.DEPTHS]
+    return " / ".join(f"{a / b:.2f}" if b else "-" for a, b in zip(acc, base, strict=True))
+
+
+def _retrieval_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    acc = " | ".join(f"{row['depths'][str(d)]['accuracy']:.2f}" for d in grid.DEPTHS)
+    return (
+        f"| {row['length']} | {row['method']} | {row['budget'] or '-'} "
+        f"| {row['kept_tokens'] or '-'} | {acc} | {_share(row, ref)} "
+        f"| {row['seconds'] / 60:.0f} |"
+    )
+
+
+def _perplexity_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    ratio = f"{row['perplexity'] / ref['perplexity']:.3f}" if ref else ""
+    return (
+        f"| {row['task'][4:]} | {row['length']} | {row['method']} | {row['budget'] or '-'} "
+        f"| {row['perplexity']:.3f} | {ratio} | {row['seconds'] / 60:.0f} |"
+    )
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The measured rows as two Markdown tables: retrieval accuracy by depth (with the share of
+    the full cache's accuracy at the same length), then perplexity (with the ratio to the full
+    cache's on the same text)."""
+    full = {(r["task"], r["length"]): r for r in rows if r["method"] == "full"}
+    out = [
+        "| length | method | budget | kept | 10% | 50% | 90% | vs full (10 / 50 / 90%) | min |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    found = [r for r in rows if r["task"] == "retrieval"]
+    out += [_retrieval_line(r, full.get((r["task"], r["length"]))) for r in found]
+    if found:
+        out += ["", f"({found[0]['depths'][str(grid.DEPTHS[0])]['n']} questions per depth)"]
+    out += ["", "| text | length | method | budget | perplexity | vs full | min |"]
+    out += ["| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    out += [
+        _perplexity_line(r, full.get((r["task"], r["length"])))
+        for r in rows
+        if r["task"].startswith("ppl")
+    ]
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.n_per_depth < 1 or args.batch < 1 or args.max_cells < 0:
@@ -118,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_name = "tiny-qwen2" if args.quick else MODEL
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or (Path(tmp) / "quick.jsonl" if args.quick else repo_root() / RESULTS)
+        if args.markdown:
+            print(markdown([r for r in grid.read_rows(out) if r.get("model") == model_name]))
+            return 0
         cells = _todo(args, out, model_name)
         if cells and not args.plan:
             _run(args, cells, out, Path(tmp))
