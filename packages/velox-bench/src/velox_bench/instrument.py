@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from velox_bench.blas import preload
+import velox_blas
 
-preload()
+velox_blas.preload_openblas()  # before anything imports mlx
 
 from velox_bench.quality import instrument as grid  # noqa: E402
 from velox_bench.quality.run import environment, repo_root  # noqa: E402
