@@ -8,7 +8,7 @@ wrapper that samples, every second, the RSS, MLX's active and cached bytes and g
 their own) into ``--out`` (JSON lines), and drives the soak load of ``velox_bench.serve_soak``
 against it (4 conversations, 1,500-token turns, up to ``--target`` tokens). ``--no-release``
 starts the server as it was before issue 33's fix: no fixed mmap threshold and no trim
-(``velox_mlx_lm.serve_release``). Prints the soak's summary and, per 100 s, the most RSS, the
+(``velox_mlx_lm.serve.release``). Prints the soak's summary and, per 100 s, the most RSS, the
 most free heap bytes and the most MLX active bytes. Linux with glibc only.
 """
 
@@ -27,7 +27,7 @@ WRAPPER = """
 import ctypes, json, sys, threading, time
 import mlx.core as mx
 import velox_mlx_lm.serve as serve
-from velox_mlx_lm import serve_release
+from velox_mlx_lm.serve import release as serve_release
 
 out, no_release = sys.argv.pop(1), sys.argv.pop(1) == "1"
 if no_release:

@@ -26,8 +26,8 @@ from mlx.utils import tree_flatten
 
 from velox_cache_core.registry import POLICIES
 from velox_mlx_lm.cache import PolicyKVCache
-from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes
-from velox_mlx_lm.serve_errors import BadRequest
+from velox_mlx_lm.serve.cache import VeloxPromptCache, cache_nbytes
+from velox_mlx_lm.serve.errors import BadRequest
 
 DEFAULT_FRACTION = 0.5  # of (machine RAM - weights), when --max-memory is not given
 MARGIN = 1.25  # on the cost formula: policies' running arrays and bookkeeping

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from velox_mlx_lm.builder import KVCacheBuilder
-from velox_mlx_lm.cli_batch import generate_batch, print_batch
+from velox_mlx_lm.cli.batch import generate_batch, print_batch
+from velox_mlx_lm.cli.document import document_run, prompt_tokens
+from velox_mlx_lm.cli.generation import Run, generate_once, side_by_side, table
 from velox_mlx_lm.config import FULL, KVCacheConfig
-from velox_mlx_lm.document import document_run, prompt_tokens
 from velox_mlx_lm.flags import (
     add_method_flags,
     add_quant_flags,
     check_quantized_start,
     config_from_args,
 )
-from velox_mlx_lm.generation import Run, generate_once, side_by_side, table
 
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE, --prompts-file FILE or --demo"
 # A Hugging Face repo id: owner/name, letters, digits, '-', '_' and '.' (the hub's own rule).
@@ -128,7 +128,7 @@ def _load_draft(args: argparse.Namespace, model: Any) -> Any:
 
 
 def _blas_name() -> str:
-    from velox_mlx_lm.blas import blas_in_use
+    from velox_blas import blas_in_use
 
     name = blas_in_use()
     if name.startswith("default") and sys.platform.startswith("linux"):
@@ -434,7 +434,3 @@ def _budget(config: Any) -> int:
 def _label(config: Any) -> str:
     """A run's name in the output: the method, with its budget when it evicts."""
     return config.method if config.policy is None else f"{config.method}({_budget(config)})"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,7 @@ from mlx_lm.server import (
     SamplingArguments,
 )
 
-from velox_mlx_lm.serve_errors import BadRequest
+from velox_mlx_lm.serve.errors import BadRequest
 
 MESSAGES_PATH = "/v1/messages"
 ROLES = ("user", "assistant")

@@ -7,8 +7,8 @@ import argparse
 import time
 from typing import Any
 
+from velox_mlx_lm.cli.generation import Run, generate_once
 from velox_mlx_lm.compress import compress, prefill
-from velox_mlx_lm.generation import Run, generate_once
 
 
 def prompt_tokens(text: str, chat: bool, tokenizer: Any) -> list[int]:

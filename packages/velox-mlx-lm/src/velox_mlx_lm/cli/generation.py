@@ -16,7 +16,7 @@ class Run:
 
 
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
-    from velox_mlx_lm.serve_cache import kept_bytes, kept_rows, layer_roles
+    from velox_mlx_lm.serve.cache import kept_bytes, kept_rows, layer_roles
 
     kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]

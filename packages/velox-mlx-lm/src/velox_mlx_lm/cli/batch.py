@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from velox_mlx_lm.generation import cell, grid, kv_stats
+from velox_mlx_lm.cli.generation import cell, grid, kv_stats
 
 
 @dataclass

@@ -6,7 +6,7 @@ one-at-a-time path and the prompt cache; this module plugs into it and forks non
 - the flags are mlx-lm's server flags (its parser, taken from ``mlx_lm.server.main``) plus
   ``velox-generate``'s method flags; the model is loaded like ``velox-generate`` (the embedded
   model by default, an mlx-lm folder or a GGUF) and its ``make_cache`` makes Velox caches;
-- :class:`~velox_mlx_lm.serve_cache.VeloxPromptCache` keeps prompt-cache reuse exact;
+- :class:`~velox_mlx_lm.serve.cache.VeloxPromptCache` keeps prompt-cache reuse exact;
 - the request handler adds checks (4xx JSON errors), ``GET /v1/velox/stats`` and a ``velox``
   field in ``usage``; ``BatchGenerator`` and ``stream_generate`` are wrapped to watch the
   live sequences (see docs/serving.md).
@@ -36,12 +36,14 @@ import mlx_lm.server as mlx_server
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from velox_mlx_lm import serve_auth, serve_memory, serve_release
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
-from velox_mlx_lm.serve_cache import cache_nbytes, combine_layers, kv_stats, layer_roles
-from velox_mlx_lm.serve_errors import ANTHROPIC_KINDS, BadRequest
-from velox_mlx_lm.serve_messages import MESSAGES_PATH, error_body, parse_request, serve_messages
+from velox_mlx_lm.serve import auth as serve_auth
+from velox_mlx_lm.serve import memory as serve_memory
+from velox_mlx_lm.serve import release as serve_release
+from velox_mlx_lm.serve.cache import cache_nbytes, combine_layers, kv_stats, layer_roles
+from velox_mlx_lm.serve.errors import ANTHROPIC_KINDS, BadRequest
+from velox_mlx_lm.serve.messages import MESSAGES_PATH, error_body, parse_request, serve_messages
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
@@ -76,7 +78,7 @@ def _mlx_server_parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from velox_mlx_lm.cli import build_parser as generate_parser
+    from velox_mlx_lm.cli.app import build_parser as generate_parser
 
     parser = _mlx_server_parser()
     parser.prog = "velox-serve"
@@ -174,7 +176,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
 
     def _load_velox(self) -> None:
         from velox_mlx_lm.builder import KVCacheBuilder
-        from velox_mlx_lm.cli import _load_draft, _load_for_launch
+        from velox_mlx_lm.cli.app import _load_draft, _load_for_launch
 
         self.reset()
         gc.collect()
@@ -936,7 +938,7 @@ def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from velox_mlx_lm.cli import model_ref
+    from velox_mlx_lm.cli.app import model_ref
 
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -958,7 +960,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"velox-serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
