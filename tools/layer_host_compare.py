@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-BLAS = preload()
+BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -30,9 +30,9 @@ CACHES = ("velox-qc", "velox-q", "velox", "mlx-quantized", "full")
 
 def measure(name: str, tokens: int, budget: int, bits: int, step: int) -> dict[str, Any]:
     """One cache's figures (runs in this process)."""
-    from velox_bench.blas import preload
+    from velox_blas import preload_openblas
 
-    preload()
+    preload_openblas()
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 

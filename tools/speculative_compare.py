@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-BLAS = preload()
+BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 

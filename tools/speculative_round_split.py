@@ -32,9 +32,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-BLAS = preload()
+BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import trim_prompt_cache  # noqa: E402

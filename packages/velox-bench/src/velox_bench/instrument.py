@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()
+preload_openblas()
 
 from velox_bench.quality import instrument as grid  # noqa: E402
 from velox_bench.quality.run import environment, repo_root  # noqa: E402
