@@ -8,7 +8,7 @@ decode steps (update plus attention through ``cache.attend``, what the hook call
 everything evaluated, timed in alternating rounds in one process. Prints medians and the
 ratio ``head / uniform`` per method (issue 34: at most 1.2).
 
-    python tools/adaptive_decode_step.py [--budget 512] [--rounds 7] [--steps 30]
+    python -m velox_bench.probes.adaptive_decode_step [--budget 512] [--rounds 7] [--steps 30]
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ process; medians and ratios to mlx-lm's ``RotatingKVCache(512)`` + ``scaled_dot_
 Velox caches attend through ``cache.attend`` (what the attention hook calls), so the attend-once
 path runs where it applies. ``--no-log`` rows use ``trim_window=0`` (no undo log).
 
-    python tools/decode_step_compare.py [--rounds 7] [--steps 30] [--methods tova h2o ...]
+    python -m velox_bench.probes.decode_step_compare [--rounds 7] [--steps 30]
+        [--methods tova h2o ...]
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ def make(method: str) -> Any:
         return RotatingKVCache(max_size=BUDGET, keep=4)
     name = method.split()[0]
     policy = "tova" if name.startswith("tova") else name
-    config = KVCacheConfig(
-        method=name, trim_window=0 if "no log" in method else 16, **{f"{policy}_budget": BUDGET}
-    )
+    budget: dict[str, Any] = {f"{policy}_budget": BUDGET}
+    config = KVCacheConfig(method=name, trim_window=0 if "no log" in method else 16, **budget)
     return KVCacheFactory.create(config)
 
 

@@ -7,7 +7,8 @@ and decode greedily, ``B`` tokens per step, in alternating rounds. Medians and t
 per-round ratios are printed. This is the step behind ``velox-serve``'s throughput goals
 without the server around it.
 
-    python tools/batch_decode_step.py [--rows 4] [--prompt 416] [--method tova] [--budget 512]
+    python -m velox_bench.probes.batch_decode_step [--rows 4] [--prompt 416] [--method tova]
+        [--budget 512]
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ BLAS = preload_openblas()  # before mlx is imported
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from single_sequence_step import add_run_arguments, alternate, report  # noqa: E402 (a sibling script)
 
+from velox_bench.probes.single_sequence_step import add_run_arguments, alternate, report  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
 

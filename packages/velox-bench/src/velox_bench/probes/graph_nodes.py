@@ -17,7 +17,7 @@ empty one: the build and evaluation time per node (medians of ``--reps`` calls).
 columns multiply each cache's extra nodes over ``KVCache`` by those costs and by 30 layers
 (the embedded model's depth).
 
-    python tools/graph_nodes.py [--methods tova,h2o,streaming_llm,snapkv,morphkv]
+    python -m velox_bench.probes.graph_nodes [--methods tova,h2o,streaming_llm,snapkv,morphkv]
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-import layer_host_compare as lhc  # the layer and its inputs (tools/ is on sys.path)
-import mlx.core as mx
-import numpy as np
+from velox_blas import preload_openblas
+
+BLAS = preload_openblas()  # before mlx is imported
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from velox_bench.probes import layer_host_compare as lhc  # noqa: E402 (the layer, its inputs)
 
 LAYERS = 30  # the embedded model's depth
 _NODE = re.compile(r"shape=rectangle")  # one per primitive in mx.export_to_dot's output

@@ -1,6 +1,6 @@
 """What a speculative verify round costs with a Velox cache, against the full cache.
 
-    python tools/verify_chunk_compare.py [--rounds 9] [--steps 10] [--budget 256]
+    python -m velox_bench.probes.verify_chunk_compare [--rounds 9] [--steps 10] [--budget 256]
 
 The embedded model holds a 600-token prompt and one decode step. Each round then feeds a verify
 chunk of 4 tokens (3 draft tokens and the last accepted one, as mlx-lm's speculative decoding

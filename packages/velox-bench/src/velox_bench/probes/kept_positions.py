@@ -1,6 +1,7 @@
 """Print which prompt positions each policy keeps on the embedded model (layer 0, KV head 0).
 
-    python tools/kept_positions.py [--budget 64] [--tokens 160] [--set snapkv_window=8 ...]
+    python -m velox_bench.probes.kept_positions [--budget 64] [--tokens 160]
+        [--set snapkv_window=8 ...]
 
 Every registered method runs (``velox_bench.variants.policy_variants()``) with its defaults at
 ``--budget``; ``--set FIELD=VALUE`` changes any ``KVCacheConfig`` field (e.g. a smaller SnapKV

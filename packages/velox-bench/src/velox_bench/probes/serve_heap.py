@@ -1,6 +1,6 @@
 """Where ``velox-serve``'s RSS goes over a soak: glibc's heap sampled inside the server.
 
-    python tools/serve_heap.py [--target 9000] [--out heap.jsonl] [--no-release]
+    python -m velox_bench.probes.serve_heap [--target 9000] [--out heap.jsonl] [--no-release]
 
 Starts ``velox-serve --method tova --budget 512 --beyond-context --max-tokens 32`` through a
 wrapper that samples, every second, the RSS, MLX's active and cached bytes and glibc's

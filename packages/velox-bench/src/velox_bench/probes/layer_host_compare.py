@@ -1,7 +1,7 @@
 """Host time of one layer's cache calls: what Python and graph building cost before MLX
 evaluates anything (the part of a step a GPU cannot hide), Velox against mlx-lm's KVCache.
 
-    python tools/layer_host_compare.py [--methods tova,h2o,streaming_llm] [--rounds 25]
+    python -m velox_bench.probes.layer_host_compare [--methods tova,h2o,streaming_llm] [--rounds 25]
 
 One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, float32) holds
 a 600-token prompt at budget 256 with the default undo log (16 tokens). Timed, per call, with

@@ -1,6 +1,6 @@
 """Where one TOVA decode update spends its time, next to one SDPA call over the same keys.
 
-    python tools/profile_decode.py
+    python -m velox_bench.probes.profile_decode
 
 Budget 512, B=1, H_kv 8, H_q 32, D 128, float32: medians of the cumulative stages (query-key
 logits, + softmax/mean, + victim selection) and of the whole ``tova_update``, evaluated.

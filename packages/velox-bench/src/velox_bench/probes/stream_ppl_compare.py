@@ -1,6 +1,6 @@
 """Perplexity of tokens streamed one at a time after a prompt, per method and budget.
 
-    python tools/stream_ppl_compare.py [--prompt 800] [--stream 300] [--budgets 64,128]
+    python -m velox_bench.probes.stream_ppl_compare [--prompt 800] [--stream 300] [--budgets 64,128]
         [--methods expected_attention:recent=0,expected_attention:recent=16,tova,streaming_llm]
         [--json out.json] [--from-json saved.json] [--docs FILE ...]
 
@@ -31,7 +31,7 @@ BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm  # type: ignore[import-untyped]  # noqa: E402
 
 from velox_bench.quality import corpus  # noqa: E402
 from velox_bench.quality.perplexity import perplexity  # noqa: E402
@@ -111,7 +111,7 @@ def docs_table(saved: dict[str, Any]) -> str:
         f"{table(saved['ppl'], s['budgets'])}\n\n"
         f"Perplexity of {s['stream']} tokens fed one at a time after a prompt of {s['prompt']} "
         f"tokens ({saved['text']}), {env['model']}, {env['machine']}, mlx {env['mlx']}: "
-        f"`python tools/stream_ppl_compare.py` (`benchmarks/results/stream_ppl.json`)."
+        f"`python -m velox_bench.probes.stream_ppl_compare` (`benchmarks/results/stream_ppl.json`)."
     )
 
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = list(tokenizer.encode(speech.text()))[:n]
     print(f"BLAS: {BLAS}; text: {speech.name}, {args.prompt} prompt + {args.stream} streamed")
 
-    runs = [(FULL, FULL, {}, None)] + [
+    runs: list[tuple[str, str, dict[str, Any], int | None]] = [(FULL, FULL, {}, None)] + [
         (spec, name, settings, b)
         for spec, (name, settings) in zip(specs, methods, strict=True)
         for b in budgets

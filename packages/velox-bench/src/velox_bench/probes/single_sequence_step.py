@@ -6,7 +6,7 @@ With a prompt shorter than the budget nothing is evicted yet: what is left is th
 Velox cache itself (its slots, engine call and undo log per layer), the baseline for
 ``velox-serve``'s short-context goal, where the batched path adds its per-row calls on top.
 
-    python tools/single_sequence_step.py [--prompt 416] [--method tova] [--budget 512]
+    python -m velox_bench.probes.single_sequence_step [--prompt 416] [--method tova] [--budget 512]
 """
 
 from __future__ import annotations

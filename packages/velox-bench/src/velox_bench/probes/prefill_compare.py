@@ -1,6 +1,6 @@
 """Prefill time of the embedded model with the full cache and TOVA(512), side by side.
 
-    python tools/prefill_compare.py [--tokens 2048] [--chunk 512]
+    python -m velox_bench.probes.prefill_compare [--tokens 2048] [--chunk 512]
 
 Random token ids, chunks like mlx-lm's prefill loop, each cache's state evaluated per chunk;
 the best of two rounds per method, printed with its ratio to the full cache.

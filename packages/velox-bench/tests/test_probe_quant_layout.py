@@ -1,22 +1,14 @@
-"""tools/quant_layout_probe.py without the model: its emulated layouts against numpy."""
+"""velox_bench.probes.quant_layout_probe without the model: its emulated layouts against
+numpy."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytest.importorskip("velox_bench")
+from velox_bench.probes import quant_layout_probe as tool
+
 mx = pytest.importorskip("mlx.core")
-TOOL = Path(__file__).resolve().parents[1] / "quant_layout_probe.py"
-spec = importlib.util.spec_from_file_location("quant_layout_probe", TOOL)
-assert spec is not None and spec.loader is not None
-tool = importlib.util.module_from_spec(spec)
-sys.modules["quant_layout_probe"] = tool
-spec.loader.exec_module(tool)
 
 
 def test_hadamard_rotation_is_orthogonal_and_its_own_inverse() -> None:

@@ -5,7 +5,7 @@ MorphKV's default window of 8 probe rows, every op below is evaluated on its own
 (already evaluated) 200 times; the medians show where MorphKV's decode step goes next to
 TOVA's single row and one ``mx.fast.scaled_dot_product_attention`` call.
 
-    python tools/score_op_costs.py [--reps 200]
+    python -m velox_bench.probes.score_op_costs [--reps 200]
 """
 
 from __future__ import annotations

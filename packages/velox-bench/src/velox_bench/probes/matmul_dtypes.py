@@ -4,7 +4,7 @@ bfloat16 rows are or are not affordable here.
 ``[2048, 2048] @ [2048, 8192]`` (the hidden x MLP product of the real-shape model), evaluated
 ``--reps`` times per dtype after one warm-up; the best time and the ratio to float32.
 
-    python tools/matmul_dtypes.py [--reps 3]
+    python -m velox_bench.probes.matmul_dtypes [--reps 3]
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Where a speculative round's time goes, Velox against the full cache: draft, verify (host and
 evaluation apart) and trims.
 
-    python tools/speculative_round_split.py [--draft 8] [--rounds 40] [--reps 2] [--methods tova]
+    python -m velox_bench.probes.speculative_round_split [--draft 8] [--rounds 40] [--reps 2]
+        [--methods tova]
 
-The setting of ``tools/speculative_compare.py`` (the embedded model, a self-draft of its first
-``--draft`` layers, 3 draft tokens, the 571-token prompt, budget 256 with a 16-token undo log),
-but every round is the same work for every cache: the draft proposes 3 tokens (one
+The setting of ``velox_bench.probes.speculative_compare`` (the embedded model, a self-draft of
+its first ``--draft`` layers, 3 draft tokens, the 571-token prompt, budget 256 with a 16-token
+undo log), but every round is the same work for every cache: the draft proposes 3 tokens (one
 ``async_eval``'d step each, as mlx-lm's ``speculative_generate_step``), the target verifies
 the 4-token chunk, and all 3 draft tokens are taken back (the target trims 3, the draft 2: the
 round after a rejection at the first token, the common one with a truncated draft). The
@@ -38,8 +39,8 @@ BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import trim_prompt_cache  # noqa: E402
-from speculative_compare import BUDGET, NUM_DRAFT, config, setting  # noqa: E402
 
+from velox_bench.probes.speculative_compare import BUDGET, NUM_DRAFT, config, setting  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder  # noqa: E402
 from velox_mlx_lm.embedded import draft_of  # noqa: E402
 
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         f"BLAS: {BLAS}; draft {args.draft} layers, {NUM_DRAFT} draft tokens, budget {BUDGET}; "
         f"ms per round (median of {args.rounds}), one column per rep"
     )
+    _print_table(reps)
+    return 0
+
+
+def _print_table(reps: dict[str, list[dict[str, float]]]) -> None:
+    """One row per method (each rep's ms per part), and its ratios to the full cache's mean."""
     print(f"{'method':<10} " + " ".join(f"{p:>16}" for p in PARTS))
     mean = {m: {p: statistics.fmean(r[p] for r in rs) for p in PARTS} for m, rs in reps.items()}
     for method, rs in reps.items():
@@ -117,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         if method != "full":
             ratios = [f"{mean[method][p] / mean['full'][p]:.2f}x" for p in PARTS]
             print(f"{'  vs full':<10} " + " ".join(f"{c:>16}" for c in ratios))
-    return 0
 
 
 if __name__ == "__main__":

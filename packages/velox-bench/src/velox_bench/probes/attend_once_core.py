@@ -14,7 +14,7 @@ evaluated on its own already-evaluated inputs:
 The medians and the median per-round ratios to ``sdpa`` show how far the decode-step target
 (the whole step at most 1.15x Rotating's) is from what the arithmetic alone costs.
 
-    python tools/attend_once_core.py [--rounds 9] [--reps 100]
+    python -m velox_bench.probes.attend_once_core [--rounds 9] [--reps 100]
 """
 
 from __future__ import annotations
