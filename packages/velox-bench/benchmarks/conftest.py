@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 # Must run before anything imports mlx: loading OpenBLAS later has no effect.
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-BLAS_DECISION = preload()
+BLAS_DECISION = preload_openblas()
 
 import json  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -60,9 +60,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     suites = {name: s for name, s in _SUITES.items() if s.rows}
     if not suites:
         return
-    from velox_bench.blas import blas_report
     from velox_bench.plots import plot_all
-    from velox_bench.results import add_rows, adding_rows, results_dir
+    from velox_bench.results import add_rows, adding_rows, blas_report, results_dir
     from velox_bench.summary import summarize
     from velox_bench.variants import model_methods
 

@@ -43,9 +43,8 @@ from velox_bench.batch_bench import (
     snapshots,
     variants,
 )
-from velox_bench.blas import blas_report
 from velox_bench.models import random_llama, sotu_tokens
-from velox_bench.results import SuiteResults, figures_dirs, smoke
+from velox_bench.results import SuiteResults, blas_report, figures_dirs, smoke
 
 SMOKE = smoke()
 REAL_SHAPE = dict(layers=2, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=1024)

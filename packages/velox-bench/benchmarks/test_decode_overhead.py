@@ -20,8 +20,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from velox_bench.blas import blas_report
-from velox_bench.results import machine_info, smoke, write_json
+from velox_bench.results import blas_report, machine_info, smoke, write_json
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 
 SMOKE = smoke()

@@ -21,8 +21,7 @@ import os
 
 import pytest
 
-from velox_bench.blas import blas_report
-from velox_bench.results import SuiteResults, smoke
+from velox_bench.results import SuiteResults, blas_report, smoke
 from velox_bench.serve_faults import kill_clients, sigterm_under_load
 
 SMOKE = smoke()

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import os
 
-from velox_bench.blas import blas_report
-from velox_bench.results import SuiteResults, figures_dirs, smoke
+from velox_bench.results import SuiteResults, blas_report, figures_dirs, smoke
 from velox_bench.serve_bench import LoadSpec, goals, plot_serve, run_load, spec_dict, summarize
 from velox_bench.serve_bench import table as serve_table
 

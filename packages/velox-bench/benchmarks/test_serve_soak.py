@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import os
 
-from velox_bench.blas import blas_report
-from velox_bench.results import SuiteResults, smoke
+from velox_bench.results import SuiteResults, blas_report, smoke
 from velox_bench.serve_soak import SoakSpec, run_soak, spec_dict, summarize_soak, table
 
 SMOKE = smoke()

@@ -31,8 +31,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import llama
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from velox_bench.blas import blas_report
-from velox_bench.results import machine_info, smoke, write_json
+from velox_bench.results import blas_report, machine_info, smoke, write_json
 from velox_bench.speculative_run import spec_run, vs_full
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.embedded import draft_of, load_default

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS if mlx is not imported yet (a run of this file alone); harmless otherwise
+# OpenBLAS if mlx is not imported yet (a run of this file alone); harmless otherwise
+preload_openblas()
 
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS if mlx is not imported yet (a run of this file alone); harmless otherwise
+# OpenBLAS if mlx is not imported yet (a run of this file alone); harmless otherwise
+preload_openblas()
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -139,11 +140,11 @@ def test_unknown_methods_are_rejected() -> None:
 
 def test_blas_loader_imports_no_mlx() -> None:
     code = (
-        "import sys, velox_blas, velox_bench.blas\n"
+        "import sys, velox_blas\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'mlx'], 'mlx imported'\n"
-        "first = velox_bench.blas.preload()\n"
-        "import velox_mlx_lm.blas\n"
-        "assert velox_mlx_lm.blas.blas_in_use() == velox_blas.blas_in_use() == first, first\n"
+        "first = velox_blas.preload_openblas()\n"
+        "import velox_mlx_lm\n"
+        "assert velox_blas.blas_in_use() == first, first\n"
         "print(first)\n"
     )
     out = subprocess.run(

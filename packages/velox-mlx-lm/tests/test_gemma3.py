@@ -29,7 +29,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.embedded import ModelNotFoundError, gemma3_model_path, paragraph
-from velox_mlx_lm.serve_cache import layer_roles
+from velox_mlx_lm.serve.cache import layer_roles
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -267,7 +267,7 @@ def test_cli_runs_gemma_with_tova(
 
 def test_chat_endpoints_refuse_the_base_model(tokenizer: Any) -> None:
     from velox_mlx_lm.serve import VeloxHandler
-    from velox_mlx_lm.serve_errors import BadRequest
+    from velox_mlx_lm.serve.errors import BadRequest
 
     handler = SimpleNamespace(provider=SimpleNamespace(tokenizer=tokenizer))
     with pytest.raises(BadRequest, match="no chat template") as caught:

@@ -177,7 +177,7 @@ def test_caches_hold_velox_classes() -> None:
 
 
 def test_serve_flags_quantize_velox_rows_and_keep_batching() -> None:
-    from velox_mlx_lm import serve
+    from velox_mlx_lm.serve import app as serve
 
     args = serve.build_parser().parse_args(["--method", "tova", "--kv-bits", "4"])
     cfg = serve._check_args(args)
@@ -202,7 +202,7 @@ def test_serve_flags_quantize_velox_rows_and_keep_batching() -> None:
 
 
 def test_generate_flags() -> None:
-    from velox_mlx_lm import cli
+    from velox_mlx_lm.cli import app as cli
 
     args = cli.build_parser().parse_args(["--demo", "--method", "full", "--kv-bits", "8"])
     assert cli._check_args(args).kv_bits == 8

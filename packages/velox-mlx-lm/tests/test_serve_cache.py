@@ -1,4 +1,4 @@
-"""velox-serve's prompt cache (``velox_mlx_lm.serve_cache``) on a tiny random llama: it trims a
+"""velox-serve's prompt cache (``velox_mlx_lm.serve.cache``) on a tiny random llama: it trims a
 stored Velox cache only within its undo log, keeps the prefixes it could not trim back to,
 never leaves an empty prompt, and holds ``max_bytes`` with the bytes a cache really holds."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
-from velox_mlx_lm.serve_cache import VeloxPromptCache, cache_nbytes, trimmable_tokens
+from velox_mlx_lm.serve.cache import VeloxPromptCache, cache_nbytes, trimmable_tokens
 
 CONFIG = KVCacheConfig(method="tova", tova_budget=8, tova_n_sink=1)
 

@@ -1,6 +1,6 @@
-"""``serve_release``: what MLX frees goes back to the operating system (docs/serving.md,
-"Process memory"). The allocator's settings are process-wide, so each case runs in its own
-interpreter."""
+"""``velox_mlx_lm.serve.release``: what MLX frees goes back to the operating system
+(docs/serving.md, "Process memory"). The allocator's settings are process-wide, so each case
+runs in its own interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from velox_mlx_lm import serve_release
+from velox_mlx_lm.serve import release as serve_release
 
 MIB = 1 << 20
 
@@ -21,7 +21,7 @@ MIB = 1 << 20
 SCENARIO = """
 import sys
 import mlx.core as mx
-from velox_mlx_lm import serve_release
+from velox_mlx_lm.serve import release as serve_release
 
 def rss():
     with open("/proc/self/statm") as f:

@@ -12,7 +12,7 @@ embedded model: 538 MB of weights):
   a CPU), the HTTP threads. Measured: the peak was 101 MB over the RSS at ready.
 - ``IDLE_MARGIN`` (48 MiB): what may stay once every request has ended, besides the prompt
   cache's bytes. Measured: 27 MB over the RSS at ready, prompt cache included. Before
-  ``serve_release`` gave freed memory back, the same run stayed at its peak once idle, 127 MB
+  ``serve.release`` gave freed memory back, the same run stayed at its peak once idle, 127 MB
   over the RSS at ready (0.74 GB), and failed here.
 
 The RSS is sampled from ``/proc/self/statm`` through ``GET /v1/velox/stats``. The peak RSS

@@ -1,6 +1,6 @@
 """velox-serve's agent-serving pieces without a server: the API key check
-(``serve_auth``), the Messages API translation (``serve_messages``), the memory bound's
-parsing, admission queue, prompt-cache room and cost (``serve_memory``), and the flags that
+(``serve.auth``), the Messages API translation (``serve.messages``), the memory bound's
+parsing, admission queue, prompt-cache room and cost (``serve.memory``), and the flags that
 ``velox-serve`` refuses at start."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import mlx.core as mx
 import pytest
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
-from velox_mlx_lm.serve_auth import (
+from velox_mlx_lm.serve.auth import (
     is_authorized,
     needs_key,
     resolve_api_key,
     unauthorized_body,
 )
-from velox_mlx_lm.serve_cache import kv_stats
-from velox_mlx_lm.serve_errors import BadRequest
-from velox_mlx_lm.serve_memory import (
+from velox_mlx_lm.serve.cache import kv_stats
+from velox_mlx_lm.serve.errors import BadRequest
+from velox_mlx_lm.serve.memory import (
     AdmissionCost,
     BoundedPromptCache,
     MemoryGovernor,
@@ -28,7 +28,7 @@ from velox_mlx_lm.serve_memory import (
     probe_geometry,
     resolve_bound,
 )
-from velox_mlx_lm.serve_messages import parse_request, stop_reason, token_stop_words
+from velox_mlx_lm.serve.messages import parse_request, stop_reason, token_stop_words
 
 # -- API key ----------------------------------------------------------------------------------
 

@@ -273,7 +273,7 @@ def test_phase_policy_through_config_flags_compress_and_prompt_cache(
 def test_phase_policy_flags_are_listed_and_refused_by_traits(
     toyzip: Policy, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from velox_mlx_lm import serve
+    from velox_mlx_lm.serve import app as serve
 
     for parser in (cli.build_parser(), serve.build_parser()):
         text = parser.format_help()

@@ -46,9 +46,9 @@ budget 16, 3 steps, 1 round unless given.
 from __future__ import annotations
 
 # Before mlx: OpenBLAS only takes effect when it is loaded first (a no-op when mlx already is).
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()
+preload_openblas()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -360,7 +360,7 @@ def table(run: dict[str, Any]) -> str:
 
 def payload(runs: list[dict[str, Any]], notes: Sequence[str] = ()) -> dict[str, Any]:
     """The JSON document of ``runs``: machine, BLAS, smoke flag, notes and the runs."""
-    from velox_bench.blas import blas_report
+    from velox_bench.results import blas_report
 
     return {
         "suite": SUITE,

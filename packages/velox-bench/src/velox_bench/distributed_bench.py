@@ -31,9 +31,9 @@ file as the rank program (``--worker OUT``).
 from __future__ import annotations
 
 # Before mlx: OpenBLAS only takes effect when it is loaded first (a no-op when mlx already is).
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()
+preload_openblas()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -308,7 +308,7 @@ def _machine() -> dict[str, Any]:
 
 
 def _blas() -> dict[str, Any]:
-    from velox_bench.blas import blas_report
+    from velox_bench.results import blas_report
 
     return blas_report()
 

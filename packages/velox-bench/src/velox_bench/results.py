@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "SuiteResults",
     "add_rows",
     "adding_rows",
+    "blas_report",
     "figures_dirs",
     "loglog_slope",
     "machine_info",
@@ -90,6 +92,41 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def _mapped_blas() -> list[str]:
+    """BLAS libraries mapped into this process (Linux only; numpy's private copy excluded)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            names = {line.split()[-1] for line in maps if "blas" in line.lower()}
+    except OSError:
+        return []
+    return sorted(n for n in names if "scipy_openblas" not in n)
+
+
+def blas_report() -> dict[str, Any]:
+    """Which BLAS runs, and evidence that it took effect: float32 matmul GFLOP/s in mlx.
+
+    The reference BLAS of the mlx CPU wheel reaches a few GFLOP/s; OpenBLAS tens. The decision
+    is :mod:`velox_blas`'s (load it first, before mlx: ``velox_blas.preload_openblas()``).
+    """
+    import mlx.core as mx  # here, not at the top: importing this module must not load mlx
+
+    import velox_blas
+
+    n = 512
+    a = mx.random.normal((n, n))
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        mx.eval(a @ a)
+        best = min(best, time.perf_counter() - start)
+    return {
+        "blas_in_use": velox_blas.blas_in_use(),
+        "mapped_blas_libraries": _mapped_blas(),
+        "matmul_512_gflops": round(2 * n**3 / best / 1e9, 1),
+    }
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -1,7 +1,7 @@
 """One speculative generation with Velox (or full) caches, and the "vs full" summary of several.
 
 Shared by ``benchmarks/test_speculative.py`` (its vs-full part) and
-``tools/speculative_compare.py`` (the same measurement for chosen methods).
+``velox_bench.probes.speculative_compare`` (the same measurement for chosen methods).
 """
 
 from __future__ import annotations

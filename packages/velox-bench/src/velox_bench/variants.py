@@ -12,7 +12,7 @@ the bench-only variants that are not policies:
 - the TOVA paper's signal × scope grid (its Table 3): micro rows ``tova_<signal>_<scope>`` and
   quality rows ``<method> (<signal>/<scope>)``, the method being the preset that gives the cell.
 
-Import this module after :func:`velox_bench.blas.preload` (it imports mlx).
+Import this module after :func:`velox_blas.preload_openblas` (it imports mlx).
 """
 
 from __future__ import annotations

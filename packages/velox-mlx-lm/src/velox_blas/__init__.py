@@ -6,8 +6,9 @@ into the process with ``RTLD_GLOBAL`` before the first ``import mlx.core`` makes
 
 A top-level package of the ``velox-mlx-lm`` distribution, outside the ``velox_mlx_lm`` package
 (whose ``__init__`` imports mlx-lm and so mlx): ``import velox_blas`` imports only the standard
-library, so it can run first. ``import velox_mlx_lm`` calls :func:`preload_openblas` itself;
-``velox_mlx_lm.blas`` re-exports this module's functions (one decision, shared).
+library, so it can run first. ``import velox_mlx_lm`` calls :func:`preload_openblas` itself
+(the same decision: one per process); code that must load OpenBLAS before mlx (``python -m``
+entry points, benchmarks) imports this package directly, first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``python -m velox_bench.quality``: OpenBLAS is loaded before anything imports mlx."""
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()
+preload_openblas()
 
 from velox_bench.quality.run import main  # noqa: E402
 

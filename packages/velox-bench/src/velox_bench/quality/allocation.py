@@ -23,9 +23,9 @@ gains the setting joins by itself.
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+preload_openblas()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402

@@ -20,9 +20,9 @@ of every layer kept. Reported, averaged over the trials:
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+preload_openblas()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
 import time  # noqa: E402

