@@ -1,5 +1,6 @@
-"""A tool-call round trip through ``velox-serve`` on Qwen2.5-Coder-1.5B, with the official
-``openai`` and ``anthropic`` clients, and ``velox-generate``'s chat answer on the same model.
+"""``velox-generate``'s chat answer on Qwen2.5-Coder-1.5B, then a tool-call round trip through
+``velox-serve`` with the official ``openai`` and ``anthropic`` clients (the command runs
+first, so the two 7 GB processes never run at once).
 
 The real model only (a random one makes no tool calls): under ``VELOX_MODELS=1``, which
 ``nox -s models`` sets (``pip install 'velox-mlx-lm[qwen]'``); skipped elsewhere.
@@ -50,6 +51,19 @@ ANTHROPIC_TOOLS = [
     for t in OPENAI_TOOLS
 ]
 RESULT = '{"city": "Paris", "celsius": 21, "sky": "sunny"}'
+
+
+def test_generate_answers_with_code() -> None:
+    """The issue's command: a chat answer with Python code, TOVA at budget 256."""
+    argv = [
+        sys.executable, "-m", "velox_mlx_lm.cli", "--model", MODEL, "--chat", "--prompt",
+        "Write a Python function that reverses a string.", "--method", "tova", "--budget",
+        "256", "--max-tokens", "64",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    print(done.stdout[-2000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "def " in done.stdout and "return" in done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +127,3 @@ def test_anthropic_tool_round_trip(server: Server) -> None:
     print("anthropic answer:", text)
     assert second.stop_reason == "end_turn"
     assert "21" in text or "sunny" in text.lower()
-
-
-def test_generate_answers_with_code() -> None:
-    """The issue's command: a chat answer with Python code, TOVA at budget 256."""
-    argv = [
-        sys.executable, "-m", "velox_mlx_lm.cli", "--model", MODEL, "--chat", "--prompt",
-        "Write a Python function that reverses a string.", "--method", "tova", "--budget",
-        "256", "--max-tokens", "64",
-    ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
-    print(done.stdout[-2000:])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "def " in done.stdout and "return" in done.stdout
