@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import socket
+import struct
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -220,11 +225,182 @@ def test_messages_bad_requests_and_tools(servers: tuple[Server, Server]) -> None
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
         }
     ]
-    reply = anthropic_client(keyed).messages.create(
-        model="velox-embedded", max_tokens=8, messages=CHAT, tools=tools
+    client = anthropic_client(keyed)
+    reply = client.messages.create(model="velox-embedded", max_tokens=8, messages=CHAT, tools=tools)
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    # SmolLM2's template ignores tools: they are rendered into the system text instead.
+    plain = client.messages.create(model="velox-embedded", max_tokens=1, messages=CHAT)
+    schema = json.dumps({"name": "get_weather", "parameters": tools[0]["input_schema"]})
+    assert reply.usage.input_tokens > plain.usage.input_tokens + len(schema) // 8
+    counted = client.messages.count_tokens(model="velox-embedded", messages=CHAT, tools=tools)
+    assert counted.input_tokens == reply.usage.input_tokens
+    # the chat route renders the same fallback for the same tools
+    functions = [{"type": "function", "function": {"name": "get_weather", **tools[0]}}]
+    del functions[0]["function"]["input_schema"]
+    functions[0]["function"]["parameters"] = tools[0]["input_schema"]
+    chat = keyed.client().chat.completions.create(
+        model="velox-embedded", messages=CHAT, tools=functions, max_tokens=1
     )
-    assert reply.stop_reason in ("end_turn", "max_tokens")  # the template ignores tools
+    assert chat.usage.prompt_tokens > plain.usage.input_tokens + len(schema) // 8
     assert raw(keyed, "POST", "/v1/chat/completions", {"messages": CHAT}, key)[0] == 200
+
+
+def test_count_tokens_and_unknown_routes(servers: tuple[Server, Server]) -> None:
+    """count_tokens renders the prompt /v1/messages renders (system, tool turns); unknown
+    routes get a JSON 404 in their route family's error shape."""
+    keyed, _ = servers
+    client = anthropic_client(keyed)
+    messages: list[Any] = [
+        *CONVERSATION[:-1],
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {"dir": "/"}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"}]},
+    ]
+    kwargs: dict[str, Any] = {
+        "model": "velox-embedded",
+        "system": "Be brief.",
+        "messages": messages,
+    }
+    counted = client.messages.count_tokens(**kwargs)
+    reply = client.messages.create(max_tokens=1, **kwargs)
+    assert counted.input_tokens == reply.usage.input_tokens > BUDGET
+    shorter = client.messages.count_tokens(model="velox-embedded", messages=CONVERSATION[:1])
+    assert 0 < shorter.input_tokens < counted.input_tokens
+    key = {"x-api-key": KEY}
+    status, headers, error = raw(keyed, "POST", "/v1/messages/nope", {}, key)
+    assert status == 404 and headers["Content-type"] == "application/json"
+    assert error["type"] == "error" and error["error"]["type"] == "not_found_error"
+    for method in ("GET", "POST"):
+        status, _, error = raw(keyed, method, "/v1/nope", {} if method == "POST" else None, key)
+        assert status == 404 and error["error"]["code"] == "not_found", error
+        assert "/v1/nope" in error["error"]["message"]
+
+
+def test_thinking_blocks_in_history_are_dropped(servers: tuple[Server, Server]) -> None:
+    keyed, _ = servers
+    client = anthropic_client(keyed)
+    answer = CONVERSATION[1]["content"]
+    thinking = [
+        {"type": "thinking", "thinking": "The user asks about plants.", "signature": "c2ln"},
+        {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
+        {"type": "text", "text": answer},
+    ]
+    history = [CONVERSATION[0], {"role": "assistant", "content": thinking}, CONVERSATION[2]]
+    reply = client.messages.create(
+        model="velox-embedded", max_tokens=TOKENS, messages=history, extra_body=GREEDY
+    )
+    plain = client.messages.create(
+        model="velox-embedded", max_tokens=TOKENS, messages=CONVERSATION, extra_body=GREEDY
+    )
+    assert reply.usage.input_tokens == plain.usage.input_tokens
+    assert reply.content[0].text == plain.content[0].text
+
+
+def test_prompt_too_long_has_anthropics_wording(servers: tuple[Server, Server]) -> None:
+    import anthropic
+    import openai
+
+    keyed, _ = servers
+    long = [{"role": "user", "content": "word " * 9000}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client(keyed).messages.create(model="velox-embedded", max_tokens=4, messages=long)
+    message = caught.value.body["error"]["message"]  # type: ignore[index]
+    assert re.match(r"prompt is too long: \d+ tokens > 8192 maximum", message), message
+    with pytest.raises(openai.BadRequestError) as chat:
+        keyed.client().chat.completions.create(model="velox-embedded", messages=long, max_tokens=4)
+    assert chat.value.code == "context_length_exceeded"
+
+
+def test_second_turn_reads_the_prompt_cache(servers: tuple[Server, Server]) -> None:
+    keyed, _ = servers
+    client = anthropic_client(keyed)
+    turn = [{"role": "user", "content": f"{passage(45)}\n\nWhat is the passage about?"}]
+    first = client.messages.create(
+        model="velox-embedded", max_tokens=TOKENS, messages=turn, extra_body=GREEDY
+    )
+    usage = first.usage
+    assert usage.cache_read_input_tokens == 0
+    assert usage.cache_creation_input_tokens == usage.input_tokens
+    turn += [
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "Why?"},
+    ]
+    with client.messages.stream(
+        model="velox-embedded", max_tokens=TOKENS, messages=turn, extra_body=GREEDY
+    ) as stream:
+        second = stream.get_final_message().usage
+    assert second.cache_read_input_tokens > usage.input_tokens // 2
+    assert second.cache_read_input_tokens + second.cache_creation_input_tokens == (
+        second.input_tokens
+    )
+
+
+def test_chat_route_refuses_ill_formed_messages(servers: tuple[Server, Server]) -> None:
+    import anthropic
+    import openai
+
+    keyed, _ = servers
+    client = keyed.client()
+    bad: list[Any] = [
+        ([{"role": "robot", "content": "hi"}], "role"),
+        ([{"role": "user", "content": None}], "content"),
+        ({"role": "user", "content": "hi"}, "messages"),
+    ]
+    for messages, field in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="velox-embedded", messages=messages)
+        assert field in caught.value.body["message"], caught.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as big:
+        client.chat.completions.create(model="velox-embedded", messages=CHAT, max_tokens=10**12)
+    assert "max_tokens" in big.value.body["message"]  # type: ignore[index]
+    assert "8192" in big.value.body["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as too_many:
+        anthropic_client(keyed).messages.create(  # a timeout: the SDK's own check skipped
+            model="velox-embedded", max_tokens=10**12, messages=CHAT, timeout=60
+        )
+    message = too_many.value.body["error"]["message"]  # type: ignore[index]
+    assert "max_tokens" in message and "8192" in message
+
+
+def test_one_log_line_per_request(servers: tuple[Server, Server]) -> None:
+    """Every route logs one line (method, route, status, tokens, seconds), streaming chat and
+    /v1/messages included; a client gone mid-stream is one line, not a traceback."""
+    keyed, _ = servers
+    start = len(Path(keyed.log.name).read_text())
+    stream = keyed.client().chat.completions.create(
+        model="velox-embedded", messages=CHAT, max_tokens=4, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    anthropic_client(keyed).messages.create(model="velox-embedded", max_tokens=3, messages=CHAT)
+    raw(keyed, "GET", "/v1/models", None, {"x-api-key": KEY})
+    story = [{"role": "user", "content": "Write a long story about a dragon."}]
+    body = json.dumps({"messages": story, "max_tokens": 200, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", keyed.port), timeout=300)
+    head = f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    reader = sock.makefile("rb")
+    while b"content_block_delta" not in reader.readline():
+        pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    reader.close()
+    sock.close()  # a reset: the server's next write fails
+    deadline = time.monotonic() + 120
+    pattern = (
+        r"request POST /v1/messages: client disconnected \((BrokenPipe|ConnectionReset)Error\)"
+    )
+    while not re.search(pattern, log := Path(keyed.log.name).read_text()[start:]):
+        assert time.monotonic() < deadline, log
+        time.sleep(0.5)
+    assert re.search(pattern, log), log
+    assert "Traceback" not in log
+    line = r"request {} {}: status 200, prompt \d+ tokens \(\d+ from the prompt cache\), "
+    line += r"{} generated, [\d.]+ s"
+    assert re.search(line.format("POST", "/v1/chat/completions", r"[1-4]"), log), log
+    assert re.search(line.format("POST", "/v1/messages", r"[1-3]"), log), log
+    assert re.search(line.format("GET", "/v1/models", "0"), log), log
 
 
 def converse(server: Server, i: int, outcomes: list[Any]) -> None:

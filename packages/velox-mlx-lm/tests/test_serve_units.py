@@ -29,6 +29,7 @@ from velox_mlx_lm.serve.memory import (
     resolve_bound,
 )
 from velox_mlx_lm.serve.messages import parse_request, stop_reason, token_stop_words
+from velox_mlx_lm.serve.tools import render_tools_as_text, template_renders_tools
 
 # -- API key ----------------------------------------------------------------------------------
 
@@ -119,6 +120,57 @@ def test_messages_request_becomes_a_chat_request() -> None:
     assert token_stop_words(request.stop_sequences) == ["END", " END"]
 
 
+def test_thinking_blocks_are_dropped_and_count_tokens_needs_no_max_tokens() -> None:
+    thinking = {"type": "thinking", "thinking": "hmm", "signature": "c2ln"}
+    redacted = {"type": "redacted_thinking", "data": "ZW5j"}
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [thinking, redacted, {"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "And?"},
+    ]
+    request = parse_request({"messages": history}, count_only=True)
+    assert request.messages[1] == {"role": "assistant", "content": "Hello"}
+    with pytest.raises(BadRequest, match="thinking"):  # only in assistant turns
+        parse_request({"max_tokens": 4, "messages": [{"role": "user", "content": [thinking]}]})
+
+
+def test_tools_as_text_for_a_template_without_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    call = {"id": "t1", "type": "function", "function": {"name": "ls", "arguments": {"d": "/"}}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "List /"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "a b", "tool_call_id": "t1"},
+        {"role": "user", "content": "And now?"},
+    ]
+    out = render_tools_as_text(messages, tools)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\nYou can call the tools below")
+    assert '{"name": "ls", "parameters": {"type": "object"}}' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": 'Tool call ls (id t1): {"d": "/"}'}
+    assert out[3]["content"] == "Tool result (id t1): a b\n\nAnd now?"
+    plain = [{"role": "user", "content": "hi"}]
+    assert render_tools_as_text(plain, None) is plain
+    assert render_tools_as_text(plain, tools)[0]["role"] == "system"
+
+
+class _Template:
+    has_chat_template = True
+
+    def __init__(self, renders: bool) -> None:
+        self.renders = renders
+
+    def apply_chat_template(self, messages: Any, tools: Any = None, **kwargs: Any) -> str:
+        names = [t["function"]["name"] for t in tools or []] if self.renders else []
+        return f"{names}{messages}"
+
+
+def test_tool_support_is_detected_by_rendering() -> None:
+    assert template_renders_tools(_Template(renders=True))
+    assert not template_renders_tools(_Template(renders=False))
+
+
 BAD_MESSAGES: list[tuple[Any, str]] = [
     ([], "JSON object"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
@@ -163,6 +215,28 @@ def test_stop_reasons() -> None:
 
 
 # -- memory bound ---------------------------------------------------------------------------
+
+
+def test_retry_after_from_the_queue_and_the_mean_duration() -> None:
+    governor = MemoryGovernor(bound=100, max_queue=1)
+    assert governor.retry_after() == 1  # nothing known yet: 1 s per request, nobody waiting
+    governor.acquire(10)
+    governor.release(10, duration=9.0)
+    assert governor.retry_after() == 9
+    governor.acquire(10)
+    governor.release(10, duration=4.0)  # moving average: 9 + 0.2 x (4 - 9) = 8
+    assert governor.retry_after() == 8
+    governor.acquire(100)
+    waiter = _admit_in_thread(governor, 50, [], "a")
+    _wait_for(lambda: len(governor.waiting) == 1)
+    with pytest.raises(BadRequest) as full:
+        governor.acquire(1)
+    assert full.value.headers["Retry-After"] == "16"  # (1 waiting + 1) x 8 s / 1 running
+    governor.close()  # shutting down: the waiter and newcomers get 503
+    waiter.join()
+    with pytest.raises(BadRequest, match="shutting down") as late:
+        governor.acquire(1)
+    assert late.value.status == 503
 
 
 def test_max_memory_sizes_and_fractions() -> None:
@@ -216,7 +290,7 @@ def test_governor_queues_fifo_then_refuses_with_503() -> None:
     _wait_for(lambda: len(governor.waiting) == 2)
     with pytest.raises(BadRequest) as full:
         governor.acquire(1)
-    assert full.value.status == 503 and full.value.headers["Retry-After"]
+    assert full.value.status == 503 and full.value.headers["Retry-After"] == "3"  # 3 x 1 s
     assert log == [] and governor.room() == 40
     governor.release(60)
     first.join(timeout=10)

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import resource
 import signal
@@ -43,7 +44,15 @@ from velox_mlx_lm.serve import memory as serve_memory
 from velox_mlx_lm.serve import release as serve_release
 from velox_mlx_lm.serve.cache import cache_nbytes, combine_layers, kv_stats, layer_roles
 from velox_mlx_lm.serve.errors import ANTHROPIC_KINDS, BadRequest
-from velox_mlx_lm.serve.messages import MESSAGES_PATH, error_body, parse_request, serve_messages
+from velox_mlx_lm.serve.memory import SHUTTING_DOWN
+from velox_mlx_lm.serve.messages import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    error_body,
+    parse_request,
+    serve_messages,
+)
+from velox_mlx_lm.serve.tools import render_tools_as_text, template_renders_tools
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
@@ -51,7 +60,8 @@ LOG = logging.getLogger("velox-serve")
 VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
-SHUTDOWN_HEADERS = {"Retry-After": "2", "Connection": "close"}
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions", MESSAGES_PATH)
+STATS_WAIT_S = 0.2  # how long the request log line waits for stats not collected yet
 
 
 class _Parser(Exception):
@@ -159,6 +169,24 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             self.names.add(os.path.abspath(os.path.expanduser(cli_args.model)))
         self.context_length: int | None = None
         self.layer_roles: dict[str, Any] | None = None  # which layers evict, once loaded
+        self.renders_tools = False  # whether the chat template renders tools (else: as text)
+
+    def max_tokens_limit(self) -> int | None:
+        """The most ``max_tokens`` a request may ask for: the model's context length, unless
+        ``--beyond-context`` lets generations go past it (then only the memory bound limits)."""
+        if self.cli_args.beyond_context:
+            return None
+        return self.context_length
+
+    def check_max_tokens(self, max_tokens: Any) -> None:
+        limit = self.max_tokens_limit()
+        if isinstance(max_tokens, int) and limit is not None and max_tokens > limit:
+            raise BadRequest(
+                f"max_tokens is {max_tokens}, above this server's limit of {limit} "
+                "(the model's context length)",
+                400,
+                "max_tokens_too_large",
+            )
 
     def load_default(self) -> None:
         self.load("default_model")
@@ -207,6 +235,9 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         self.tokenizer = tokenizer
         self.processor = None
         self.draft_model = draft
+        self.renders_tools = template_renders_tools(tokenizer, self.cli_args.chat_template_args)
+        if tokenizer.has_chat_template and not self.renders_tools:
+            LOG.info("the chat template does not render tools: they go in the system text")
         caches = make_prompt_cache(model)
         self.layer_roles = layer_roles(caches)
         self.is_batchable = draft is None and all(hasattr(c, "merge") for c in caches)
@@ -445,6 +476,7 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         self.draining = False  # shutting down: new requests get 503
         self.abandoned = False  # the drain timed out: streams in flight end at their next token
         self.in_flight = 0
+        self.drain_deadline: float | None = None  # time.monotonic() at which the drain ends
         self._flights = threading.Condition()
         self._handlers: set[threading.Thread] = set()  # threads that served a request
         super().__init__(provider, prompt_cache)
@@ -479,6 +511,9 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         to ``drain_timeout`` seconds, end the streams of any left, then stop generating."""
         self.draining = True
         deadline = time.monotonic() + self.drain_timeout
+        self.drain_deadline = deadline
+        if self.governor is not None:
+            self.governor.close()  # the requests waiting for memory get 503 now
         with self._flights:
             LOG.info("shutting down: %d requests in flight", self.in_flight)
             while self.in_flight and self._flights.wait(max(0.0, deadline - time.monotonic())):
@@ -500,28 +535,70 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         if self._generation_thread.is_alive():
             LOG.warning("a generation step still runs after %.0f s: exiting anyway", STOP_JOIN_S)
 
+    def shutdown_refusal(self) -> BadRequest:
+        """The 503 a request gets once the server is shutting down; ``Retry-After``: the time
+        the drain may still take, at least 1 s (by then this server is gone or restarted)."""
+        left = 1.0
+        if self.drain_deadline is not None:
+            left = max(1.0, self.drain_deadline - time.monotonic())
+        if self.governor is not None:
+            left = min(left, self.governor.retry_after())
+        headers = {"Retry-After": str(max(1, math.ceil(left))), "Connection": "close"}
+        return BadRequest(SHUTTING_DOWN, 503, "overloaded", headers=headers)
+
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
-        self.local.prompt = None
-        ctx, responses = super().generate(request, generation_args, progress_callback)
-        self.local.prompt = list(ctx.prompt)
-        self.local.cached = ctx.prompt_cache_count
-        self.local.stats = None
-        return ctx, responses
+        """mlx-lm's, plus: a request not yet started when the server shuts down gets 503 (a
+        :class:`BadRequest`, also left in ``local.failure`` for the chat route), and the
+        tokens are counted for the request's log line."""
+        local = self.local
+        local.prompt = None
+        local.failure = None
+        try:
+            if self.abandoned or (self.draining and not self.generation_available()):
+                raise self.shutdown_refusal()
+            ctx, responses = super().generate(request, generation_args, progress_callback)
+            if ctx is None:  # the drain ended before the generation thread took it
+                raise self.shutdown_refusal()
+        except Exception as exc:
+            local.failure = exc
+            raise
+        local.prompt = list(ctx.prompt)
+        local.cached = ctx.prompt_cache_count
+        local.stats = None
+        return ctx, self._counted(responses)
+
+    def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
+        for response in responses:
+            self.local.generated = getattr(self.local, "generated", 0) + 1
+            yield response
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise BadRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    content = message.get("content")
+    if content is None and not (role == "assistant" and message.get("tool_calls")):
+        raise BadRequest(
+            f"{where}.content is missing or null (only an assistant turn with tool_calls may "
+            "have no content)"
+        )
+    if content is not None and not isinstance(content, (str, list)):
+        raise BadRequest(f"{where}.content must be a string or a list of parts")
+    if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+        raise BadRequest(f"{where}.content parts must be objects")
 
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BadRequest(f"messages[{i}] must be an object")
-        if not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}].role must be a string")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
-        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
-            raise BadRequest(f"messages[{i}].content parts must be objects")
+        _check_message(message, f"messages[{i}]")
 
 
 def _check_options(body: dict[str, Any], options: Any) -> None:
@@ -549,6 +626,8 @@ class VeloxHandler(mlx_server.APIHandler):
     endpoint, and ``usage.velox`` (tokens kept, compression ratio, KV bytes)."""
 
     response_generator: VeloxResponseGenerator
+    _status: int | str | None = None  # the response's status, for the request's log line
+    _prompt_tokens: int | None = None  # the prompt's length where no generation ran
 
     @property
     def provider(self) -> VeloxModelProvider:
@@ -564,9 +643,67 @@ class VeloxHandler(mlx_server.APIHandler):
         headers: dict[str, str] | None = None,
     ) -> None:
         body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-        if self.path.split("?", 1)[0] == MESSAGES_PATH:
+        if self._anthropic_route():
             body = error_body(ANTHROPIC_KINDS.get(status, "invalid_request_error"), message)
         self._send_json(status, body, headers)
+
+    def _route(self) -> str:
+        return self.path.split("?", 1)[0]
+
+    def _anthropic_route(self) -> bool:
+        route = self._route()
+        return route == MESSAGES_PATH or route.startswith(MESSAGES_PATH + "/")
+
+    def _not_found(self) -> None:
+        self._error(404, f"no route {self.command} {self._route()}", "not_found")
+
+    # -- the request log ------------------------------------------------------------------------
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._status = code
+        super().send_response(code, message)
+
+    def log_request(self, code: Any = "-", size: Any = "-") -> None:
+        pass  # one line per request comes from _logged (http.server would add its own)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        LOG.warning("%s: %s", self.address_string(), format % args)
+
+    @contextlib.contextmanager
+    def _logged(self) -> Iterator[None]:
+        """Log one line when the request ends; a client gone mid-reply is one line too."""
+        local = self.response_generator.local
+        local.prompt, local.cached, local.stats, local.generated = None, 0, None, 0
+        local.failure = None
+        self._status = None
+        self._prompt_tokens = None
+        start = time.monotonic()
+        try:
+            yield
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self._status = f"client disconnected ({type(exc).__name__})"
+            self.close_connection = True
+        finally:
+            self._log_line(time.monotonic() - start)
+
+    def _log_line(self, seconds: float) -> None:
+        local = self.response_generator.local
+        prompt = getattr(local, "prompt", None)
+        prompt_tokens = len(prompt) if prompt else (self._prompt_tokens or 0)
+        status = self._status if isinstance(self._status, str) else f"status {self._status}"
+        line = (
+            f"request {self.command} {self._route()}: {status}, prompt {prompt_tokens} tokens "
+            f"({getattr(local, 'cached', 0) or 0} from the prompt cache), "
+            f"{getattr(local, 'generated', 0)} generated, {seconds:.2f} s"
+        )
+        stats = getattr(local, "stats", None)
+        if stats is None and prompt and self._status == 200:
+            stats = local.stats = self.response_generator.monitor.collect(prompt, STATS_WAIT_S)
+        if stats is not None:
+            line += (
+                f"; kept {stats['tokens_kept']} per layer, compression "
+                f"{stats['compression_ratio']:.2f}x, KV {stats['kv_bytes'] / 1e6:.2f} MB"
+            )
+        LOG.info("%s", line)
 
     def _send_json(
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
@@ -594,6 +731,8 @@ class VeloxHandler(mlx_server.APIHandler):
         if self.adapter is not None:
             raise BadRequest("adapters are not supported by velox-serve")
         _check_options(self.body, self.stream_options)
+        if "max_tokens" in self.body or "max_completion_tokens" in self.body:
+            self.provider.check_max_tokens(self.max_tokens)
         if self.path.endswith("chat/completions"):
             _check_messages(self.body.get("messages"))
         elif not isinstance(self.body.get("prompt"), str) or not self.body["prompt"]:
@@ -614,29 +753,41 @@ class VeloxHandler(mlx_server.APIHandler):
         return False
 
     def do_POST(self) -> None:
-        if not self._authorized():
-            return
-        rg = self.response_generator
-        if rg.draining:
-            return self._error(503, "the server is shutting down", "overloaded", SHUTDOWN_HEADERS)
-        with rg.flight():
-            try:
-                if self.path.split("?", 1)[0] == MESSAGES_PATH:
-                    return self.handle_messages()
-                super().do_POST()
-            except BadRequest as exc:  # raised before anything was sent
-                self._error(exc.status, str(exc), exc.code, exc.headers)
+        with self._logged():
+            if not self._authorized():
+                return
+            rg = self.response_generator
+            if rg.draining:
+                exc = rg.shutdown_refusal()
+                return self._error(exc.status, str(exc), exc.code, exc.headers)
+            with rg.flight():
+                try:
+                    self._post()
+                except BadRequest as exc:  # raised before anything was sent
+                    self._error(exc.status, str(exc), exc.code, exc.headers)
 
-    def handle_messages(self) -> None:
-        """``POST /v1/messages`` (serve_messages), with this handler's checks and admission."""
+    def _post(self) -> None:
+        route = self._route()
+        if route == MESSAGES_PATH:
+            self.handle_messages()
+        elif route == COUNT_TOKENS_PATH:
+            self.handle_count_tokens()
+        elif self.path in POST_ROUTES:
+            super().do_POST()
+        else:
+            self._not_found()
+
+    def _read_json(self) -> Any:
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise BadRequest("a Content-Length header is required", 411 if length is None else 400)
         try:
-            body = json.loads(self.rfile.read(int(length)).decode())
+            return json.loads(self.rfile.read(int(length)).decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequest(f"invalid JSON in the request body: {exc}") from None
-        request = parse_request(body)
+
+    def _messages_request(self, count_only: bool = False) -> Any:
+        request = parse_request(self._read_json(), count_only=count_only)
         if request.model not in self.provider.names:
             raise BadRequest(
                 f"model {request.model!r} is not served here; this server serves "
@@ -644,14 +795,37 @@ class VeloxHandler(mlx_server.APIHandler):
                 404,
             )
         request.model = self.provider.name
+        if not self.provider.renders_tools:
+            request.messages = render_tools_as_text(request.messages, request.tools)
+            request.tools = None
+        return request
+
+    def handle_messages(self) -> None:
+        """``POST /v1/messages`` (serve_messages), with this handler's checks and admission."""
+        request = self._messages_request()
         self.stream = request.stream
+        self.provider.check_max_tokens(request.max_tokens)
         prompt = self._checked_prompt(request.completion_request(), None)
         with self._admitted(len(prompt), request.max_tokens):
             serve_messages(self, request, len(prompt))
 
-    def _checked_prompt(self, request: Any, template_kwargs: Any) -> list[int]:
-        """The request's prompt tokens, tokenized here too so that a prompt the model cannot
-        take is a 400, not a failure in the generation thread."""
+    def handle_count_tokens(self) -> None:
+        """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt
+        ``/v1/messages`` would render for the same body (system and tools included)."""
+        request = self._messages_request(count_only=True)
+        prompt = self._prompt_tokens_of(request.completion_request(), None)
+        self._prompt_tokens = len(prompt)
+        self._send_json(200, {"input_tokens": len(prompt)})
+
+    def handle_chat_completions(self) -> Any:
+        request = super().handle_chat_completions()
+        if not self.provider.renders_tools:
+            request.messages = render_tools_as_text(request.messages, request.tools)
+            request.tools = None
+        return request
+
+    def _prompt_tokens_of(self, request: Any, template_kwargs: Any) -> list[int]:
+        """The request's prompt tokens, as the generation thread will tokenize them."""
         provider = self.provider
         if provider.tokenizer is None:
             raise BadRequest("the model is still loading", 503, "not_ready")
@@ -667,17 +841,26 @@ class VeloxHandler(mlx_server.APIHandler):
             prompt = self.response_generator._tokenize(provider.tokenizer, request, args)[0]
         except Exception as exc:  # a template or tokenizer that rejects the messages
             raise BadRequest(f"cannot tokenize the request: {exc}") from None
-        limit = provider.context_length
-        if limit is not None and len(prompt) > limit and not provider.cli_args.beyond_context:
-            raise BadRequest(
-                f"the prompt has {len(prompt)} tokens; the model's context is {limit} "
-                "(a bounded method can go past it with --beyond-context)",
-                400,
-                "context_length_exceeded",
-            )
+        return list(prompt)
+
+    def _checked_prompt(self, request: Any, template_kwargs: Any) -> list[int]:
+        """The request's prompt tokens, tokenized here too so that a prompt the model cannot
+        take is a 400, not a failure in the generation thread."""
+        prompt = self._prompt_tokens_of(request, template_kwargs)
+        self._prompt_tokens = len(prompt)  # for the log line, if refused
+        limit = self.provider.context_length
+        if limit is not None and len(prompt) > limit and not self.provider.cli_args.beyond_context:
+            hint = "(a bounded method can go past the model's context with --beyond-context)"
+            if self._anthropic_route():  # Anthropic's wording, which agents compact on
+                message = f"prompt is too long: {len(prompt)} tokens > {limit} maximum {hint}"
+            else:
+                message = (
+                    f"the prompt has {len(prompt)} tokens; the model's context is {limit} {hint}"
+                )
+            raise BadRequest(message, 400, "context_length_exceeded")
         if not prompt:
             raise BadRequest("the prompt is empty")
-        return list(prompt)
+        return prompt
 
     def _admitted(self, prompt_tokens: int, max_tokens: int) -> Any:
         """Hold the request's admission cost against --max-memory while it runs."""
@@ -695,6 +878,19 @@ class VeloxHandler(mlx_server.APIHandler):
             except BadRequest as exc:
                 return self._error(exc.status, str(exc), exc.code, exc.headers)
             return super().handle_completion(request, stop_words)
+
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        # mlx-lm's handle_completion answers any failure of generate() with a 404 and
+        # {"error": ...}: a request refused at shutdown gets its 503 instead, and a failed
+        # generation a 500 (raised out of mlx-lm's except clause, to do_POST).
+        local = self.response_generator.local
+        failure = getattr(local, "failure", None)
+        if status_code == 404 and failure is not None:
+            local.failure = None
+            if isinstance(failure, BadRequest):
+                raise failure
+            raise BadRequest(f"generation failed: {failure}", 500, "api_error")
+        super()._set_completion_headers(status_code)
 
     def _velox_usage(self) -> dict[str, Any] | None:
         local = self.response_generator.local
@@ -718,7 +914,6 @@ class VeloxHandler(mlx_server.APIHandler):
             velox = self._velox_usage()
             if "usage" in response and velox is not None:
                 response["usage"]["velox"] = velox
-            self._log_request(velox)
         return response
 
     def completion_usage_response(self, *args: Any, **kwargs: Any) -> Any:
@@ -728,39 +923,21 @@ class VeloxHandler(mlx_server.APIHandler):
             response["usage"]["velox"] = velox
         return response
 
-    def _log_request(self, velox: dict[str, Any] | None) -> None:
-        local = self.response_generator.local
-        prompt = getattr(local, "prompt", None) or []
-        if velox is None:
-            LOG.info("request %s: prompt %d tokens (no cache stats)", self.path, len(prompt))
-            return
-        LOG.info(
-            "request %s: prompt %d tokens (%d from the prompt cache), %d generated; "
-            "kept %d per layer, compression %.2fx, KV %.2f MB",
-            self.path,
-            len(prompt),
-            getattr(local, "cached", 0),
-            velox["tokens_seen"] - len(prompt),
-            velox["tokens_kept"],
-            velox["compression_ratio"],
-            velox["kv_bytes"] / 1e6,
-        )
-
     def do_GET(self) -> None:
-        if not self._authorized():
-            return
-        if self.path.rstrip("/") == STATS_PATH:
-            rg = self.response_generator
-            body = rg.monitor.snapshot(rg.prompt_cache, self.provider)
-            if rg.governor is not None:
-                body["memory_bound"] = rg.governor.snapshot(rg.prompt_cache.nbytes)
-            data = json.dumps(body).encode()
-            self._set_completion_headers(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
-        super().do_GET()
+        with self._logged():
+            if not self._authorized():
+                return
+            route = self._route()
+            if route.rstrip("/") == STATS_PATH:
+                rg = self.response_generator
+                body = rg.monitor.snapshot(rg.prompt_cache, self.provider)
+                if rg.governor is not None:
+                    body["memory_bound"] = rg.governor.snapshot(rg.prompt_cache.nbytes)
+                self._send_json(200, body)
+            elif self.path.startswith("/v1/models") or self.path == "/health":
+                super().do_GET()
+            else:
+                self._not_found()
 
     def handle_models_request(self) -> None:
         data = json.dumps(

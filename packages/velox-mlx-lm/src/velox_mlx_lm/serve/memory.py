@@ -15,6 +15,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +34,9 @@ DEFAULT_FRACTION = 0.5  # of (machine RAM - weights), when --max-memory is not g
 MARGIN = 1.25  # on the cost formula: policies' running arrays and bookkeeping
 GROW_ROWS = 64  # rows a growing Velox store sets aside at a time (velox_cache_core.engine.GROW)
 FULL_STEP = 256  # mlx-lm's KVCache allocates in steps of this many rows
-RETRY_AFTER_S = 2
+DURATION_WEIGHT = 0.2  # of the newest request in the moving average of request durations
+FIRST_DURATION_S = 1.0  # the average before any request has finished
+SHUTTING_DOWN = "the server is shutting down"
 UNITS = {
     "": 1,
     "B": 1,
@@ -238,6 +241,28 @@ class MemoryGovernor:
         self.admitted_total = 0
         self.live_bytes = 0
         self.peak_used = 0
+        self.mean_duration: float | None = None  # moving average of admitted requests' time
+        self.closed = False  # shutting down: waiters and new requests get 503
+
+    def retry_after(self) -> int:
+        """Seconds a refused request should wait (``Retry-After``): the requests waiting, one
+        more, times the moving average of a request's duration, divided by the requests running
+        at once; at least 1, rounded up."""
+        with self.cond:
+            mean = FIRST_DURATION_S if self.mean_duration is None else self.mean_duration
+            wait = (len(self.waiting) + 1) * mean / max(self.running, 1)
+        return max(1, math.ceil(wait))
+
+    def _overloaded(self, message: str) -> BadRequest:
+        self.refused += 1
+        headers = {"Retry-After": str(self.retry_after())}
+        return BadRequest(message, 503, "overloaded", headers=headers)
+
+    def close(self) -> None:
+        """Shut down: the requests waiting in the queue, and any that come, get 503."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
     def acquire(self, cost: int) -> None:
         """Reserve ``cost`` bytes, waiting in the queue while they do not fit; raises
@@ -252,23 +277,23 @@ class MemoryGovernor:
                 "request_too_large",
             )
         with self.cond:
+            if self.closed:
+                raise self._overloaded(SHUTTING_DOWN)
             if not self.waiting and self.reserved + cost <= self.bound:
                 self._reserve(cost)
                 return
             if len(self.waiting) >= self.max_queue:
-                self.refused += 1
-                raise BadRequest(
+                raise self._overloaded(
                     f"the server is at its memory bound and its queue is full "
-                    f"({self.max_queue} waiting); retry later",
-                    503,
-                    "overloaded",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                    f"({self.max_queue} waiting); retry later"
                 )
             ticket = object()
             self.waiting.append(ticket)
             try:
                 while self.waiting[0] is not ticket or self.reserved + cost > self.bound:
                     self.cond.wait()
+                    if self.closed:
+                        raise self._overloaded(SHUTTING_DOWN)
                 self._reserve(cost)
             finally:
                 self.waiting.remove(ticket)
@@ -279,19 +304,26 @@ class MemoryGovernor:
         self.running += 1
         self.admitted_total += 1
 
-    def release(self, cost: int) -> None:
+    def release(self, cost: int, duration: float | None = None) -> None:
+        """Give back a request's ``cost``; ``duration``: its seconds since admission, for the
+        moving average ``Retry-After`` is estimated from."""
         with self.cond:
             self.reserved -= cost
             self.running -= 1
+            if duration is not None:
+                old = self.mean_duration
+                new = duration if old is None else old + DURATION_WEIGHT * (duration - old)
+                self.mean_duration = new
             self.cond.notify_all()
 
     @contextmanager
     def admitted(self, cost: int) -> Iterator[None]:
         self.acquire(cost)
+        start = time.monotonic()
         try:
             yield
         finally:
-            self.release(cost)
+            self.release(cost, time.monotonic() - start)
 
     def room(self) -> int:
         """Bytes the prompt cache may hold now: the bound less the reserved costs."""

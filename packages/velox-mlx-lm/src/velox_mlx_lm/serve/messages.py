@@ -28,7 +28,11 @@ from mlx_lm.server import (
 from velox_mlx_lm.serve.errors import BadRequest
 
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 ROLES = ("user", "assistant")
+# Assistant blocks a client sends back from an earlier turn; this route drops them from the
+# prompt (its replies have no thinking blocks).
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -110,10 +114,13 @@ def _blocks(
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, at))
+        elif kind in THINKING_BLOCKS and role == "assistant":
+            continue  # earlier reasoning: accepted, left out of the prompt
         else:
             raise BadRequest(
                 f"{at}: content blocks of type {kind!r} are not supported here (text; "
-                f"tool_use in assistant turns; tool_result in user turns)"
+                f"tool_use, thinking and redacted_thinking in assistant turns; tool_result in "
+                f"user turns)"
             )
     return texts, calls, results
 
@@ -185,14 +192,15 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def parse_request(body: Any) -> MessagesRequest:
-    """Validate a ``/v1/messages`` body; raises :class:`BadRequest` (400) naming the field."""
+def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
+    """Validate a ``/v1/messages`` body; raises :class:`BadRequest` (400) naming the field.
+    ``count_only``: a ``/v1/messages/count_tokens`` body, which has no ``max_tokens``."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model", "default_model")
     if not isinstance(model, str):
         raise BadRequest("model must be a string")
-    max_tokens: Any = body.get("max_tokens")
+    max_tokens: Any = 1 if count_only else body.get("max_tokens")
     if not _is_int(max_tokens) or max_tokens < 1:
         raise BadRequest("max_tokens is required: an integer >= 1")
     raw = body.get("messages")
@@ -310,6 +318,7 @@ class MessagesWriter:
         self.handler = handler
         self.request = request
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prompt cache gave (set once generating)
         self.id = f"msg_{uuid.uuid4().hex}"
         self.blocks = 0  # content blocks opened so far
         self.text_open = False
@@ -331,12 +340,23 @@ class MessagesWriter:
             "usage": usage,
         }
 
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        """``input_tokens`` is the whole prompt, as on the chat route; of it,
+        ``cache_read_input_tokens`` came from the prompt cache and
+        ``cache_creation_input_tokens`` were processed now (and are cached after)."""
+        cached = min(max(self.cached_tokens, 0), self.prompt_tokens)
+        return {
+            "input_tokens": self.prompt_tokens,
+            "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": self.prompt_tokens - cached,
+        }
+
     def start(self) -> None:
         if self.request.stream:
             self.handler._set_stream_headers(200)
             self.handler.end_headers()
-            usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
-            self.event("message_start", {"message": self.message([], usage)})
+            self.event("message_start", {"message": self.message([], self.usage(0))})
 
     def ping(self, *_: Any) -> None:
         if self.request.stream:
@@ -369,10 +389,7 @@ class MessagesWriter:
         )
         if tool_uses and reason == "end_turn":
             reason = "tool_use"
-        usage: dict[str, Any] = {
-            "input_tokens": self.prompt_tokens,
-            "output_tokens": len(generated.tokens),
-        }
+        usage = self.usage(len(generated.tokens))
         if velox is not None:
             usage["velox"] = velox
         if self.request.stream:
@@ -483,8 +500,11 @@ def serve_messages(handler: Any, request: MessagesRequest, prompt_tokens: int) -
         ctx, responses = handler.response_generator.generate(
             request.completion_request(), args, progress_callback=writer.ping
         )
+    except BadRequest:  # the server is shutting down (503)
+        raise
     except Exception as exc:
         raise BadRequest(f"generation failed: {exc}", 500, "api_error") from exc
+    writer.cached_tokens = ctx.prompt_cache_count
     try:
         writer.start()
         generated = collect(ctx, responses, writer)
