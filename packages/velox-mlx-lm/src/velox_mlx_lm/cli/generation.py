@@ -28,6 +28,13 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
     }
 
 
+def quant_stats(config: Any) -> dict[str, Any]:
+    """How a run's cache is quantized: ``kv_bits`` and the key layout (``None``: the model's
+    precision, no layout)."""
+    bits = config.kv_bits
+    return {"kv_bits": bits, "kv_key_layout": None if bits is None else config.kv_key_layout}
+
+
 def generate_once(
     model: Any,
     tokenizer: Any,
@@ -125,6 +132,8 @@ def table(runs: list[Run]) -> str:
 
 def cell(value: Any) -> Any:
     """A stat as a table cell: layer lists as ranges (``0-4,6-10``), by kind for a dict."""
+    if value is None:
+        return "-"
     if isinstance(value, dict):
         return "; ".join(f"{k} {cell(v)}" for k, v in value.items()) or "-"
     if not isinstance(value, list):
