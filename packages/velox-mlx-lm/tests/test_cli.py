@@ -634,6 +634,20 @@ def test_key_layout_warning_is_printed(
     assert err[0].startswith("velox-generate: warning: keys are quantized per token")
 
 
+def test_prefill_bar_reaches_its_total_and_closes() -> None:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from velox_mlx_lm.cli.generation import _finish
+
+    out = io.StringIO()
+    bar = tqdm(total=3012, file=out, leave=True)
+    bar.update(3011)
+    _finish(bar)
+    assert bar.n == 3012 and bar.disable  # closed
+    assert "3012/3012" in out.getvalue()
+    _finish(bar)  # a second call does nothing
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_four_bit_default_layout_answers_the_demo_question(run_cli: Any) -> None:
