@@ -12,6 +12,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -461,3 +462,206 @@ def test_kvzip_allocation_flag() -> None:
     assert cli.config_from_args(args).settings()["allocation"] == "head"
     args = cli.build_parser().parse_args(["--method", "kvzip"])
     assert cli.config_from_args(args).settings()["allocation"] == "global"
+
+
+# -- the help: one screen, a method's flags, every flag (issue 50) ------------------------------
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from velox_mlx_lm.serve import app as serve
+
+    return serve.build_parser()
+
+
+@pytest.mark.parametrize("command", ["velox-generate", "velox-serve"])
+def test_help_fits_a_screen_with_examples(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = cli.build_parser() if command == "velox-generate" else _serve_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert len(lines) <= 60, len(lines)
+    assert max(len(line) for line in lines) <= 90
+    examples = [line.strip() for line in lines if line.strip().startswith(f"{command} --")]
+    assert len(examples) >= 2
+    for title in ("method and budget:", "memory and quantization:", "help:"):
+        assert title in text
+    for flag in ("--model", "--method", "--budget", "--kv-bits", "--help-method", "--help-all"):
+        assert flag in text
+    assert "ALIAS_" not in text and "--tova-budget N" not in text  # second level
+    # Every example parses.
+    for example in examples:
+        parser.parse_args(shlex.split(example)[1:])
+
+
+def test_help_all_shows_every_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    for parser in (cli.build_parser(), _serve_parser()):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--help-all"])
+        text = capsys.readouterr().out
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, flag
+    # Flags not on the first screen are still accepted.
+    args = cli.build_parser().parse_args(["--seed", "3", "--tova-budget", "9", "--quantized"])
+    assert (args.seed, args.tova_budget, args.quantized) == (3, 9, True)
+    args = _serve_parser().parse_args(["--top-p", "0.5", "--prompt-cache-size", "2"])
+    assert (args.top_p, args.prompt_cache_size) == (0.5, 2)
+
+
+def test_inherited_quantization_help_says_what_velox_does() -> None:
+    parser = _serve_parser()
+    helps = {o: str(a.help) for a in parser._actions for o in a.option_strings}
+    assert "Disables batching" not in helps["--kv-bits"]
+    assert "batching stays on" in helps["--kv-bits"]
+    assert "only 0" in helps["--quantized-kv-start"]
+    assert "(default: 5000)" not in helps["--quantized-kv-start"]
+
+
+def test_help_method_lists_its_flags_from_the_registry(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from velox_cache_core.registry import POLICIES, flag_name, policy_for_method
+    from velox_mlx_lm.config import methods
+
+    for parser in (cli.build_parser(), _serve_parser()):
+        for method in methods():
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args(["--help-method", method])
+            assert exited.value.code == 0
+            text = capsys.readouterr().out
+            assert f"--method {method}" in text
+            if method == "full":
+                continue
+            policy = policy_for_method(method)
+            assert policy.summary[method] in " ".join(text.split())
+            for setting in POLICIES[policy.name].settings:
+                assert flag_name(policy.name, setting.name) in text
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help-method", "bogus"])
+    assert "argument --help-method: invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_usage_error_is_one_usage_line(capsys: pytest.CaptureFixture[str], no_load: None) -> None:
+    err = _usage_error(capsys, "--prompt", "hi", "--budget", "0")
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage: velox-generate ")
+    assert len(lines[0]) <= 80
+
+
+# -- errors name the flag typed (issue 50) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--budget", "0"], "--budget 0: tova_budget must be an int >= 1, got 0"),
+        (["--tova-budget", "0"], "--tova-budget 0: tova_budget must be an int >= 1"),
+        (["--method", "snapkv", "--budget", "1"], "--budget 1: snapkv_budget must be an int >= 2"),
+        (["--method", "streaming_llm", "--n-sink", "-1"], "--n-sink -1: streaming_llm_n_sink"),
+        (["--method", "snapkv", "--budget", "8", "--window", "8"], "--window 8, --budget 8: "),
+        (["--method", "h2o", "--h2o-recent", "600"], "--h2o-recent 600: h2o_recent must be <="),
+        (["--method", "tova", "--allocation", "head"], "(--scope sets scope)"),
+        (["--kv-bits", "7"], "--kv-bits must be one of 1, 2, 3, 4, 5, 6, 8, got 7"),
+    ],
+)
+def test_config_errors_name_the_flag_typed(
+    capsys: pytest.CaptureFixture[str], no_load: None, argv: list[str], message: str
+) -> None:
+    line = _error_line(_usage_error(capsys, "--prompt", "hi", *argv))
+    assert message in line
+
+
+def test_serve_flag_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from velox_mlx_lm.serve import main
+
+    for argv, message in (
+        (["--max-memory", "6XB"], "argument --max-memory: takes a size (6GB, 512MB, 1.5GiB"),
+        (["--budget", "0"], "--budget 0: tova_budget must be an int >= 1, got 0"),
+        (["--chat-template-args", "{x"], "argument --chat-template-args: invalid value '{x'"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert "invalid parse_max_memory value" not in err
+        assert len(err.strip().splitlines()) == 2  # one usage line and the message
+
+
+# -- the key layout at 4 bits and below (issue 50) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "layout", "warned"),
+    [
+        (["--kv-bits", "4"], "channel", None),
+        (["--kv-bits", "2", "--method", "h2o"], "channel", None),
+        (["--kv-bits", "8"], "token", None),
+        ([], "token", None),
+        (["--kv-bits", "4", "--kv-key-layout", "token"], "token", None),
+        (["--kv-bits", "4", "--scope", "head", "--allocation", "head"], "token", "--allocation"),
+        (["--kv-bits", "4", "--method", "full"], "token", "--method"),
+    ],
+)
+def test_key_layout_default(argv: list[str], layout: str, warned: str | None) -> None:
+    from velox_mlx_lm.flags import config_from_args, layout_warning
+
+    for parser in (cli.build_parser(), _serve_parser()):
+        args = parser.parse_args(argv)
+        config = config_from_args(args)
+        assert config.kv_key_layout == layout
+        warning = layout_warning(args, config)
+        if warned is None:
+            assert warning is None
+        else:
+            assert warning is not None and warned in warning and "--kv-key-layout" in warning
+            assert "\n" not in warning
+
+
+def test_key_layout_warning_is_printed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "read_prompts", lambda args: (_ for _ in ()).throw(OSError("stop")))
+    assert cli.main(["--prompt", "hi", "--method", "full", "--kv-bits", "4"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("velox-generate: warning: keys are quantized per token")
+
+
+def test_prefill_bar_reaches_its_total_and_closes() -> None:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from velox_mlx_lm.cli.generation import _finish
+
+    out = io.StringIO()
+    bar = tqdm(total=3012, file=out, leave=True)
+    bar.update(3011)
+    _finish(bar)
+    assert bar.n == 3012 and bar.disable  # closed
+    assert "3012/3012" in out.getvalue()
+    _finish(bar)  # a second call does nothing
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_four_bit_default_layout_answers_the_demo_question(run_cli: Any) -> None:
+    """At --kv-bits 4 the default key layout (per channel) keeps the answer; per token it
+    was garbage ("Le Grand Cité...")."""
+    question = "What is the capital of France?"
+    argv = ("--chat", "--prompt", question, "--budget", "64", "--kv-bits", "4")
+    code, out = run_cli(*argv, "--max-tokens", "16", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["kv_bits"] == 4 and report["config"]["kv_key_layout"] == "channel"
+    (run,) = report["runs"]
+    assert run["kv_bits"] == 4 and run["kv_key_layout"] == "channel"
+    assert "Paris" in run["answer"]
+    code, out = run_cli(*argv, "--max-tokens", "4")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert rows["kv_bits"] == ["4"] and rows["kv_key_layout"] == ["channel"]

@@ -276,10 +276,17 @@ def test_phase_policy_flags_are_listed_and_refused_by_traits(
     from velox_mlx_lm.serve import app as serve
 
     for parser in (cli.build_parser(), serve.build_parser()):
-        text = parser.format_help()
+        # A method's own flags are listed by --help-method (the first screen keeps to the
+        # common flags), and parse whether shown or not.
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["--help-method", "toyzip"])
+        assert exited.value.code == 0
+        text = capsys.readouterr().out
         assert (
             "--toyzip-keep-first" in text and "--toyzip-budget" in text and "toyzip keeps" in text
         )
+        args = parser.parse_args(["--method", "toyzip", "--toyzip-keep-first", "3"])
+        assert args.toyzip_keep_first == 3
     # The server refuses it by its declared phase, naming the method.
     with pytest.raises(ValueError, match="--method toyzip compresses one document"):
         serve._check_args(serve.build_parser().parse_args(["--method", "toyzip"]))

@@ -12,9 +12,12 @@ one whose flag would equal or abbreviate a flag of either command is refused by 
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from velox_cache_core.registry import POLICIES, field_name, flag_name, reserve_flags
+from velox_cache_core.rows import KEY_LAYOUTS
 from velox_cache_core.settings import Setting
 
 # The shared short flags: ``--<setting>`` sets the chosen method's setting of that name.
@@ -33,6 +36,7 @@ COMMAND_FLAGS = (
     *("--prompt-concurrency", "--quantized-kv-start", "--top-k", "--top-p"),
     *("--trust-remote-code", "--use-default-chat-template"),
     *("--api-key", "--max-memory", "--max-queue", "--beyond-context", "--drain-timeout"),
+    *("--help-method", "--help-all"),
     *(f"--{name.replace('_', '-')}" for name in ALIASES),
 )
 reserve_flags(COMMAND_FLAGS)
@@ -49,17 +53,25 @@ def method_help() -> str:
     return "the cache: " + "; ".join(lines) + ". Default: %(default)s"
 
 
-def _argument(setting: Setting) -> dict[str, Any]:
+def setting_argument(setting: Setting) -> dict[str, Any]:
     """``add_argument`` keywords for one typed setting (default ``None``: not given)."""
     kind: Any = setting.kind
     if kind is bool:
         kind = _boolean
     default = "the method's" if setting.default is None else repr(setting.default)
-    help = f"{setting.help} (default: {default})" if setting.help else f"default: {default}"
+    help = setting.help or ""
+    if "default" not in help:  # a help that says its default already says it once
+        help = f"{help} (default: {default})" if help else f"default: {default}"
     kwargs: dict[str, Any] = {"type": kind, "default": None, "help": help}
     if setting.choices is not None:
         kwargs["choices"] = setting.choices
+    else:
+        kwargs["metavar"] = _METAVARS.get(setting.kind, "VALUE")
     return kwargs
+
+
+_METAVARS: dict[Any, str] = {int: "N", float: "X", bool: "BOOL"}
+_CHOICE_METAVARS = {"signal": "KIND", "scope": "SCOPE", "prefill": "MODE", "allocation": "HOW"}
 
 
 def _boolean(text: str) -> bool:
@@ -80,56 +92,96 @@ def _alias_argument(name: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"type": kind, "default": None, "help": help, "dest": f"alias_{name}"}
     if choices:
         kwargs["choices"] = choices
+        kwargs["metavar"] = _CHOICE_METAVARS.get(name, "CHOICE")
+    else:
+        kwargs["metavar"] = _METAVARS.get(kind, "VALUE")
     return kwargs
+
+
+# The first screen's one-line help of the shared short flags (``--help-all`` shows the rest).
+ALIAS_BRIEFS = {
+    "budget": "tokens each layer keeps, per KV head (default: 512)",
+    "n_sink": "first tokens never evicted (attention sinks)",
+    "signal": "key or query: what scores a token",
+    "scope": "head or layer: one choice per KV head or per layer",
+    "prefill": "oneshot or sequential: how the prompt is cut",
+    "window": "last tokens that score the rest (snapkv, morphkv)",
+    "allocation": "uniform, head or global: how heads share the budget",
+}
+
+
+def method_brief() -> str:
+    """``--method``'s one line on the first screen: the methods, named."""
+    from velox_mlx_lm.config import methods
+
+    return f"{', '.join(methods())} (default: tova; --help-method METHOD says what it keeps)"
 
 
 def add_method_flags(parser: argparse.ArgumentParser) -> None:
     """``--method``, the short aliases and every policy's ``--<policy>-<setting>``."""
     from velox_mlx_lm.config import methods
 
-    parser.add_argument("--method", choices=methods(), default="tova", help=method_help())
+    method = parser.add_argument(
+        "--method", choices=methods(), default="tova", metavar="METHOD", help=method_help()
+    )
+    method.velox_brief = method_brief()  # type: ignore[attr-defined]
     for name in ALIASES:
-        parser.add_argument(f"--{name.replace('_', '-')}", **_alias_argument(name))
+        alias = parser.add_argument(f"--{name.replace('_', '-')}", **_alias_argument(name))
+        alias.velox_brief = ALIAS_BRIEFS.get(name)  # type: ignore[attr-defined]
     for policy in POLICIES.values():
         group = parser.add_argument_group(f"{policy.name} settings ({', '.join(policy.methods)})")
         for setting in policy.settings:
             group.add_argument(
                 flag_name(policy.name, setting.name),
                 dest=field_name(policy.name, setting.name),
-                **_argument(setting),
+                **setting_argument(setting),
             )
+
+
+KV_BITS_HELP = (
+    "keep the cache's rows quantized to this many bits (1-6 or 8), for every method; batching "
+    "stays on with a Velox method; with --method full: mlx-lm's QuantizedKVCache"
+)
+KEY_LAYOUT_HELP = (
+    "how quantized keys are grouped (Velox methods): token, each row along its features, as "
+    "mlx-lm does; channel, each feature over groups of --kv-group-size tokens with the newest "
+    "at full precision (KIVI), which keeps 4 and 2 bits usable (default: channel at --kv-bits 4 "
+    "and below where the method allows it, a Velox method with --allocation uniform; else token)"
+)
+QUANTIZED_START_HELP = (
+    "only 0 with a Velox method: it quantizes every row as it arrives, so that a long prompt "
+    "never holds a full-precision copy"
+)
 
 
 def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     """``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start``, as mlx-lm names them."""
-    parser.add_argument(
+    bits = parser.add_argument(
         "--kv-bits",
         type=int,
         default=None,
-        help="keep the cache's rows quantized to this many bits (1-6 or 8), for every method; "
-        "with --method full: mlx-lm's QuantizedKVCache (default: the model's precision)",
+        metavar="N",
+        help=f"{KV_BITS_HELP} (default: the model's precision)",
     )
-    parser.add_argument(
+    bits.velox_brief = "quantize the cache to N bits: 8, 4 (1-6 or 8)"  # type: ignore[attr-defined]
+    group = parser.add_argument(
         "--kv-group-size",
         type=int,
         default=64,
+        metavar="N",
         help="features per scale and bias of quantized rows: 32, 64 or 128 (default: 64)",
     )
-    parser.add_argument(
-        "--kv-key-layout",
-        choices=("token", "channel"),
-        default="token",
-        help="how quantized keys are grouped (Velox methods): token, each row along its "
-        "features, as mlx-lm does; channel, each feature over groups of --kv-group-size tokens "
-        "with the newest at full precision (KIVI), which keeps 4 and 2 bits usable "
-        "(default: token)",
+    group.velox_brief = "32, 64 or 128 features per scale (default: 64)"  # type: ignore[attr-defined]
+    layout = parser.add_argument(
+        "--kv-key-layout", choices=KEY_LAYOUTS, default=None, metavar="LAYOUT", help=KEY_LAYOUT_HELP
     )
+    layout.velox_brief = "token or channel (default: channel at 4 bits and below)"  # type: ignore[attr-defined]
     parser.add_argument(
         "--quantized-kv-start",
         type=int,
         default=None,
-        help="only 0: Velox quantizes every row as it arrives, so that a long prompt never "
-        "holds a full-precision copy (default: 0)",
+        metavar="N",
+        help=f"{QUANTIZED_START_HELP} (default: 0)",
     )
 
 
@@ -149,12 +201,37 @@ def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> An
     """The KVCacheConfig the flags describe; a flag the method has no use for is an error,
     and so is an alias that contradicts its ``--<policy>-<setting>``. ``--kv-bits`` and
     ``--kv-group-size`` go into the config for every method (for ``full`` only with
-    ``quantize_full``: velox-serve leaves mlx-lm's full cache to mlx-lm's own flags)."""
+    ``quantize_full``: velox-serve leaves mlx-lm's full cache to mlx-lm's own flags).
+    Without ``--kv-key-layout``, keys at 4 bits and below are quantized per channel where the
+    config allows it (:func:`key_layout`). An error of the config names the flags typed."""
     from velox_mlx_lm.config import FULL, KVCacheConfig
 
     method = args.method
     policy = KVCacheConfig(method=method).policy
+    fields, typed = _policy_fields(args, policy, method)
+    layout = getattr(args, "kv_key_layout", None)
+    if method != FULL or quantize_full:
+        fields["kv_bits"] = getattr(args, "kv_bits", None)
+        fields["kv_group_size"] = getattr(args, "kv_group_size", 64)
+        fields["kv_key_layout"] = layout or "token"
+    elif layout not in (None, "token"):
+        raise ValueError(
+            f"--kv-key-layout {args.kv_key_layout} is a Velox layout: --method full keeps "
+            "mlx-lm's QuantizedKVCache (--kv-bits), which quantizes keys per token"
+        )
+    try:
+        config = KVCacheConfig(method=method, **fields)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(name_flags(str(exc), policy, typed)) from None
+    return config if layout is not None else config.replace(kv_key_layout=key_layout(config))
+
+
+def _policy_fields(
+    args: argparse.Namespace, policy: str | None, method: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The config fields the method flags give, and ``setting -> 'FLAG VALUE'`` as typed."""
     fields: dict[str, Any] = {}
+    typed: dict[str, str] = {}
     for record in POLICIES.values():
         for name in record.setting_names:
             value = getattr(args, field_name(record.name, name), None)
@@ -165,25 +242,71 @@ def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> An
                     f"{flag_name(record.name, name)} does not apply to --method {method}"
                 )
             fields[field_name(record.name, name)] = value
+            typed[name] = f"{flag_name(record.name, name)} {value}"
     for name in ALIASES:
         value = getattr(args, f"alias_{name}", None)
         if value is not None:
             _apply_alias(fields, policy, method, name, value)
-    if method != FULL or quantize_full:
-        fields["kv_bits"] = getattr(args, "kv_bits", None)
-        fields["kv_group_size"] = getattr(args, "kv_group_size", 64)
-        fields["kv_key_layout"] = getattr(args, "kv_key_layout", "token")
-    elif getattr(args, "kv_key_layout", "token") != "token":
-        raise ValueError(
-            f"--kv-key-layout {args.kv_key_layout} is a Velox layout: --method full keeps "
-            "mlx-lm's QuantizedKVCache (--kv-bits), which quantizes keys per token"
-        )
-    try:
-        return KVCacheConfig(method=method, **fields)
-    except (TypeError, ValueError) as exc:
-        if str(exc).startswith("kv_"):  # name the flag
-            raise type(exc)(f"--{str(exc).replace('_', '-', 2)}") from None
-        raise
+            typed.setdefault(name, f"--{name.replace('_', '-')} {value}")
+    return fields, typed
+
+
+LOW_BITS = 4  # at this width and below, keys per token lose the answer (docs/quantized.md)
+
+
+def key_layout(config: Any) -> str:
+    """The key layout when ``--kv-key-layout`` is not given: ``channel`` at 4 bits and below
+    where the config allows it (a Velox method whose heads keep their own rows: allocation
+    ``uniform``), else ``token`` (KVCacheConfig's own default, the library's)."""
+    if config.kv_bits is None or config.kv_bits > LOW_BITS or config.policy is None:
+        return "token"
+    return "channel" if config.settings().get("allocation", "uniform") == "uniform" else "token"
+
+
+def layout_warning(args: argparse.Namespace, config: Any) -> str | None:
+    """One line when ``--kv-bits`` 4 or below quantizes keys per token without
+    ``--kv-key-layout token`` having asked for it, naming the flag that changes it."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None or bits > LOW_BITS or getattr(args, "kv_key_layout", None) is not None:
+        return None
+    if config.policy is None:
+        why, fix = "--method full has only mlx-lm's per-token layout", "a Velox --method"
+    else:
+        allocation = config.settings().get("allocation", "uniform")
+        if allocation == "uniform":
+            return None
+        why, fix = f"--allocation {allocation} needs it", "--allocation uniform"
+    return (
+        f"keys are quantized per token at --kv-bits {bits} ({why}), which can garble answers; "
+        f"{fix} allows --kv-key-layout channel, or use --kv-bits 8"
+    )
+
+
+def name_flags(message: str, policy: str | None, typed: Mapping[str, str]) -> str:
+    """A config error in the flags' words: ``kv_bits`` as ``--kv-bits``; the settings of the
+    method it names are led by the flags typed for them (``--budget 0: tova_budget must be an
+    int >= 1, got 0``) and followed by the flags of those not typed."""
+    message = _KV_FIELD.sub(
+        lambda m: "--" + m.group(1).replace("_", "-") + " " * bool(m[2]), message
+    )
+    if policy is None:
+        return message
+    names = sorted(POLICIES[policy].setting_names, key=len, reverse=True)
+    pattern = re.compile(rf"(?<![\w-])(?:{policy}_)?({'|'.join(names)})(?!\w)")
+    mentioned = list(dict.fromkeys(m.group(1) for m in pattern.finditer(message)))
+    given = [typed[name] for name in mentioned if name in typed]
+    others = [f"{_flag_of(policy, name)} sets {name}" for name in mentioned if name not in typed]
+    lead = f"{', '.join(given)}: " if given else ""
+    tail = f" ({', '.join(others)})" if others else ""
+    return f"{lead}{message}{tail}"
+
+
+_KV_FIELD = re.compile(r"(?<![\w-])(kv_bits|kv_group_size|kv_key_layout)(=)?(?!\w)")
+
+
+def _flag_of(policy: str, name: str) -> str:
+    """The flag that sets a setting: its short alias where it has one."""
+    return f"--{name.replace('_', '-')}" if name in ALIASES else flag_name(policy, name)
 
 
 def _apply_alias(

@@ -20,18 +20,48 @@ from typing import Any
 from velox_mlx_lm.builder import KVCacheBuilder
 from velox_mlx_lm.cli.batch import generate_batch, print_batch
 from velox_mlx_lm.cli.document import document_run, prompt_tokens
-from velox_mlx_lm.cli.generation import Run, generate_once, side_by_side, table
+from velox_mlx_lm.cli.generation import Run, generate_once, quant_stats, side_by_side, table
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.flags import (
     add_method_flags,
     add_quant_flags,
     check_quantized_start,
     config_from_args,
+    layout_warning,
 )
+from velox_mlx_lm.help import arrange
 
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE, --prompts-file FILE or --demo"
 # A Hugging Face repo id: owner/name, letters, digits, '-', '_' and '.' (the hub's own rule).
 HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+
+
+USAGE = "%(prog)s (--prompt TEXT | --prompt-file FILE | --demo) [options]"
+EXAMPLES = """examples:
+  velox-generate --compare --demo --method tova --budget 512
+  velox-generate --chat --prompt "What is the capital of France?" --budget 64 --kv-bits 4
+"""
+# The first screen (--help): these flags, grouped, with one-line helps; --help-all shows all.
+HELP_GROUPS = (
+    ("model and prompt", ("--model", "--prompt", "--prompt-file", "--prompts-file", "--demo")),
+    ("generation", ("--chat", "--max-tokens", "--temp", "--draft-model")),
+    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    ("memory and quantization", ("--kv-bits", "--kv-key-layout", "--kv-group-size")),
+    ("output", ("--compare", "--json")),
+)
+HELP_BRIEFS = {
+    "--model": "embedded:smollm2-135m (default), a model folder, owner/name or a .gguf",
+    "--prompt": "the prompt ('-': standard input); repeat it for a batch",
+    "--prompt-file": "file holding the prompt",
+    "--prompts-file": "one prompt per line, generated as one batch",
+    "--demo": "the built-in long document and its question",
+    "--chat": "apply the chat template (default: on for --demo)",
+    "--max-tokens": "tokens to generate (default: 256)",
+    "--temp": "sampling temperature (default: 0, greedy)",
+    "--draft-model": "speculative decoding: 'embedded:layers=N' or a model",
+    "--compare": "also run the full cache; print both answers side by side",
+    "--json": "print machine-readable stats only",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        metavar="MODEL",
         help="an embedded model (embedded:smollm2-135m, the default, embedded:gemma3-270m or "
         "embedded:qwen2.5-coder-1.5b), a local mlx-lm model folder, a Hugging Face repo id "
         "(owner/name) or a .gguf file (llama, qwen2 or gemma3)",
@@ -49,19 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--prompt",
         action="append",
+        metavar="TEXT",
         help="prompt text ('-' reads standard input); repeat it to generate several prompts "
         "as one batch",
     )
-    src.add_argument("--prompt-file", help="file holding the prompt")
+    src.add_argument("--prompt-file", metavar="FILE", help="file holding the prompt")
     src.add_argument(
         "--prompts-file",
+        metavar="FILE",
         help="file with one prompt per line (blank lines skipped), generated as one batch",
     )
     src.add_argument(
         "--demo", action="store_true", help="the built-in long document and its question"
     )
     p.add_argument(
-        "--max-tokens", "-m", type=int, default=256, help="tokens to generate (default: 256)"
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens to generate (default: 256)",
     )
     p.add_argument(
         "--chat",
@@ -70,13 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the chat template (default: on for --demo)",
     )
     p.add_argument(
-        "--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)"
+        "--temp",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature (default: 0, greedy)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="random seed for sampling (default: 0)"
+    )
     p.add_argument(
         "--prefill-step-size",
         type=int,
         default=512,
+        metavar="N",
         help="prompt tokens per forward pass while prefilling (default: 512)",
     )
     p.add_argument(
@@ -91,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--draft-model",
+        metavar="MODEL",
         help="speculative decoding with this draft model: 'embedded:layers=N' (the first N "
         "layers of the main model, a llama-architecture one), or a model path/repo/.gguf like "
         "--model; it gets a Velox cache of the same method",
@@ -99,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-draft-tokens",
         type=int,
         default=3,
+        metavar="N",
         help="tokens the draft model proposes per round (default: 3; needs --draft-model)",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
     add_quant_flags(p)
     add_method_flags(p)
+    arrange(p, USAGE, HELP_GROUPS, HELP_BRIEFS, EXAMPLES)
     return p
 
 
@@ -313,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _check_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    warning = layout_warning(args, config)
+    if warning is not None:
+        print(f"velox-generate: warning: {warning}", file=sys.stderr)
     # Everything that can be checked without the model is, before loading it.
     try:
         if args.model is not None:
@@ -392,6 +443,7 @@ def _single(
         runs.append(
             generate_once(model, tokenizer, prompt, full, args, FULL, echo, drafting(full_config))
         )
+        runs[-1].stats.update(quant_stats(full_config))
     caches = KVCacheBuilder.for_model(model, config)
     label = _label(config)
     if config.record is not None and config.record.compressor is not None:
@@ -400,6 +452,7 @@ def _single(
         runs.append(
             generate_once(model, tokenizer, prompt, caches, args, label, echo, drafting(config))
         )
+    runs[-1].stats.update(quant_stats(config))
     return runs
 
 
@@ -409,7 +462,7 @@ def _report(loaded: Loaded, runs: list[Run], config: Any, args: argparse.Namespa
         report = {
             "model": loaded.name,
             "blas": _blas_name(),
-            "config": {"method": config.method, **config.settings()},
+            "config": {"method": config.method, **config.settings(), **quant_stats(config)},
             "runs": [{"label": r.label, "answer": r.answer, **r.stats} for r in runs],
             "seconds": round(elapsed, 2),
         }

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from velox_mlx_lm.cli.generation import cell, grid, kv_stats
+from velox_mlx_lm.cli.generation import cell, grid, kv_stats, quant_stats
 
 
 @dataclass
@@ -99,6 +99,7 @@ def generate_batch(
         "decode_tokens_per_s": round(stats.generation_tps, 2),
         "kv_bytes": sum(s["kv_bytes"] for s in per_prompt),
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+        **quant_stats(config),
     }
     answers = [_detokenize(tokenizer, tokens[uid]) for uid in uids]
     return BatchRun(label, answers, per_prompt, batch)
@@ -129,7 +130,7 @@ def print_batch(
         out = {
             "model": model_name,
             "blas": blas,
-            "config": {"method": config.method, **config.settings()},
+            "config": {"method": config.method, **config.settings(), **quant_stats(config)},
             "runs": [
                 {
                     "label": r.label,
@@ -156,6 +157,6 @@ def print_batch(
         print(grid(header, {k: [cell(s[k]) for s in r.stats] for k in keys}, min_width=12))
     print("\nbatch:")
     batch_keys = list(runs[0].batch)
-    rows = {k: [r.batch[k] for r in runs] for k in batch_keys}
+    rows = {k: [cell(r.batch[k]) for r in runs] for k in batch_keys}
     print(grid([r.label for r in runs], rows, min_width=12))
     print(f"\ntotal time: {seconds:.1f} s")

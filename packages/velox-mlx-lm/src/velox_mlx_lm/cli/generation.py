@@ -28,6 +28,13 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
     }
 
 
+def quant_stats(config: Any) -> dict[str, Any]:
+    """How a run's cache is quantized: ``kv_bits`` and the key layout (``None``: the model's
+    precision, no layout)."""
+    bits = config.kv_bits
+    return {"kv_bits": bits, "kv_key_layout": None if bits is None else config.kv_key_layout}
+
+
 def generate_once(
     model: Any,
     tokenizer: Any,
@@ -52,10 +59,11 @@ def generate_once(
         unit="tok",
         file=sys.stderr,
         disable=args.json or len(prompt) <= args.prefill_step_size,
-        leave=False,
+        leave=True,  # the full bar stays on its line; the answer starts below it
     )
 
     def progress(done: int, total: int) -> None:
+        bar.total = total
         bar.update(done - bar.n)
 
     if echo:
@@ -80,12 +88,14 @@ def generate_once(
         prompt_progress_callback=progress,
         **speculative,
     ):
+        if last is None:  # the prompt is in: the bar reaches its total and goes
+            _finish(bar)
         run.answer += response.text
         accepted += bool(getattr(response, "from_draft", False))
         last = response
         if echo:
             print(response.text, end="", flush=True)
-    bar.close()
+    _finish(bar)
     if echo:
         print(flush=True)
     assert last is not None
@@ -100,6 +110,16 @@ def generate_once(
     if draft is not None:
         run.stats["draft_tokens_accepted"] = accepted
     return run
+
+
+def _finish(bar: Any) -> None:
+    """Fill the prefill bar to its total, draw it and close it (a second call does nothing),
+    before the answer prints: the answer then starts on a line of its own."""
+    if not bar.disable and bar.total is not None and bar.n < bar.total:
+        bar.n = bar.total
+    if not bar.disable:
+        bar.refresh()  # tqdm skips redraws within its interval: the last one may not show
+    bar.close()
 
 
 def grid(header: list[str], rows: dict[str, list[Any]], min_width: int = 14) -> str:
@@ -125,6 +145,8 @@ def table(runs: list[Run]) -> str:
 
 def cell(value: Any) -> Any:
     """A stat as a table cell: layer lists as ranges (``0-4,6-10``), by kind for a dict."""
+    if value is None:
+        return "-"
     if isinstance(value, dict):
         return "; ".join(f"{k} {cell(v)}" for k, v in value.items()) or "-"
     if not isinstance(value, list):

@@ -38,7 +38,13 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
-from velox_mlx_lm.flags import add_method_flags, check_quantized_start, config_from_args
+from velox_mlx_lm.flags import (
+    add_method_flags,
+    check_quantized_start,
+    config_from_args,
+    layout_warning,
+)
+from velox_mlx_lm.help import arrange
 from velox_mlx_lm.serve import auth as serve_auth
 from velox_mlx_lm.serve import memory as serve_memory
 from velox_mlx_lm.serve import release as serve_release
@@ -87,29 +93,79 @@ def _mlx_server_parser() -> argparse.ArgumentParser:
     raise RuntimeError("mlx_lm.server.main() did not parse arguments")
 
 
+USAGE = "%(prog)s [--model MODEL] [--method METHOD] [--budget N] [options]"
+EXAMPLES = """examples:
+  velox-serve --method tova --budget 1024 --port 8080
+  velox-serve --model owner/name --budget 2048 --kv-bits 4 --max-memory 6GB
+"""
+# The first screen (--help): these flags, grouped, with one-line helps; --help-all shows all,
+# mlx-lm's own server flags among them.
+HELP_GROUPS = (
+    ("model", ("--model", "--draft-model")),
+    (
+        "serving",
+        ("--host", "--port", "--api-key", "--max-tokens", "--decode-concurrency"),
+    ),
+    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    (
+        "memory and quantization",
+        ("--kv-bits", "--kv-key-layout", "--max-memory", "--max-queue", "--beyond-context"),
+    ),
+)
+HELP_BRIEFS = {
+    "--model": "embedded:smollm2-135m (default), a model folder, owner/name or a .gguf",
+    "--draft-model": "speculative decoding (one request at a time)",
+    "--kv-bits": "quantize the cache to N bits; batching stays on (Velox methods)",
+    "--host": "address to listen on (default: 127.0.0.1)",
+    "--port": "port to listen on (default: 8080)",
+    "--api-key": f"require this key (default: ${serve_auth.ENV_VAR}, else none)",
+    "--max-tokens": "default tokens per answer (default: 512)",
+    "--decode-concurrency": "requests decoded together (default: 32)",
+    "--max-memory": "bound on the KV bytes: 6GB, 512MB or a fraction of RAM",
+    "--max-queue": "requests that may wait for memory (default: 64)",
+    "--beyond-context": "let sequences go past the model's context",
+}
+# mlx-lm's help of these flags says what they do in mlx-lm; Velox changes it.
+KV_BITS_HELP = (
+    "keep the cache's rows quantized to this many bits (1-6 or 8): with a Velox method the "
+    "caches quantize them and batching stays on; with --method full it is mlx-lm's "
+    "QuantizedKVCache, which serves requests one at a time (default: the model's precision)"
+)
+QUANTIZED_START_HELP = (
+    "with a Velox method only 0 (the default): rows are quantized as they arrive; with "
+    "--method full the position where mlx-lm starts quantizing "
+    f"(default there: {mlx_server.DEFAULT_QUANTIZED_KV_START})"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from velox_mlx_lm.cli.app import build_parser as generate_parser
 
     parser = _mlx_server_parser()
     parser.prog = "velox-serve"
     parser.description = (
-        "mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
-        "/v1/models) with a fixed-budget Velox KV cache for every sequence; "
+        "mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions,\n"
+        "/v1/models) with a fixed-budget Velox KV cache for every sequence;\n"
         f"GET {STATS_PATH} reports the caches. See docs/serving.md."
     )
+    helps = {
+        "--model": "an embedded model (embedded:smollm2-135m, the default; "
+        "embedded:gemma3-270m, a base model: /v1/completions only; "
+        "embedded:qwen2.5-coder-1.5b, chat with tool calls), a local mlx-lm model "
+        "folder, a Hugging Face repo id (owner/name) or a .gguf file",
+        "--draft-model": "speculative decoding (requests are then served one at a time): "
+        "'embedded:layers=N' or a model like --model; it gets a Velox cache too",
+        "--kv-bits": KV_BITS_HELP,
+        "--quantized-kv-start": QUANTIZED_START_HELP,
+    }
     for action in parser._actions:
-        if "--model" in action.option_strings:
-            action.help = (
-                "an embedded model (embedded:smollm2-135m, the default; "
-                "embedded:gemma3-270m, a base model: /v1/completions only; "
-                "embedded:qwen2.5-coder-1.5b, chat with tool calls), a local mlx-lm model "
-                "folder, a Hugging Face repo id (owner/name) or a .gguf file"
-            )
-        if "--draft-model" in action.option_strings:
-            action.help = (
-                "speculative decoding (requests are then served one at a time): "
-                "'embedded:layers=N' or a model like --model; it gets a Velox cache too"
-            )
+        for flag in action.option_strings:
+            if flag in helps:
+                action.help = helps[flag]
+            if action.metavar is None and action.nargs != 0 and action.choices is None:
+                action.metavar = "N" if action.type in (int, float) else "VALUE"
+        if "--model" in action.option_strings or "--draft-model" in action.option_strings:
+            action.metavar = "MODEL"
     ours = generate_parser()
     for action in ours._actions:
         if any(flag in VELOX_FLAGS for flag in action.option_strings):
@@ -117,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_flags(parser)
     add_serving_flags(parser)
     parser.set_defaults(quantized_kv_start=None)  # None: not given (see _check_args)
+    arrange(parser, USAGE, HELP_GROUPS, HELP_BRIEFS, EXAMPLES)
     return parser
 
 
@@ -124,12 +181,14 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """The flags for long agent sessions (docs/serving.md#agents)."""
     parser.add_argument(
         "--api-key",
+        metavar="KEY",
         default=None,
         help=f"require this key on every route but /health ('Authorization: Bearer KEY' or "
         f"'x-api-key: KEY'); default: ${serve_auth.ENV_VAR}, else no key",
     )
     parser.add_argument(
         "--max-memory",
+        metavar="SIZE",
         type=serve_memory.parse_max_memory,
         default=None,
         help="bound on the KV bytes of live sequences and the prompt cache together: a size "
@@ -138,6 +197,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-queue",
+        metavar="N",
         type=int,
         default=64,
         help="requests that may wait for memory; past it they get 503 (default 64)",
@@ -149,6 +209,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drain-timeout",
+        metavar="SECONDS",
         type=float,
         default=60.0,
         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish before "
@@ -1081,6 +1142,9 @@ def _check_args(args: argparse.Namespace) -> Any:
         raise ValueError("--prompt-cache-size must be >= 0")
     check_cache_flags(args, config)
     check_serving_flags(args, config)
+    warning = layout_warning(args, config)
+    if warning is not None:
+        print(f"velox-serve: warning: {warning}", file=sys.stderr)
     return config
 
 
