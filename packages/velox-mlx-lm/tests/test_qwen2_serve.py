@@ -68,7 +68,8 @@ def test_generate_answers_with_code() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    flags = ["--model", MODEL, "--method", "tova", "--budget", "256", "--max-tokens", "64"]
+    # a budget above the ~300-token tool prompt: this checks the wiring, not eviction
+    flags = ["--model", MODEL, "--method", "tova", "--budget", "1024", "--max-tokens", "64"]
     s = Server(*flags)
     try:
         s.wait_ready(timeout=600)
@@ -107,7 +108,7 @@ def test_anthropic_tool_round_trip(server: Server) -> None:
     messages: list[dict[str, object]] = [{"role": "user", "content": QUESTION}]
     first = client.messages.create(
         model=MODEL, max_tokens=64, messages=messages, tools=ANTHROPIC_TOOLS,
-        temperature=0.0, timeout=600,
+        extra_body={"temperature": 0.0}, timeout=600,
     )  # fmt: skip
     assert first.stop_reason == "tool_use", first
     use = next(b for b in first.content if b.type == "tool_use")
@@ -121,7 +122,7 @@ def test_anthropic_tool_round_trip(server: Server) -> None:
     )
     second = client.messages.create(
         model=MODEL, max_tokens=64, messages=messages, tools=ANTHROPIC_TOOLS,
-        temperature=0.0, timeout=600,
+        extra_body={"temperature": 0.0}, timeout=600,
     )  # fmt: skip
     text = "".join(b.text for b in second.content if b.type == "text")
     print("anthropic answer:", text)
