@@ -4,6 +4,6 @@
 OpenBLAS before mlx imports it directly; these are the same functions and the same decision.
 """
 
-from velox_blas import blas_in_use, preload_openblas
+from velox_blas import blas_in_use, preload_openblas, shutdown_openblas
 
-__all__ = ["blas_in_use", "preload_openblas"]
+__all__ = ["blas_in_use", "preload_openblas", "shutdown_openblas"]
