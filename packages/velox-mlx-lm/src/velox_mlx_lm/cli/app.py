@@ -20,7 +20,14 @@ from typing import Any
 from velox_mlx_lm.builder import KVCacheBuilder
 from velox_mlx_lm.cli.batch import generate_batch, print_batch
 from velox_mlx_lm.cli.document import document_run, prompt_tokens
-from velox_mlx_lm.cli.generation import Run, generate_once, quant_stats, side_by_side, table
+from velox_mlx_lm.cli.generation import (
+    Run,
+    generate_once,
+    quant_stats,
+    quantized,
+    side_by_side,
+    table,
+)
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.flags import (
     add_method_flags,
@@ -462,7 +469,7 @@ def _report(loaded: Loaded, runs: list[Run], config: Any, args: argparse.Namespa
         report = {
             "model": loaded.name,
             "blas": _blas_name(),
-            "config": {"method": config.method, **config.settings(), **quant_stats(config)},
+            "config": {"method": config.method, **config.settings(), **quantized(config)},
             "runs": [{"label": r.label, "answer": r.answer, **r.stats} for r in runs],
             "seconds": round(elapsed, 2),
         }

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from velox_mlx_lm.cli.generation import cell, grid, kv_stats, quant_stats
+from velox_mlx_lm.cli.generation import cell, grid, kv_stats, quant_stats, quantized
 
 
 @dataclass
@@ -130,7 +130,7 @@ def print_batch(
         out = {
             "model": model_name,
             "blas": blas,
-            "config": {"method": config.method, **config.settings(), **quant_stats(config)},
+            "config": {"method": config.method, **config.settings(), **quantized(config)},
             "runs": [
                 {
                     "label": r.label,

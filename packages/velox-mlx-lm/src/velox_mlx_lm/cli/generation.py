@@ -35,6 +35,12 @@ def quant_stats(config: Any) -> dict[str, Any]:
     return {"kv_bits": bits, "kv_key_layout": None if bits is None else config.kv_key_layout}
 
 
+def quantized(config: Any) -> dict[str, Any]:
+    """:func:`quant_stats` for a ``--json`` config: only when the rows are quantized (an
+    unquantized run's config lists its method settings alone, as before)."""
+    return {} if config.kv_bits is None else quant_stats(config)
+
+
 def generate_once(
     model: Any,
     tokenizer: Any,

@@ -907,7 +907,8 @@ class VeloxHandler(mlx_server.APIHandler):
     def _checked_prompt(self, request: Any, template_kwargs: Any) -> list[int]:
         """The request's prompt tokens, tokenized here too so that a prompt the model cannot
         take is a 400, not a failure in the generation thread."""
-        prompt = self._prompt_tokens_of(request, template_kwargs)
+        # looked up on the class: tests call this unbound with a stand-in handler
+        prompt = VeloxHandler._prompt_tokens_of(self, request, template_kwargs)
         self._prompt_tokens = len(prompt)  # for the log line, if refused
         limit = self.provider.context_length
         if limit is not None and len(prompt) > limit and not self.provider.cli_args.beyond_context:
