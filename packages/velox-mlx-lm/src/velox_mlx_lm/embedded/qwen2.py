@@ -28,6 +28,8 @@ from mlx_lm.models import qwen2
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kquant
+from .gguf import _BLOCK_NAMES as LLAMA_BLOCK_NAMES
+from .gguf import _TOP_NAMES as LLAMA_TOP_NAMES
 from .kquant import field
 from .tokenizer import load_gguf_tokenizer
 
@@ -56,19 +58,8 @@ SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 INSTALL_COMMAND = "pip install 'velox-mlx-lm[qwen]'"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
-# GGUF block tensor -> mlx_lm qwen2 module.
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF tensor -> mlx_lm module: qwen2's names are llama's (biases aside, matched below).
+_BLOCK_NAMES, _TOP_NAMES = LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES
 
 
 def cache_dir() -> Path:
