@@ -19,6 +19,8 @@ Decode steps, one layer at a real model's attention shape:
 The embedded model:
 
 - ``single_sequence_step``: one sequence's decode step, a Velox cache beside the full cache;
+- ``decode_trace``: the Python calls one decode step makes into the project, and the modules
+  one layer's share of them enters and returns to (``sys.setprofile``, issue 47);
 - ``batch_decode_step``: a batch's decode step, batched Velox caches beside mlx-lm's;
 - ``prefill_compare``: prefill time, the full cache against TOVA(512);
 - ``verify_chunk_compare``: a speculative verify round (chunk of 4, trim of 3);
