@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm.server as mlx_server
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
@@ -58,6 +58,15 @@ from velox_mlx_lm.serve.messages import (
     parse_request,
     serve_messages,
 )
+from velox_mlx_lm.serve.pacing import Pacer
+from velox_mlx_lm.serve.sequences import (
+    FREE_WAIT_S,
+    ClientGone,
+    SequenceTracker,
+    TrackedQueue,
+    client_gone,
+    freed_of,
+)
 from velox_mlx_lm.serve.tools import render_tools_as_text, template_renders_tools
 
 LOG = logging.getLogger("velox-serve")
@@ -67,6 +76,9 @@ VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions", MESSAGES_PATH)
+# --max-prompt-tokens' default: a prompt the 2-core reference machine prefills in minutes, not
+# hours, with the embedded model; within the model's context the context is the limit.
+DEFAULT_MAX_PROMPT_TOKENS = 131_072
 STATS_WAIT_S = 0.2  # how long the request log line waits for stats not collected yet
 
 
@@ -109,7 +121,14 @@ HELP_GROUPS = (
     ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
     (
         "memory and quantization",
-        ("--kv-bits", "--kv-key-layout", "--max-memory", "--max-queue", "--beyond-context"),
+        (
+            "--kv-bits",
+            "--kv-key-layout",
+            "--max-memory",
+            "--max-queue",
+            "--beyond-context",
+            "--max-prompt-tokens",
+        ),
     ),
 )
 HELP_BRIEFS = {
@@ -124,6 +143,7 @@ HELP_BRIEFS = {
     "--max-memory": "bound on the KV bytes: 6GB, 512MB or a fraction of RAM",
     "--max-queue": "requests that may wait for memory (default: 64)",
     "--beyond-context": "let sequences go past the model's context",
+    "--max-prompt-tokens": f"longest prompt (default: {DEFAULT_MAX_PROMPT_TOKENS})",
 }
 # mlx-lm's help of these flags says what they do in mlx-lm; Velox changes it.
 KV_BITS_HELP = (
@@ -206,6 +226,14 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "--beyond-context",
         action="store_true",
         help="let prompts and generations go past the model's context (bounded methods only)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        metavar="N",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help="longest prompt a request may have, with --beyond-context too; longer ones get "
+        f"400 'prompt is too long' (default {DEFAULT_MAX_PROMPT_TOKENS})",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -326,11 +354,16 @@ class Monitor:
         self.finished: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
         self.order: deque[tuple[int, ...]] = deque()
         self.completed = 0
+        self.prefill_tokens = 0  # prompt tokens run through the model (batched path), all told
         self.started = time.time()
         self.on_live: Any = None  # called with the live sequences' bytes after every step
         self.on_end: Any = None  # called with idle=bool after a step in which sequences ended
 
     # -- generation thread -----------------------------------------------------------------
+    def prefilled(self, tokens: int) -> None:
+        with self.lock:
+            self.prefill_tokens += tokens
+
     def set_live(self, rows: list[dict[str, Any]]) -> None:
         with self.lock:
             ended = len(rows) < len(self.live)
@@ -399,6 +432,7 @@ class Monitor:
             live = [dict(row) for row in self.live]
             max_kept = self.max_tokens_kept
             completed = self.completed
+            prefill_tokens = self.prefill_tokens
         config = self.config
         return {
             "ready": provider.model is not None,
@@ -423,6 +457,7 @@ class Monitor:
             },
             "memory": {**memory(), "weight_bytes": getattr(provider, "weight_bytes", None)},
             "requests_completed": completed,
+            "prefill_tokens": prefill_tokens,
             "uptime_s": round(time.time() - self.started, 1),
         }
 
@@ -475,8 +510,10 @@ def _batch_rows(caches: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def watched_batch_generator(monitor: Monitor) -> type:
-    """``BatchGenerator`` reporting its sequences to ``monitor`` after every step."""
+def watched_batch_generator(monitor: Monitor, tracker: SequenceTracker | None = None) -> type:
+    """``BatchGenerator`` reporting its sequences to ``monitor`` after every step, and to
+    ``tracker`` which uid belongs to which request and when it has left the batch."""
+    seen = tracker if tracker is not None else SequenceTracker()
 
     class WatchedBatchGenerator(BatchGenerator):
         def _report(self) -> None:
@@ -484,19 +521,55 @@ def watched_batch_generator(monitor: Monitor) -> type:
             rows += _batch_rows(self._generation_batch.prompt_cache)
             monitor.set_live(rows)
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.pacer = Pacer(self.prefill_step_size)
+
+        def _next(self) -> Any:
+            # mlx-lm's step, with the prefill chunk sized by time (serve/pacing.py); first,
+            # sequences stopped or whose client left are handed back to be removed, before
+            # another chunk of theirs runs (serve/sequences.py)
+            stopped = seen.stopped()
+            if stopped:
+                done = [
+                    PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in stopped
+                ]
+                return done, []
+            prompts = len(self._prompt_batch) + len(self._unprocessed_sequences)
+            others = len(self._generation_batch) > 0 or prompts > 1
+            self.prefill_step_size = self.pacer.chunk(others)
+            tokens, seconds = self._counters.prompt_tokens, self._counters.prompt_time
+            try:
+                return super()._next()
+            finally:
+                self.prefill_step_size = self.pacer.max_chunk
+                prefilled = self._counters.prompt_tokens - tokens
+                monitor.prefilled(prefilled)
+                batch = max(1, len(self._prompt_batch))
+                positions = -(-prefilled // batch)
+                self.pacer.measured(positions, self._counters.prompt_time - seconds)
+
+        def insert_segments(self, *args: Any, **kwargs: Any) -> Any:
+            uids = super().insert_segments(*args, **kwargs)
+            seen.inserted(uids)
+            return uids
+
         def next(self) -> Any:
             out = super().next()
             self._report()
+            seen.freed([r.uid for r in out[1] if r.finish_reason is not None])
             return out
 
         def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
             out = super().remove(uids, return_prompt_caches)
             self._report()
+            seen.freed(list(uids))
             return out
 
         def close(self) -> None:
             super().close()
             monitor.set_live([])
+            seen.clear()
 
     return WatchedBatchGenerator
 
@@ -529,8 +602,10 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         prompt_cache: Any,
         monitor: Monitor,
         governor: serve_memory.MemoryGovernor | None = None,
+        tracker: SequenceTracker | None = None,
     ) -> None:
         self.monitor = monitor
+        self.tracker = tracker if tracker is not None else SequenceTracker()
         self.governor = governor
         self.api_key: str | None = None
         self.drain_timeout = 60.0
@@ -556,9 +631,26 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
                 self.in_flight -= 1
                 self._flights.notify_all()
 
+    def _next_request(self, timeout: float | None = None) -> Any:
+        # mlx-lm's, with the request's queue tracked (which uid, when freed).
+        return self.tracker.wrap(super()._next_request(timeout))
+
+    def _serve_single(self, request: Any, stream: Any) -> None:
+        # mlx-lm's one-at-a-time path; a cancelled request stops at its next prefill chunk.
+        rqueue = request[0]
+        if isinstance(rqueue, TrackedQueue):
+            rqueue.alone = True
+        try:
+            super()._serve_single(request, stream)
+        finally:
+            self.tracker.served_alone(request)
+
     def _await_response(self, response_queue: Any) -> Any:
-        # mlx-lm's, plus: once the drain has timed out, a stream ends (None) at its next read.
+        # mlx-lm's, plus: a client that hung up stops its sequence (checked at every response
+        # and every second without one: within a prefill chunk, streaming or not), and once
+        # the drain has timed out, a stream ends (None) at its next read.
         while not self.abandoned:
+            self._check_client()
             try:
                 return response_queue.get(timeout=1.0)
             except Empty:
@@ -566,6 +658,28 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
                     raise RuntimeError("generation thread died") from None
         self.local.prompt = None  # the sequence is dropped, not finished: it has no stats
         return None
+
+    def _check_client(self) -> None:
+        local = self.local
+        if not client_gone(getattr(local, "socket", None)):
+            return
+        ctx = getattr(local, "ctx", None)
+        if ctx is None:  # not started yet: its context, when it comes, is stopped at once
+            local.gone = True
+            return
+        ctx.stop()
+        raise ClientGone("the client closed the connection")
+
+    def wait_freed(self) -> None:
+        """After a request that did not finish (the client left, a stop sequence cut it, an
+        error): wait until its sequence has left the batch, so that the memory reserved for it
+        is released when its KV is freed, not before (at most :data:`FREE_WAIT_S`)."""
+        ctx = getattr(self.local, "ctx", None)
+        freed = None if ctx is None else freed_of(ctx)
+        if ctx is None or freed is None or not ctx._should_stop:
+            return
+        if not freed.wait(FREE_WAIT_S):
+            LOG.warning("a cancelled sequence was not freed within %.0f s", FREE_WAIT_S)
 
     def stop_and_join(self) -> None:
         """Shut down (SIGTERM, Ctrl-C): refuse new requests, let those in flight finish for up
@@ -614,15 +728,26 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         local = self.local
         local.prompt = None
         local.failure = None
+        local.ctx = None
+        local.gone = False
         try:
             if self.abandoned or (self.draining and not self.generation_available()):
                 raise self.shutdown_refusal()
-            ctx, responses = super().generate(request, generation_args, progress_callback)
+            self.tracker.register(request, getattr(local, "socket", None))
+            try:
+                ctx, responses = super().generate(request, generation_args, progress_callback)
+            finally:
+                self.tracker.forget(request)
             if ctx is None:  # the drain ended before the generation thread took it
                 raise self.shutdown_refusal()
         except Exception as exc:
             local.failure = exc
             raise
+        local.ctx = ctx
+        if local.gone:  # the client left before its request started
+            ctx.stop()
+            local.failure = ClientGone("the client closed the connection")
+            raise local.failure
         local.prompt = list(ctx.prompt)
         local.cached = ctx.prompt_cache_count
         local.stats = None
@@ -734,13 +859,14 @@ class VeloxHandler(mlx_server.APIHandler):
         """Log one line when the request ends; a client gone mid-reply is one line too."""
         local = self.response_generator.local
         local.prompt, local.cached, local.stats, local.generated = None, 0, None, 0
-        local.failure = None
+        local.failure, local.ctx, local.gone = None, None, False
+        local.socket = self.connection
         self._status = None
         self._prompt_tokens = None
         start = time.monotonic()
         try:
             yield
-        except (BrokenPipeError, ConnectionResetError) as exc:
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
             self._status = f"client disconnected ({type(exc).__name__})"
             self.close_connection = True
         finally:
@@ -868,7 +994,10 @@ class VeloxHandler(mlx_server.APIHandler):
         self.provider.check_max_tokens(request.max_tokens)
         prompt = self._checked_prompt(request.completion_request(), None)
         with self._admitted(len(prompt), request.max_tokens):
-            serve_messages(self, request, len(prompt))
+            try:
+                serve_messages(self, request, len(prompt))
+            finally:  # the reservation is released once the sequence has left the batch
+                self.response_generator.wait_freed()
 
     def handle_count_tokens(self) -> None:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt
@@ -910,15 +1039,17 @@ class VeloxHandler(mlx_server.APIHandler):
         # looked up on the class: tests call this unbound with a stand-in handler
         prompt = VeloxHandler._prompt_tokens_of(self, request, template_kwargs)
         self._prompt_tokens = len(prompt)  # for the log line, if refused
+        args = self.provider.cli_args
         limit = self.provider.context_length
-        if limit is not None and len(prompt) > limit and not self.provider.cli_args.beyond_context:
+        if args.beyond_context or limit is None or limit > args.max_prompt_tokens:
+            limit, hint = args.max_prompt_tokens, "(this server's --max-prompt-tokens)"
+        else:
             hint = "(a bounded method can go past the model's context with --beyond-context)"
+        if len(prompt) > limit:
             if self._anthropic_route():  # Anthropic's wording, which agents compact on
                 message = f"prompt is too long: {len(prompt)} tokens > {limit} maximum {hint}"
             else:
-                message = (
-                    f"the prompt has {len(prompt)} tokens; the model's context is {limit} {hint}"
-                )
+                message = f"the prompt has {len(prompt)} tokens; the limit is {limit} {hint}"
             raise BadRequest(message, 400, "context_length_exceeded")
         if not prompt:
             raise BadRequest("the prompt is empty")
@@ -939,6 +1070,8 @@ class VeloxHandler(mlx_server.APIHandler):
                 stack.enter_context(self._admitted(len(prompt), self.max_tokens or 0))
             except BadRequest as exc:
                 return self._error(exc.status, str(exc), exc.code, exc.headers)
+            # the reservation is released once the sequence has left the batch
+            stack.callback(self.response_generator.wait_freed)
             return super().handle_completion(request, stop_words)
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
@@ -949,7 +1082,7 @@ class VeloxHandler(mlx_server.APIHandler):
         failure = getattr(local, "failure", None)
         if status_code == 404 and failure is not None:
             local.failure = None
-            if isinstance(failure, BadRequest):
+            if isinstance(failure, BadRequest | ClientGone):
                 raise failure
             raise BadRequest(f"generation failed: {failure}", 500, "api_error")
         super()._set_completion_headers(status_code)
@@ -1038,9 +1171,10 @@ def serve(args: argparse.Namespace, config: Any) -> None:
     releaser.release(force=True)  # the loading's transient buffers
     LOG.info("process memory: %s", serve_release.describe(allocator))
     # mlx-lm's server looks these up as module globals at each use.
-    mlx_server.BatchGenerator = watched_batch_generator(monitor)  # type: ignore[misc,assignment]
+    tracker = SequenceTracker()
+    mlx_server.BatchGenerator = watched_batch_generator(monitor, tracker)  # type: ignore[misc,assignment]
     mlx_server.stream_generate = watched_stream_generate(monitor)
-    generator = VeloxResponseGenerator(provider, prompt_cache, monitor, governor)
+    generator = VeloxResponseGenerator(provider, prompt_cache, monitor, governor, tracker)
     generator.api_key = serve_auth.resolve_api_key(args.api_key)
     generator.drain_timeout = args.drain_timeout
     if generator.api_key is not None:
@@ -1167,6 +1301,8 @@ def check_cache_flags(args: argparse.Namespace, config: Any) -> None:
 
 
 def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
+    if args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.max_queue < 0:

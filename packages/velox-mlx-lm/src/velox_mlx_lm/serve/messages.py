@@ -500,7 +500,7 @@ def serve_messages(handler: Any, request: MessagesRequest, prompt_tokens: int) -
         ctx, responses = handler.response_generator.generate(
             request.completion_request(), args, progress_callback=writer.ping
         )
-    except BadRequest:  # the server is shutting down (503)
+    except (BadRequest, ConnectionError):  # shutting down (503), or the client left
         raise
     except Exception as exc:
         raise BadRequest(f"generation failed: {exc}", 500, "api_error") from exc

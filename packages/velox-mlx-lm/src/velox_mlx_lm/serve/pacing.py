@@ -1,0 +1,64 @@
+"""Prefill chunks sized by time, so that one long prompt cannot starve the others (issue 50).
+
+mlx-lm's ``BatchGenerator`` already alternates: each step decodes one token for every
+generating sequence, then prefills one chunk of ``prefill_step_size`` tokens for every prompt
+in its prompt batch, and a newly arrived prompt joins that batch (its tokens go through in
+the same call as the long prompt's next chunk). What made a short request wait minutes was
+the chunk's *duration*: past the budget, a policy that scores every token as it arrives
+(TOVA, H2O, ...) processes a chunk token by token, at decode speed. Measured on the 2-core
+machine, SmolLM2 with TOVA(256): 145 s per 2,048-token chunk. A short request arriving
+during such a prefill waited for the chunk in progress, then for a whole joint chunk, then a
+whole chunk per generated token.
+
+:class:`Pacer` picks each step's chunk length from the measured prefill time per token: at
+most :data:`INTERLEAVE_S` of prefill per step while other sequences wait or generate, at
+most :data:`ALONE_S` when the prompt batch is alone (a newcomer waits for at most that much
+of the chunk in progress), never more than ``--prefill-step-size`` and never less than
+:data:`MIN_CHUNK` tokens. Before the first measurement a chunk is :data:`PROBE_CHUNK` tokens,
+and a chunk is at most :data:`GROWTH` times the one before: the time per token jumps when a
+cache passes its budget (below it a chunk is one batched pass), and a chunk sized from the
+cheap tokens would overshoot. The time bound is therefore approximate where that happens
+(by at most the growth factor's share of the chunk that crosses the budget).
+The tokens and their order are the same; only the split of the prompt into chunks changes,
+which the caches' results do not depend on (the chunked-prefill tests pin this).
+"""
+
+from __future__ import annotations
+
+INTERLEAVE_S = 1.0  # the longest prefill chunk while other sequences wait or generate
+ALONE_S = 10.0  # the longest prefill chunk when nothing else is live
+MIN_CHUNK = 16  # tokens: below this a chunk's fixed cost dominates
+PROBE_CHUNK = 64  # tokens, before the time per token is known
+GROWTH = 2  # a chunk is at most this many times the one before
+SMOOTHING = 0.5  # weight of the newest measurement in the running time per token
+
+
+class Pacer:
+    """Chunk lengths for one ``BatchGenerator``: :meth:`chunk` before a step,
+    :meth:`measured` after it."""
+
+    def __init__(self, max_chunk: int) -> None:
+        if max_chunk < 1:
+            raise ValueError(f"--prefill-step-size must be >= 1, got {max_chunk}")
+        self.max_chunk = max_chunk
+        self.seconds_per_token: float | None = None
+        self.last = min(max_chunk, PROBE_CHUNK) // GROWTH  # the last chunk measured
+
+    def chunk(self, others_live: bool) -> int:
+        """Tokens per prompt in the next prefill chunk."""
+        if self.seconds_per_token is None:
+            return min(self.max_chunk, PROBE_CHUNK)
+        target = INTERLEAVE_S if others_live else ALONE_S
+        tokens = int(target / max(self.seconds_per_token, 1e-9))
+        tokens = min(tokens, GROWTH * max(self.last, MIN_CHUNK))
+        tokens = max(MIN_CHUNK, tokens - tokens % MIN_CHUNK)
+        return min(self.max_chunk, tokens)
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        """One step prefilled ``tokens`` positions per prompt in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.last = tokens
+        rate = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old
