@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
 from http.server import ThreadingHTTPServer
@@ -67,7 +68,12 @@ from velox_mlx_lm.serve.sequences import (
     client_gone,
     freed_of,
 )
-from velox_mlx_lm.serve.tools import render_tools_as_text, template_renders_tools
+from velox_mlx_lm.serve.tools import (
+    fenced_tool_call,
+    render_tools_as_text,
+    template_renders_tools,
+    tool_names,
+)
 
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
@@ -1104,6 +1110,15 @@ class VeloxHandler(mlx_server.APIHandler):
         }
 
     def generate_response(self, text: str, finish_reason: Any, *args: Any, **kwargs: Any) -> Any:
+        if finish_reason == "stop" and not self.stream and not kwargs.get("tool_calls"):
+            # a tool call written as a JSON object instead of tool-call tags (serve/tools.py)
+            call = fenced_tool_call(text, tool_names(self.body.get("tools")))
+            if call is not None:
+                text, finish_reason = "", "tool_calls"
+                arguments = json.dumps(call["arguments"], ensure_ascii=False)
+                function = {"name": call["name"], "arguments": arguments}
+                tool_call = {"function": function, "type": "function", "id": str(uuid.uuid4())}
+                kwargs["tool_calls"] = [tool_call]
         response = super().generate_response(text, finish_reason, *args, **kwargs)
         if finish_reason is not None:
             velox = self._velox_usage()

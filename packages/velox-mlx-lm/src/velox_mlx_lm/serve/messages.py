@@ -26,6 +26,7 @@ from mlx_lm.server import (
 )
 
 from velox_mlx_lm.serve.errors import BadRequest
+from velox_mlx_lm.serve.tools import fenced_tool_call, tool_names
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -52,6 +53,8 @@ class MessagesRequest:
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    # the tools' names, kept when the tools go into the system text (serve/tools.py)
+    tool_names: set[str] = field(default_factory=set)
 
     def completion_request(self) -> CompletionRequest:
         return CompletionRequest("chat", "", self.messages, self.tools, None)
@@ -218,7 +221,8 @@ def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
         model=model,
         max_tokens=max_tokens,
         messages=messages,
-        tools=convert_tools(body.get("tools")),
+        tools=(tools := convert_tools(body.get("tools"))),
+        tool_names=tool_names(tools),
         **_sampling(body),
     )
 
@@ -459,6 +463,15 @@ def tool_uses(ctx: Any, tool_texts: list[str], tools: Any) -> list[dict[str, Any
     return out
 
 
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex}",
+        "name": call["name"],
+        "input": call["arguments"],
+    }
+
+
 def collect(ctx: Any, responses: Any, writer: MessagesWriter) -> Generated:
     """Run the request's token stream through the text state machine, streaming its text."""
     generated = Generated()
@@ -509,6 +522,11 @@ def serve_messages(handler: Any, request: MessagesRequest, prompt_tokens: int) -
         writer.start()
         generated = collect(ctx, responses, writer)
         uses = tool_uses(ctx, generated.tool_texts, request.tools) if ctx.has_tool_calling else []
+        if not uses and not request.stream:  # a call written as a JSON object (serve/tools.py)
+            call = fenced_tool_call(generated.text, request.tool_names)
+            if call is not None:
+                generated.text = ""
+                uses = [_tool_use(call)]
         # A sequence cut short here is removed, not finished: it has no final stats.
         writer.finish(generated, uses, None if generated.cut else handler._velox_usage())
     finally:

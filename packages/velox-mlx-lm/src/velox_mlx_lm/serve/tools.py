@@ -10,6 +10,7 @@ sees them rather than losing them silently.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 PROBE_TOOL = {
@@ -135,3 +136,42 @@ def render_tools_as_text(
         else:
             out.insert(0, {"role": "system", "content": declared})
     return out
+
+
+_FENCE = re.compile(r"^```(?:json|tool_call|tool)?\s*\n?(.*?)\n?```$", re.DOTALL)
+
+
+def tool_names(tools: Any) -> set[str]:
+    """The names of a request's tools (OpenAI ``{"type": "function", "function": {...}}`` or
+    Anthropic-converted ones)."""
+    names = set()
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
+
+
+def fenced_tool_call(text: str, names: set[str]) -> dict[str, Any] | None:
+    """A tool call the model wrote as a JSON object instead of its template's tool-call tags
+    (Qwen2.5-Coder-1.5B answers a tool request with a ```json fenced ``{"name", "arguments"}``
+    block): ``{"name", "arguments"}`` when the whole reply is one such object, fenced or bare,
+    whose ``name`` is one of the request's tools and whose ``arguments`` is an object; else
+    ``None`` (the reply stays text)."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced is not None:
+        body = fenced.group(1).strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or set(call) - {"name", "arguments", "parameters"}:
+        return None
+    name = call.get("name")
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
+        return None
+    return {"name": name, "arguments": arguments}
