@@ -24,13 +24,12 @@ import mlx.core as mx
 
 from velox_cache_core import lanes as LN
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
 from velox_cache_core.selection import sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Prefill, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
 SIGNALS = ("query", "key")
