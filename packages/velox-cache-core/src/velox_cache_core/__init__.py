@@ -14,8 +14,19 @@ imports a core submodule:
 - what a saved state holds (:class:`KVSlots`, :class:`QRows`, :class:`KRows`,
   :class:`Lanes`, :class:`History`, :class:`UndoLog`, :class:`Entry`, :class:`LaneStep`,
   :func:`running_fields`, :func:`stored_fields`), for prompt-cache files;
-- each policy's functional API (``init_tova_state``, ``tova_update``, ...).
+- the batch functions (:mod:`batch <velox_cache_core.batch>`: ``batch.stack``,
+  ``batch.update``, ``batch.attend``) and each policy's functional API (``init_tova_state``,
+  ``tova_update``, ...).
+
+The layer lifecycle (``Layer``, ``Mode``, ``LayerBatch``, ``indices``, ``ModelShares``,
+``StepSums``) and ``batch`` are imported on first use (:func:`__getattr__`), so that importing
+the package for the functional API does not import them (about a third of its import time).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import (
@@ -30,13 +41,9 @@ from velox_cache_core.declarations import (
     running_fields,
     setting_fields,
 )
-from velox_cache_core.distributed import StepSums
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.krows import KRows
 from velox_cache_core.lanes import GlobalRule, LaneRule, Lanes
-from velox_cache_core.layer import Layer, Mode
-from velox_cache_core.layer_batch import LayerBatch, indices
-from velox_cache_core.model_shares import ModelShares
 from velox_cache_core.policies.expected_attention import (
     ExpectedAttentionState,
     expected_attention_compress,
@@ -78,6 +85,35 @@ from velox_cache_core.slots import KVSlots, stored_fields
 from velox_cache_core.undo import Entry, LaneStep, UndoLog, new_log
 from velox_cache_core.validation import check_choice, check_int
 
+if TYPE_CHECKING:
+    from velox_cache_core import batch
+    from velox_cache_core.distributed import StepSums
+    from velox_cache_core.layer import Layer, Mode
+    from velox_cache_core.layer_batch import LayerBatch, indices
+    from velox_cache_core.model_shares import ModelShares
+else:
+    # public name -> the submodule that defines it (the module itself for ``batch``)
+    _ON_FIRST_USE = {
+        "Layer": "layer",
+        "Mode": "layer",
+        "LayerBatch": "layer_batch",
+        "indices": "layer_batch",
+        "ModelShares": "model_shares",
+        "StepSums": "distributed",
+        "batch": "batch",
+    }
+
+    def __getattr__(name: str) -> Any:
+        """The lifecycle names of ``__all__``, imported the first time one is asked for."""
+        where = _ON_FIRST_USE.get(name)
+        if where is None:
+            raise AttributeError(f"module 'velox_cache_core' has no attribute {name!r}")
+        module = importlib.import_module(f"velox_cache_core.{where}")
+        value = module if name == where else getattr(module, name)
+        globals()[name] = value
+        return value
+
+
 __version__ = "0.6.0"
 
 __all__ = [
@@ -116,6 +152,7 @@ __all__ = [
     "TovaStep",
     "Traits",
     "UndoLog",
+    "batch",
     "check_choice",
     "check_int",
     "expected_attention_compress",
