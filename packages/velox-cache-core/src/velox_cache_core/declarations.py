@@ -80,20 +80,18 @@ class PolicyState:
 
     slots: the retained tokens (``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and
     dtype); offset: tokens seen so far, the true position of the next token; tokens_seen:
-    ``B * H_kv * L`` summed over calls; lanes: the rows an adaptive allocation kept, its heads
-    holding different counts (:class:`~velox_cache_core.lanes.Lanes`; ``slots`` then holds the
-    rows that came after the cut), ``None`` otherwise.
+    ``B * H_kv * L`` summed over calls.
 
-    Two more answers are declared here with the value of a policy without the feature:
-    :attr:`allocation` and :attr:`holds_prompt`. A policy offering the feature overrides them
-    (``allocation`` as a setting field with a default, ``holds_prompt`` as a property), so
-    every caller reads them from any state without probing.
+    Three more answers are declared here with the value of a policy without the feature:
+    :attr:`allocation`, :attr:`lanes` and :attr:`holds_prompt`. A policy offering the feature
+    overrides them (``allocation`` as a setting field and ``lanes`` as a running field, each
+    with a default; ``holds_prompt`` as a property), so every caller reads them from any state
+    without probing, and a policy without adaptive allocation carries no ``lanes`` field.
     """
 
     slots: KVSlots | None = running()
     offset: int = running(0)
     tokens_seen: int = running(0)
-    lanes: Lanes | None = running()
 
     @property
     def allocation(self) -> str:
@@ -102,6 +100,14 @@ class PolicyState:
         (the model's layers share one total; :mod:`velox_cache_core.lanes`). ``"uniform"``
         here; a policy with the setting declares it as a field (with a default)."""
         return "uniform"
+
+    @property
+    def lanes(self) -> Lanes | None:
+        """The rows a ``head``/``global`` allocation shared out, its heads holding different
+        counts (:class:`~velox_cache_core.lanes.Lanes`; ``slots`` then holds the rows that came
+        after the cut). ``None`` here; a policy that offers the allocation declares it as a
+        running field (``lanes: Lanes | None = running()``)."""
+        return None
 
     @property
     def holds_prompt(self) -> bool:

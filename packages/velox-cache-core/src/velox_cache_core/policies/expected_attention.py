@@ -225,6 +225,9 @@ class ExpectedAttentionState(PolicyState):
     rope_scale: float
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()

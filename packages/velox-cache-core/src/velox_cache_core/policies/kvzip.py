@@ -84,6 +84,9 @@ class KVzipState(PolicyState):
     after: After
     allocation: Allocation = "global"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)

@@ -45,6 +45,9 @@ class SnapKVState(PolicyState):
     signal: Signal
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
