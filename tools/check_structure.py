@@ -3,10 +3,12 @@
 1. No import cycle inside a package, counting every import: module level, function-local and
    under ``TYPE_CHECKING`` (a cycle hidden behind either is still a cycle for a reader).
 2. No function above cyclomatic complexity 15, as radon counts it.
+3. velox-mlx-lm imports only public names of the core: ``from velox_cache_core import NAME``
+   with ``NAME`` in ``velox_cache_core.__all__``, never a core submodule.
 
     python tools/check_structure.py [--max-complexity 15]
 
-Exits 1 naming each cycle and each function over the limit.
+Exits 1 naming each cycle, each function over the limit and each private core import.
 """
 
 from __future__ import annotations
@@ -107,6 +109,40 @@ def complex_functions(src: Path, limit: int) -> list[str]:
     return out
 
 
+def _public_core_names() -> set[str]:
+    """``velox_cache_core.__all__``, read from its ``__init__.py`` without importing it."""
+    init = ROOT / "packages/velox-cache-core/src/velox_cache_core/__init__.py"
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def private_core_imports(src: Path) -> list[str]:
+    """``path:line what`` for every import under ``src`` of a core submodule or of a name
+    ``velox_cache_core`` does not export."""
+    public = _public_core_names()
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                names = [a.name for a in node.names]
+                if module.startswith("velox_cache_core."):
+                    bad = [f"from {module} import {', '.join(names)}"]
+                else:
+                    bad = [n for n in names if module == "velox_cache_core" and n not in public]
+            elif isinstance(node, ast.Import):
+                bad = [f"import {a.name}" for a in node.names]
+                bad = [b for b in bad if b.startswith("import velox_cache_core.")]
+            else:
+                continue
+            out += [f"{path.relative_to(ROOT)}:{node.lineno} {b}" for b in bad]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-complexity", type=int, default=MAX_COMPLEXITY)
@@ -119,11 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             f"complexity over {args.max_complexity}: {f}"
             for f in complex_functions(src, args.max_complexity)
         ]
+    mlx_lm = ROOT / "packages/velox-mlx-lm/src"
+    problems += [
+        f"velox-mlx-lm imports a private core name: {p}" for p in private_core_imports(mlx_lm)
+    ]
     for line in problems:
         print(line)
     if problems:
         return 1
-    print("no import cycle; no function over complexity", args.max_complexity)
+    print(
+        f"no import cycle; no function over complexity {args.max_complexity}; "
+        "velox-mlx-lm imports public core names only"
+    )
     return 0
 
 

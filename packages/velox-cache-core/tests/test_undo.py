@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES
-from velox_cache_core.state import running_fields
+from velox_cache_core.declarations import running_fields
 from velox_cache_core.undo import UndoLog, new_log
 
 VARIANTS: list[tuple[str, dict[str, Any]]] = [

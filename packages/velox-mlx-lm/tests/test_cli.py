@@ -527,7 +527,7 @@ def test_inherited_quantization_help_says_what_velox_does() -> None:
 def test_help_method_lists_its_flags_from_the_registry(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from velox_cache_core.registry import POLICIES, flag_name, policy_for_method
+    from velox_cache_core import POLICIES, flag_name, policy_for_method
     from velox_mlx_lm.config import methods
 
     for parser in (cli.build_parser(), _serve_parser()):

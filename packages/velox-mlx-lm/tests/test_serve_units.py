@@ -332,7 +332,7 @@ def test_prompt_cache_keeps_within_the_room_left(tiny_model: Any) -> None:
 def test_admission_cost_bounds_what_a_sequence_holds(method: str, embedded_model: Any) -> None:
     """Prefill in chunks the undo log keeps, then decode: the bytes held never pass the
     admission cost of (prompt, max_tokens)."""
-    from velox_cache_core.registry import policy_for_method
+    from velox_cache_core import policy_for_method
 
     model = embedded_model
     policy = policy_for_method(method).name

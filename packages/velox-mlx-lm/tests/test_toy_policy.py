@@ -28,17 +28,18 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from velox_cache_core import (
     POLICIES,
     Call,
+    Compressor,
     Decision,
     KVSlots,
     Policy,
     PolicyState,
+    read_settings,
     register,
     running,
+    unregister,
 )
-from velox_cache_core.registry import unregister
 from velox_cache_core.scoring import grouped_logits, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.traits import Compressor, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, cache_class, cli, methods
 from velox_mlx_lm.flags import config_from_args
@@ -330,7 +331,7 @@ def _init_cache(cache: int = 8) -> KnormState:
 def test_command_flags_cover_the_live_parsers() -> None:
     """velox_mlx_lm.flags.COMMAND_FLAGS (what register() keeps free) holds every flag of both
     commands that is not generated from the registry."""
-    from velox_cache_core.registry import RESERVED_FLAGS, flag_name
+    from velox_cache_core import RESERVED_FLAGS, flag_name
     from velox_mlx_lm import serve
 
     generated = {flag_name(p.name, s) for p in POLICIES.values() for s in p.setting_names}

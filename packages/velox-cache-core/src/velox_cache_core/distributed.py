@@ -26,9 +26,17 @@ the same candidates with a :class:`Replay` of its share: the same decisions, one
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
+
+
+@runtime_checkable
+class Group(Protocol):
+    """What Velox reads of a tensor-parallel group: its size (an ``mx.distributed.Group``, or
+    a stand-in with the same methods)."""
+
+    def size(self) -> int: ...
 
 
 def layer_group(group: Any, scope: str) -> Any:
@@ -120,7 +128,7 @@ class StepSums:
     """
 
     def __init__(self, group: Any, layers: int) -> None:
-        if group is None or not callable(getattr(group, "size", None)):
+        if not isinstance(group, Group):
             raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
             raise ValueError(f"layers must be an int >= 1, got {layers!r}")

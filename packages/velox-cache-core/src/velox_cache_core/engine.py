@@ -15,12 +15,11 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from velox_cache_core import rows as R
+from velox_cache_core.declarations import PolicyState, Traits
 from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, rows_at, victims
 from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState
-from velox_cache_core.traits import Traits
 from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
     check_int,
@@ -125,7 +124,7 @@ class Decision:
 
 
 class Policy(Protocol):
-    """What the engine reads of a policy (``velox_cache_core.registry.Policy`` is one)."""
+    """What the engine reads of a policy (``velox_cache_core.policy.Policy`` is one)."""
 
     @property
     def name(self) -> str: ...
@@ -141,6 +140,8 @@ class Policy(Protocol):
     def packs_rows(self) -> bool: ...
     @property
     def traits(self) -> Traits: ...
+    @property
+    def lane_rule(self) -> LaneRule | None: ...
 
 
 def check_fits(slots: KVSlots | None, keys: Any, values: Any, *, stored: bool = True) -> None:
@@ -349,17 +350,13 @@ def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array
     return mx.array(starts, dtype=mx.int32)
 
 
-def _lane_rule(policy: Policy) -> LaneRule | None:
-    return getattr(policy, "lane_rule", None)
-
-
 def _evicts_on_lanes(state: Any) -> bool:
-    lanes = getattr(state, "lanes", None)
+    lanes = state.lanes
     return lanes is not None and lanes.free is not None
 
 
 def _lay_out(policy: Policy, state: Any, slots: KVSlots, call: Call) -> Laid:
-    rule = _lane_rule(policy)
+    rule = policy.lane_rule
     was_cut = False
     if rule is not None and state.lanes is None and call.length == 1:
         cut = rule.cut(state, call)  # a held prompt shared out at its end (adaptive allocation)
@@ -438,7 +435,7 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
     dead row, attends over the head's rows, and the policy's lowest-scored row of each head
     becomes the dead row. A chunk runs token by token (each sees the rows the previous ones
     left: sequential prefill). The undo log cannot follow lanes: it is cleared."""
-    rule = _lane_rule(policy)
+    rule = policy.lane_rule
     assert rule is not None
     state, call, tail = laid.state, laid.call, laid.slots
     L = call.length

@@ -40,10 +40,10 @@ import mlx.core as mx
 
 from velox_cache_core.attention import attend_row, weights_times_values
 from velox_cache_core.attention_rule import History
+from velox_cache_core.declarations import fresh, running_fields, setting_fields
 from velox_cache_core.engine import Call, Step
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import fresh, running_fields, setting_fields
 from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
 
 Kernel = Callable[..., Any]
@@ -119,7 +119,7 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | N
     if not policy.compiled_decode:
         return None
     slots = state.slots
-    if slots is None or state.lanes is not None or getattr(state, "holds_prompt", False):
+    if slots is None or state.lanes is not None or state.holds_prompt:
         return None
     if slots.free is None:  # an evict_before frees a slot once the store holds the budget
         budget = policy.traits.budget(state)

@@ -632,7 +632,7 @@ def linked_total(state: Any, total: int | None, name: str) -> int | None:
     """``total`` (a layer's rows under a model-wide cut) for a cut about to share rows out:
     under ``allocation="global"`` it must come from the linked layers (``ValueError``
     :data:`UNLINKED` when a lone layer tries to cut by itself)."""
-    if total is None and getattr(state, "allocation", None) == "global":
+    if total is None and state.allocation == "global":
         raise ValueError(UNLINKED.format(name=name))
     return total
 

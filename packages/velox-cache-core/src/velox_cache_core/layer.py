@@ -22,7 +22,7 @@ The mode is chosen once, by whoever knows how attention reaches the layer:
 At most one thing is pending: a call :class:`Waiting` for its queries, one :class:`Decided` at
 once whose attention may still come, or a decode step :class:`Deferred` until the pass's sums
 arrive. Reading stats (:meth:`Layer.view`) never enters a collective. A policy's model-driven
-phase (:class:`velox_cache_core.traits.Compressor`) runs through :meth:`Layer.start_phase`.
+phase (:class:`velox_cache_core.declarations.Compressor`) runs through :meth:`Layer.start_phase`.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.distributed import Recorder, Replay, StepSums
+from velox_cache_core.declarations import Compressor
+from velox_cache_core.distributed import Group, Recorder, Replay, StepSums
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.traits import Compressor
 from velox_cache_core.undo import UndoLog
 from velox_cache_core.validation import check_queries, check_scale
 
@@ -248,7 +248,7 @@ class Layer:
     def connect(self, group: Any) -> None:
         """Decide layer-wide over ``group`` (an ``mx.distributed.Group``; ``None`` or a group
         of one rank: alone); leaves ``STEP_SUMS``."""
-        if group is not None and not callable(getattr(group, "size", None)):
+        if group is not None and not isinstance(group, Group):
             raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
         self.settle()
         self.group = None if group is None or group.size() == 1 else group
@@ -890,9 +890,9 @@ class Layer:
         """At ``when``, a state awaiting a model-wide cut (``allocation="global"``) takes part
         in it: ``"first_token"`` cuts every linked layer now, ``"prompt_end"`` arrives (the
         last layer to arrive cuts them all). Returns whether it did."""
-        rule = getattr(self.policy, "global_rule", None)
+        rule = self.policy.global_rule
         state = self.state
-        if rule is None or rule.when != when or getattr(state, "allocation", None) != "global":
+        if rule is None or rule.when != when or state.allocation != "global":
             return False
         if not rule.pending(state):
             return False
@@ -942,7 +942,7 @@ class Layer:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
             )
-        if getattr(self.state, "holds_prompt", False):
+        if self.state.holds_prompt:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache that still holds its prompt for the "
                 f"allocation={self.state.allocation!r} cut, which comes with the first "

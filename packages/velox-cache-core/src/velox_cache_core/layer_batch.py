@@ -153,7 +153,7 @@ class LayerBatch:
         if any(not row.quiet or row.group is not group for row in rows):
             return False
         states = [row.state for row in rows]
-        if any(isinstance(getattr(s.slots, "keys", None), KRows) for s in states):
+        if any(s.slots is not None and isinstance(s.slots.keys, KRows) for s in states):
             return False  # per-channel keys group as each row's own history goes: unpacked
         if not can_pack(policy, states):
             return False

@@ -38,7 +38,7 @@ class ModelShares:
     def join(self, layer: Any) -> None:
         """Link ``layer`` (a :class:`~velox_cache_core.layer.Layer` whose policy declares a
         :class:`~velox_cache_core.lanes.GlobalRule`)."""
-        if getattr(layer.policy, "global_rule", None) is None:
+        if layer.policy.global_rule is None:
             raise ValueError(f"policy {layer.policy.name!r} declares no global allocation rule")
         if any(other is layer for other in self.layers):
             return

@@ -9,12 +9,15 @@ layer (scope ``layer``).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import mlx.core as mx
 
 from velox_cache_core.rows import QUANTIZED, Rows
-from velox_cache_core.traits import Scope
 
+# one decision per layer (every head keeps the same positions) or per KV head; a policy's
+# traits declare it (velox_cache_core.declarations re-exports it beside Signal and Prefill)
+Scope = Literal["layer", "head"]
 _LOG2_E = math.log2(math.e)
 
 

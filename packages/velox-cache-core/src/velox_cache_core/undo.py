@@ -34,8 +34,8 @@ import mlx.core as mx
 
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
+from velox_cache_core.declarations import PolicyState, fresh, running_fields
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, fresh, running_fields
 from velox_cache_core.validation import check_int
 
 

@@ -8,11 +8,17 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from velox_cache_core.rows import QRows
+from velox_cache_core import Layer, QRows
 
 
 class VeloxKVCache(_BaseCache):
     """Marker base: the attention hook hands attention calls for these caches to ``attend``."""
+
+    @property
+    def layer(self) -> Layer | None:
+        """The core :class:`~velox_cache_core.Layer` a single-sequence cache drives; ``None``
+        for a cache that drives several (a batch's rows)."""
+        return None
 
     def attend(
         self,

@@ -19,8 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.layer import Layer
-from velox_cache_core.layer_batch import LayerBatch, indices
+from velox_cache_core import Layer, LayerBatch, indices
 from velox_mlx_lm.base import VeloxKVCache, fetched_as_is
 from velox_mlx_lm.prompt_state import encode
 
@@ -30,8 +29,8 @@ def _layers(cache: Any, where: str) -> tuple[list[Layer], Any, Any]:
     pending padding and the single-sequence cache class rows are extracted as."""
     if isinstance(cache, BatchVeloxKVCache):
         return cache.batch.copy_rows(), cache.batch.padding, cache.row_type
-    layer = getattr(cache, "layer", None)
-    if not isinstance(cache, VeloxKVCache) or not isinstance(layer, Layer):
+    layer = cache.layer if isinstance(cache, VeloxKVCache) else None
+    if layer is None:
         raise TypeError(
             f"{where} must be a Velox cache, got {type(cache).__name__}: every layer of "
             "a batch must use the same kind of cache"

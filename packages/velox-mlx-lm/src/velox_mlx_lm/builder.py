@@ -8,9 +8,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from velox_cache_core.distributed import StepSums
-from velox_cache_core.layer import Mode
-from velox_cache_core.model_shares import ModelShares
+from velox_cache_core import Mode, ModelShares, StepSums
 from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.distributed import tensor_group
@@ -129,7 +127,7 @@ def link_shares(caches: list[Any]) -> list[Any]:
         for base in caches
         for c in _members(base)
         if isinstance(c, PolicyKVCache)
-        and getattr(c.layer.policy, "global_rule", None) is not None
+        and c.layer.policy.global_rule is not None
         and c.settings.get("allocation") == "global"
     ]
     if ours:

@@ -19,11 +19,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 
-from velox_cache_core.distributed import StepSums
-from velox_cache_core.layer import Layer, Mode
-from velox_cache_core.registry import POLICIES, Policy
-from velox_cache_core.rows import Quant
-from velox_cache_core.undo import new_log
+from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new_log
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
 from velox_mlx_lm.prompt_state import decode, encode, quant_of_state

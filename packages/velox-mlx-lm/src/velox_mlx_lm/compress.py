@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.layer import Layer
+from velox_cache_core import Layer
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.hook import install_attention_hook
 

@@ -15,9 +15,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from velox_cache_core.registry import POLICIES, Policy, field_name, policy_for_method
-from velox_cache_core.rows import Quant
-from velox_cache_core.validation import check_choice, check_int
+from velox_cache_core import (
+    POLICIES,
+    Policy,
+    Quant,
+    check_choice,
+    check_int,
+    field_name,
+    policy_for_method,
+)
 from velox_mlx_lm.cache import TRIM_WINDOW
 
 FULL = "full"

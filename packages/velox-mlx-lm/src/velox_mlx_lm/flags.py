@@ -16,9 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from velox_cache_core.registry import POLICIES, field_name, flag_name, reserve_flags
-from velox_cache_core.rows import KEY_LAYOUTS
-from velox_cache_core.settings import Setting
+from velox_cache_core import KEY_LAYOUTS, POLICIES, Setting, field_name, flag_name, reserve_flags
 
 # The shared short flags: ``--<setting>`` sets the chosen method's setting of that name.
 ALIASES = ("budget", "n_sink", "signal", "scope", "prefill", "window", "allocation")

@@ -15,8 +15,7 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from velox_cache_core.registry import flag_name, policy_for_method
-from velox_cache_core.settings import Setting
+from velox_cache_core import Setting, flag_name, policy_for_method
 from velox_mlx_lm.flags import ALIASES, setting_argument
 
 HIDDEN = "velox_hidden"  # an action with this attribute set is shown by --help-all only

@@ -13,14 +13,22 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.attention_rule import History
-from velox_cache_core.krows import KRows
-from velox_cache_core.lanes import Lanes
-from velox_cache_core.registry import Policy
-from velox_cache_core.rows import QRows, Quant, quant_of
-from velox_cache_core.slots import KVSlots, stored_fields
-from velox_cache_core.state import running_fields
-from velox_cache_core.undo import Entry, LaneStep, UndoLog
+from velox_cache_core import (
+    Entry,
+    History,
+    KRows,
+    KVSlots,
+    Lanes,
+    LaneStep,
+    Policy,
+    PolicyState,
+    QRows,
+    Quant,
+    UndoLog,
+    quant_of,
+    running_fields,
+    stored_fields,
+)
 
 
 def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
@@ -118,9 +126,9 @@ def _get(data: dict[str, Any], name: str, quant: Quant | None) -> Any:
     return QRows(packed, scales, biases, quant.bits, quant.group_size)
 
 
-def quant_of_state(state: Any) -> Quant | None:
+def quant_of_state(state: PolicyState) -> Quant | None:
     """How a state's rows are quantized (``None``: full precision or no rows yet)."""
-    slots = getattr(state, "slots", None)
+    slots = state.slots
     return None if slots is None else quant_of(slots.keys)
 
 
@@ -175,8 +183,12 @@ def _check_rows(policy: Policy, state: Any) -> None:
     """A loaded state of a policy without a prompt end holds at most ``budget`` rows, unless
     it holds its prompt for an adaptive cut still to come."""
     budget = policy.traits.budget(state)
-    held = bool(getattr(state, "holds_prompt", False))
-    if policy.prompt_end is None and not held and budget is not None and state.n_kept > budget:
+    if (
+        policy.prompt_end is None
+        and not state.holds_prompt
+        and budget is not None
+        and state.n_kept > budget
+    ):
         raise ValueError(
             f"saved {policy.name} state holds more rows ({state.n_kept}) than budget {budget}"
         )

@@ -12,7 +12,8 @@ from velox_cache_core.policies.morphkv import MORPHKV
 from velox_cache_core.policies.snapkv import SNAPKV, snapkv_compress
 from velox_cache_core.policies.streaming_llm import STREAMING_LLM
 from velox_cache_core.policies.tova import TOVA
-from velox_cache_core.registry import POLICIES, Policy, register
+from velox_cache_core.policy import Policy
+from velox_cache_core.registry import POLICIES, register
 
 register(TOVA)
 register(H2O)

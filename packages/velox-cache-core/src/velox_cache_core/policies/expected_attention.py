@@ -48,12 +48,11 @@ import mlx.core as mx
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, align_scores
+from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Scope, Signal, Traits
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 
@@ -226,6 +225,9 @@ class ExpectedAttentionState(PolicyState):
     rope_scale: float
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()

@@ -22,14 +22,21 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import HeldPrompt, holding, last_probe
 from velox_cache_core.attention_rule import History, Rule, align_scores, decide_by_weights
+from velox_cache_core.declarations import (
+    PolicyState,
+    Prefill,
+    Scope,
+    Signal,
+    read_settings,
+    running,
+)
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.selection import sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Prefill, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 
@@ -46,6 +53,9 @@ class H2OState(PolicyState):
     prefill: Prefill
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     scores: mx.array | None = running()
     # the last probe row while an adaptive allocation holds the prompt (a marker: None once
     # the prompt is cut, or always with the uniform allocation)
@@ -54,8 +64,7 @@ class H2OState(PolicyState):
     @property
     def holds_prompt(self) -> bool:
         """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
-        held = self.slots is None or self.history is not None
-        return self.allocation != "uniform" and self.lanes is None and held
+        return holding(self)
 
     def protect(self, positions: mx.array, newest: Any) -> mx.array:
         """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
@@ -123,63 +132,12 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     if state.holds_prompt:  # the sums accumulate over the whole prompt: nothing goes yet
         held = replace(state.rule, budget=_NEVER)
         decision, scores = decide_by_weights(held, call, candidates, scores=scores)
-        probe = call.probe(state.signal)
-        last = History(probe[:, :, -1:], call.positions()[-1:])
-        return replace(decision, changes={"scores": scores, "history": last})
+        return replace(decision, changes={"scores": scores, "history": last_probe(state, call)})
     decision, scores = decide_by_weights(state.rule, call, candidates, scores=scores)
     return replace(decision, changes={"scores": scores})
 
 
 _NEVER = 2**30  # a budget no prompt reaches
-
-
-def _cut_scores(state: H2OState) -> tuple[KVSlots, mx.array, mx.array] | None:
-    """The held prompt's rows, their sums and the rows the cut spares (sinks, the recent
-    window before the next token), or ``None`` when nothing is to cut."""
-    if not state.holds_prompt or state.slots is None or state.scores is None:
-        return None
-    live = state.slots.compact()
-    if live.n_slots <= state.budget:
-        return None
-    return live, state.scores, state.protect(live.positions, state.offset)
-
-
-def _cut(state: H2OState, total: int | None) -> H2OState:
-    """The held prompt cut into per-head shares by its sums (``total``: the layer's rows
-    under ``global``; ``None``: ``budget * H``), lanes carrying the sums with one dead row per
-    head; a prompt within ``budget`` is not cut (H2O goes on uniformly)."""
-    found = _cut_scores(state)
-    if found is None:
-        return replace(state, history=None) if state.holds_prompt else state
-    live, scores, _ = found
-    return LN.cut_evicting(
-        state,
-        live,
-        scores,
-        lambda positions: state.protect(positions, state.offset),
-        name="h2o",
-        keep_scores=True,
-        total=total,
-        history=None,
-        scores=None,
-    )
-
-
-def h2o_cut(state: H2OState, call: Call) -> H2OState:
-    """The held prompt cut at its end (the first single-token call) into per-head shares by
-    its attention sums (lanes carrying the sums, one dead row per head). A prompt within
-    ``budget`` is not cut: H2O then goes on uniformly. ``global`` is cut by the model's
-    linked layers together (see the module doc)."""
-    return _cut(state, None)
-
-
-H2O_GLOBAL = LN.GlobalRule(
-    pending=lambda state: state.holds_prompt,
-    scores=_cut_scores,
-    cut=_cut,
-    spare=2,
-    when="first_token",
-)
 
 
 def _h2o_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -188,11 +146,21 @@ def _h2o_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[m
     return sums, sums
 
 
-H2O_LANES = LN.LaneRule(
-    cut=h2o_cut,
-    probe=lambda state: state.signal,
+def _prompt_sums(state: H2OState, live: KVSlots) -> mx.array:
+    assert state.scores is not None
+    return state.scores
+
+
+# ``head``/``global`` allocation: the held prompt is cut by its attention sums, which the lanes
+# carry on, and every later step evicts each head's lowest sum (velox_cache_core.allocation)
+H2O_ALLOCATION = HeldPrompt(
+    name="h2o",
+    ready=lambda state: state.scores is not None,
+    prompt_scores=_prompt_sums,
     protect=lambda state, positions, newest: state.protect(positions, newest),
-    score=_h2o_score,
+    step_scores=_h2o_score,
+    keep_scores=True,
+    cleared={"scores": None},
 )
 
 
@@ -204,8 +172,8 @@ H2O = Policy(
     packs_rows=True,
     compiled_decode=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
-    lane_rule=H2O_LANES,
-    global_rule=H2O_GLOBAL,
+    lane_rule=H2O_ALLOCATION.lane_rule(),
+    global_rule=H2O_ALLOCATION.global_rule(),
     summary={
         "h2o": "keeps the tokens with the most attention summed so far plus the recent ones (H2O)",
     },

@@ -47,15 +47,21 @@ import mlx.core as mx
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.declarations import (
+    Compressor,
+    PolicyState,
+    Scope,
+    Signal,
+    read_settings,
+    running,
+)
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policies.tova import SIGNALS
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Compressor, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
 
 PROBES = ("reconstruct", "latest")
@@ -78,6 +84,9 @@ class KVzipState(PolicyState):
     after: After
     allocation: Allocation = "global"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)

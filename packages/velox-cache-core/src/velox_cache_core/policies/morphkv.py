@@ -14,12 +14,18 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.declarations import (
+    PolicyState,
+    Prefill,
+    Scope,
+    Signal,
+    read_settings,
+    running,
+)
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, PRESETS, SCOPES, SIGNALS
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Prefill, Scope, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 FUSIONS = ("mean", "max")

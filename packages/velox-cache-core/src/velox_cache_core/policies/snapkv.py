@@ -25,14 +25,13 @@ import mlx.core as mx
 from velox_cache_core import lanes as LN
 from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History
+from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import SIGNALS
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.sequential import row_visibility
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Signal, read_settings
 from velox_cache_core.validation import check_choice, check_int
 
 
@@ -46,6 +45,9 @@ class SnapKVState(PolicyState):
     signal: Signal
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from velox_cache_core.declarations import PolicyState, read_settings
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState
-from velox_cache_core.traits import read_settings
 from velox_cache_core.validation import check_budget_and_sinks
 
 

@@ -23,14 +23,14 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import HeldPrompt, holding, last_probe
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
-from velox_cache_core.registry import Policy
+from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
 from velox_cache_core.selection import sinks
 from velox_cache_core.slots import KVSlots
-from velox_cache_core.state import PolicyState, running
-from velox_cache_core.traits import Prefill, Signal, read_settings
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
 SIGNALS = ("query", "key")
@@ -59,6 +59,9 @@ class TovaState(PolicyState):
     prefill: Prefill
     allocation: str = "uniform"
     allocation_floor: float = LN.FLOOR
+    # the rows a head/global allocation shared out, heads holding different counts
+    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
+    lanes: LN.Lanes | None = running()
     # the last probe row while an adaptive allocation holds the prompt (None otherwise)
     history: History | None = running()
     # the attention scale of the held prompt's calls (for a cut outside a call: global)
@@ -67,8 +70,7 @@ class TovaState(PolicyState):
     @property
     def holds_prompt(self) -> bool:
         """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
-        held = self.slots is None or self.history is not None
-        return self.allocation != "uniform" and self.lanes is None and held
+        return holding(self)
 
     @property
     def rule(self) -> Rule:
@@ -121,65 +123,24 @@ def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots)
     """Evict the lowest current-step weight (memoryless); while an adaptive allocation holds
     the prompt, keep everything and remember the last probe row."""
     if state.holds_prompt:
-        probe = call.probe(state.signal)
-        last = History(probe[:, :, -1:], call.positions()[-1:])
-        return Decision(candidates, changes={"history": last, "scale": call.scale})
+        return Decision(
+            candidates, changes={"history": last_probe(state, call), "scale": call.scale}
+        )
     return decide_by_weights(state.rule, call, candidates)[0]
 
 
-def _cut_scores(state: TovaState) -> tuple[KVSlots, mx.array, mx.array] | None:
-    """The held prompt's rows, the last probe row's weights over them per KV head and the
-    sinks, or ``None`` when nothing is to cut (not held, within budget)."""
-    if not state.holds_prompt or state.slots is None or state.history is None:
-        return None
-    live = state.slots.compact()
-    if live.n_slots <= state.budget:
-        return None
-    assert state.scale is not None
+def _prompt_scores(state: TovaState, live: KVSlots) -> mx.array:
+    """The held prompt's rows scored by its last probe row's weights, per KV head."""
+    assert state.history is not None and state.scale is not None
     logits = grouped_logits(state.history.probes, live.keys, state.scale, "head")
-    scores = decision_weights(logits)[:, :, 0]  # [B, H_kv, n]
-    return live, scores, sinks(live.positions, state.n_sink)
+    return decision_weights(logits)[:, :, 0]  # [B, H_kv, n]
 
 
-def _cut(state: TovaState, total: int | None) -> TovaState:
-    """The held prompt cut into per-head shares (``total``: the layer's rows under
-    ``global``; ``None``: ``budget * H``), lanes with one dead row per head; a prompt within
-    ``budget`` is not cut (TOVA goes on uniformly)."""
-    found = _cut_scores(state)
-    if found is None:
-        return replace(state, history=None) if state.holds_prompt else state
-    live, scores, _ = found
-    return LN.cut_evicting(
-        state,
-        live,
-        scores,
-        lambda positions: sinks(positions, state.n_sink),
-        name="tova",
-        keep_scores=False,
-        total=total,
-        history=None,
-        scale=None,
-    )
-
-
-def tova_cut(state: TovaState, call: Call) -> TovaState:
-    """The held prompt cut at its end (the first single-token call): the last probe row's
-    weights over it, per KV head, share the layer's rows out (lanes, each head with one dead
-    row for the next token). A prompt within ``budget`` is not cut: TOVA then goes on
-    uniformly. ``global`` is cut by the model's linked layers together (see the module
-    doc)."""
+def _with_scale(state: TovaState, call: Call) -> TovaState:
+    """The held state with the cutting call's scale, when the prompt's calls gave none."""
     if state.holds_prompt and state.scale is None:
-        state = replace(state, scale=call.scale)
-    return _cut(state, None)
-
-
-TOVA_GLOBAL = LN.GlobalRule(
-    pending=lambda state: state.holds_prompt,
-    scores=_cut_scores,
-    cut=_cut,
-    spare=2,
-    when="first_token",
-)
+        return replace(state, scale=call.scale)
+    return state
 
 
 def _tova_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, None]:
@@ -187,11 +148,17 @@ def _tova_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[
     return weights, None
 
 
-TOVA_LANES = LN.LaneRule(
-    cut=tova_cut,
-    probe=lambda state: state.signal,
+# ``head``/``global`` allocation: the held prompt is cut by its last probe row's weights, and
+# every later step evicts each head's lowest current-step weight (velox_cache_core.allocation)
+TOVA_ALLOCATION = HeldPrompt(
+    name="tova",
+    ready=lambda state: state.history is not None,
+    prompt_scores=_prompt_scores,
     protect=lambda state, positions, newest: sinks(positions, state.n_sink),
-    score=_tova_score,
+    step_scores=_tova_score,
+    keep_scores=False,
+    cleared={"scale": None},
+    prepare=_with_scale,
 )
 
 
@@ -204,8 +171,8 @@ TOVA = Policy(
     packs_rows=True,
     compiled_decode=True,
     traits=read_settings("signal", "scope", "prefill", "budget"),
-    lane_rule=TOVA_LANES,
-    global_rule=TOVA_GLOBAL,
+    lane_rule=TOVA_ALLOCATION.lane_rule(),
+    global_rule=TOVA_ALLOCATION.global_rule(),
     summary={
         "tova": "drops the token the newest query attends to least (TOVA)",
         "tova_adapted": "TOVA scored with the new key in place of the query, per KV head",

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from velox_cache_core.registry import POLICIES
+from velox_cache_core import POLICIES
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.serve.cache import VeloxPromptCache, cache_nbytes
 from velox_mlx_lm.serve.errors import BadRequest
