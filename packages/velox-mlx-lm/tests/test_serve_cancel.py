@@ -47,8 +47,9 @@ def test_pacer_shrinks_at_once_when_tokens_get_dear_and_keeps_its_bounds() -> No
     pacer = Pacer(512)
     pacer.measured(64, 0.064)
     pacer.measured(128, 128 * 0.5)  # half a second a token (past the budget)
-    # the running estimate is between the two rates; the chunk is at least MIN_CHUNK
-    assert MIN_CHUNK <= pacer.chunk(others_live=True) <= 2 * MIN_CHUNK
+    # sized from the newest rate alone: a second of prefill is two tokens, so MIN_CHUNK
+    assert pacer.chunk(others_live=True) == MIN_CHUNK
+    assert pacer.chunk(others_live=False) == 16  # ten seconds: 20 tokens, a multiple of 16
     small = Pacer(8)
     assert small.chunk(others_live=False) == 8  # never above --prefill-step-size
     with pytest.raises(ValueError, match="--prefill-step-size"):

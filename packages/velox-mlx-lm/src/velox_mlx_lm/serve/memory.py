@@ -190,7 +190,7 @@ class AdmissionCost:
         held = False
         if policy is not None and config.policy is not None:
             state = policy.init_for(config.method, **config.settings())
-            held = bool(getattr(state, "holds_prompt", False))
+            held = bool(state.holds_prompt)
         self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
         budget = config.settings().get("budget") if policy is not None else None
         self.budget = int(budget) if isinstance(budget, int) else 0

@@ -19,8 +19,9 @@ and a chunk is at most :data:`GROWTH` times the one before: the time per token j
 cache passes its budget (below it a chunk is one batched pass), and a chunk sized from the
 cheap tokens would overshoot. The time bound is therefore approximate where that happens
 (by at most the growth factor's share of the chunk that crosses the budget).
-The tokens and their order are the same; only the split of the prompt into chunks changes,
-which the caches' results do not depend on (the chunked-prefill tests pin this).
+The tokens and their order are the same; only the split of the prompt into chunks changes.
+With the default ``sequential`` prefill the caches' results do not depend on it (the contract's
+chunk-invariance test); a ``oneshot`` prefill depends on the cut, as on ``--prefill-step-size``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ ALONE_S = 10.0  # the longest prefill chunk when nothing else is live
 MIN_CHUNK = 16  # tokens: below this a chunk's fixed cost dominates
 PROBE_CHUNK = 64  # tokens, before the time per token is known
 GROWTH = 2  # a chunk is at most this many times the one before
-SMOOTHING = 0.5  # weight of the newest measurement in the running time per token
 
 
 class Pacer:
@@ -58,7 +58,7 @@ class Pacer:
         """One step prefilled ``tokens`` positions per prompt in ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
+        # The newest rate alone: an average with cheaper chunks before it (below the budget)
+        # would size the next chunk for tokens it no longer has.
         self.last = tokens
-        rate = seconds / tokens
-        old = self.seconds_per_token
-        self.seconds_per_token = rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old
+        self.seconds_per_token = seconds / tokens
