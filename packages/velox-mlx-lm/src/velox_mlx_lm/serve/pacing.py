@@ -4,21 +4,20 @@ mlx-lm's ``BatchGenerator`` already alternates: each step decodes one token for 
 generating sequence, then prefills one chunk of ``prefill_step_size`` tokens for every prompt
 in its prompt batch, and a newly arrived prompt joins that batch (its tokens go through in
 the same call as the long prompt's next chunk). What made a short request wait minutes was
-the chunk's *duration*: past the budget, a policy that scores every token as it arrives
-(TOVA, H2O, ...) processes a chunk token by token, at decode speed. Measured on the 2-core
-machine, SmolLM2 with TOVA(256): 145 s per 2,048-token chunk. A short request arriving
-during such a prefill waited for the chunk in progress, then for a whole joint chunk, then a
-whole chunk per generated token.
+the chunk's *duration*: on a busy 2-core CPU a 2,048-token chunk takes minutes (145 s
+measured for SmolLM2 with TOVA(256) with other jobs running). A short request arriving during
+such a prefill waited for the chunk in progress, then for a whole joint chunk, then a whole
+chunk per generated token.
 
 :class:`Pacer` picks each step's chunk length from the measured prefill time per token: at
 most :data:`INTERLEAVE_S` of prefill per step while other sequences wait or generate, at
 most :data:`ALONE_S` when the prompt batch is alone (a newcomer waits for at most that much
 of the chunk in progress), never more than ``--prefill-step-size`` and never less than
 :data:`MIN_CHUNK` tokens. Before the first measurement a chunk is :data:`PROBE_CHUNK` tokens,
-and a chunk is at most :data:`GROWTH` times the one before: the time per token jumps when a
-cache passes its budget (below it a chunk is one batched pass), and a chunk sized from the
-cheap tokens would overshoot. The time bound is therefore approximate where that happens
-(by at most the growth factor's share of the chunk that crosses the budget).
+and a chunk is at most :data:`GROWTH` times the one before: the time per token changes (the
+attention span grows with the context, a cache passes its budget, other processes take the
+CPU), and a chunk sized from cheaper tokens would overshoot. The time bound is therefore
+approximate, by at most the growth factor.
 The tokens and their order are the same; only the split of the prompt into chunks changes.
 With the default ``sequential`` prefill the caches' results do not depend on it (the contract's
 chunk-invariance test); a ``oneshot`` prefill depends on the cut, as on ``--prefill-step-size``.
