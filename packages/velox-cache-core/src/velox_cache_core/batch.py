@@ -30,12 +30,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import PolicyState, running_fields
 from velox_cache_core.engine import Step
 from velox_cache_core.policy import Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_kv
 

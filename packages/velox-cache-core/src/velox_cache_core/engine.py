@@ -14,12 +14,12 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.declarations import PolicyState, Traits
 from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, rows_at, victims
 from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
     check_int,

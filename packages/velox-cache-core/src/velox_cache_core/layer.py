@@ -38,14 +38,15 @@ import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policy import Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
 from velox_cache_core.validation import check_queries, check_scale
 
@@ -174,9 +175,9 @@ class Layer:
     ``group``: the tensor-parallel group layer-wide decisions sum over (``None``: one
     process); ``sums``/``index``: the model's :class:`StepSums` and this layer's index in it
     (mode ``STEP_SUMS``). ``quant``: store the rows quantized
-    (:class:`~velox_cache_core.rows.Quant`): each call's keys and values are quantized as
-    they arrive, so what the queries attend over and what the policy scores are the same
-    quantized rows.
+    (:class:`~velox_cache_core.store.token_rows.Quant`): each call's keys and values are
+    quantized as they arrive, so what the queries attend over and what the policy scores are
+    the same quantized rows.
     """
 
     def __init__(
@@ -187,9 +188,9 @@ class Layer:
         *,
         mode: Mode = Mode.QUERIES,
         group: Any = None,
-        quant: R.Quant | None = None,
+        quant: Quant | None = None,
     ) -> None:
-        if quant is not None and not isinstance(quant, R.Quant):
+        if quant is not None and not isinstance(quant, Quant):
             raise TypeError(f"quant must be a Quant or None, got {type(quant).__name__}")
         if not isinstance(mode, Mode):
             raise TypeError(f"mode must be a Mode ({[m.name for m in Mode]}), got {mode!r}")
@@ -306,7 +307,7 @@ class Layer:
     def lay_out(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows]:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
-        (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
+        (:class:`~velox_cache_core.store.token_rows.QRows`) when the layer has a ``quant``."""
         if self.stepped:
             self.stepped = []
         idle = self.pending is None and self.phase is None and self.quant is None

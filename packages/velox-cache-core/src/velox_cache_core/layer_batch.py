@@ -23,7 +23,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.batch import (
     Packed,
@@ -37,8 +36,9 @@ from velox_cache_core.batch import (
     unpack,
 )
 from velox_cache_core.engine import check_fits
-from velox_cache_core.krows import KRows
 from velox_cache_core.layer import Layer
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.validation import check_kv
 
 

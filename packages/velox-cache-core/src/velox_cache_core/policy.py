@@ -19,7 +19,7 @@ from velox_cache_core import undo
 from velox_cache_core.declarations import Compressor, PolicyState, Setting, Traits, policy_settings
 from velox_cache_core.engine import Call, Decision, Step, update
 from velox_cache_core.lanes import GlobalRule, LaneRule
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import UndoLog
 
 Rule = Callable[[Any, Call, KVSlots, KVSlots], Decision]
