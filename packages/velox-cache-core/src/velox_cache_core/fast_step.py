@@ -18,7 +18,7 @@ A policy opts in with ``Policy.compiled_decode``: its decode rule and ``evict_be
 state only through settings and array running fields (never an int counter, which a trace would
 freeze), and positions only through ``Call.positions``/``Call.newest``.
 
-Which steps take it (:func:`eligible`): one token, a single process (no tensor-parallel group),
+Which steps take it (:func:`eligible`): one token, a single process (no tensor parallelism),
 full-precision rows held as one uniform store (no lanes: ``allocation="uniform"``), after the
 prompt (no held prompt, no prompt-end step), with a dead slot to write into or an
 ``evict_before`` that frees one. A short chunk whose steps all stay steady (a speculative

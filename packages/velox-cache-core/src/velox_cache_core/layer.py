@@ -40,7 +40,7 @@ from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
-from velox_cache_core.distributed import Group, Recorder, Replay, StepSums
+from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policy import Policy
@@ -746,9 +746,9 @@ class Layer:
             queries=queries,
             scale=scale,
             check_finite=False,
-            group=recorder,
         )
-        step = decide(self.policy, laid, self.log)
+        with summing_over(recorder):
+            step = decide(self.policy, laid, self.log)
         if recorder.sums:  # the decision waits for the sums; the attention does not
             self.pending = Deferred(laid)
             sums.defer(recorder.sums, self.finish)
@@ -766,7 +766,8 @@ class Layer:
         the forward pass (the log's rows then hold no lazy read of slots written in place)."""
         pending, self.pending = self.pending, None
         assert isinstance(pending, Deferred)
-        step = decide(self.policy, pending.laid.regroup(replay), self.log)
+        with summing_over(replay):
+            step = decide(self.policy, pending.laid, self.log)
         self.log = step.log
         self.state = self._after_call(step.state, 1)
         tied = self.state.slots.arrays()
@@ -866,17 +867,18 @@ class Layer:
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
-        """One core update, recorded in the undo log."""
-        step = self.policy.update(
-            state,
-            keys=keys,
-            values=values,
-            queries=queries,
-            scale=scale,
-            check_finite=False,
-            log=self.log,
-            group=self.group,
-        )
+        """One core update, recorded in the undo log (its layer-wide decisions summed over
+        the layer's group)."""
+        with summing_over(self.group):
+            step = self.policy.update(
+                state,
+                keys=keys,
+                values=values,
+                queries=queries,
+                scale=scale,
+                check_finite=False,
+                log=self.log,
+            )
         self.log = step.log
         return step
 
@@ -951,7 +953,8 @@ class Layer:
                 "never makes one, so the cache would grow without bound; use "
                 "allocation='uniform' with a draft model"
             )
-        self.state, self.log = self.policy.trim(self.state, self.log, n, self.group)
+        with summing_over(self.group):
+            self.state, self.log = self.policy.trim(self.state, self.log, n)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:
         """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded
