@@ -28,9 +28,8 @@ the same candidates with a :class:`Replay` of its share: the same decisions, one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -57,17 +56,31 @@ def layer_group(group: Any, scope: str) -> Any:
 _SUMMING: ContextVar[Any] = ContextVar("velox_cache_core_summing", default=None)
 
 
-@contextmanager
-def summing_over(group: Any) -> Iterator[None]:
-    """Within the block, the layer-wide head averages of every decision taken
-    (:func:`decision_mean`) span the heads of every rank of ``group``: an
+class SummingOver:
+    """The context :func:`summing_over` returns (a class, not a generator: the layer enters
+    one per call it feeds the engine: about 0.8 us against 2 us for a generator)."""
+
+    __slots__ = ("group", "token")
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.token: Token[Any] | None = None
+
+    def __enter__(self) -> None:
+        self.token = _SUMMING.set(self.group)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.token is not None
+        _SUMMING.reset(self.token)
+        self.token = None
+
+
+def summing_over(group: Any) -> SummingOver:
+    """``with summing_over(group):`` the layer-wide head averages of every decision taken in
+    the block (:func:`decision_mean`) span the heads of every rank of ``group``: an
     ``mx.distributed.Group``, a :class:`Recorder` or :class:`Replay` standing in for one, or
     ``None`` (this process's heads only, what holds outside any block)."""
-    token = _SUMMING.set(group)
-    try:
-        yield
-    finally:
-        _SUMMING.reset(token)
+    return SummingOver(group)
 
 
 def decision_group(scope: str) -> Any:
