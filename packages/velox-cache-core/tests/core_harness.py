@@ -18,7 +18,7 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from velox_cache_core.rows import dense
+from velox_cache_core.store.rows import dense
 
 # Decisions closer than this (relative score gap) could flip under fp32 rounding: skip them.
 MIN_MARGIN = 1e-4

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from test_policy_contract import NAMES
 from test_quantized_rows import every_chunking
 
-from velox_cache_core import rows as R
-from velox_cache_core.krows import KRows
-from velox_cache_core.rows import Quant
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.token_rows import Quant
 
 D = 64
 

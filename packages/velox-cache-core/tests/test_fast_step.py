@@ -26,7 +26,7 @@ from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import running_fields
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import new_log
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {

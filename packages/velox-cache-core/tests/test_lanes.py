@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import lanes as LN
-from velox_cache_core.rows import Quant
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.token_rows import Quant
 
 
 def _case(seed: int, B: int, H: int, n: int, D: int = 8, ties: bool = False):  # type: ignore[no-untyped-def]

@@ -62,7 +62,7 @@ from hypothesis import strategies as st
 from velox_cache_core import POLICIES, Policy, expected_attention_compress, snapkv_compress
 from velox_cache_core.engine import GROW
 from velox_cache_core.policies.kvzip import kvzip_end_prompt
-from velox_cache_core.rows import Quant
+from velox_cache_core.store.token_rows import Quant
 
 # ------------------------------------------------------------------------------ the table
 

@@ -16,7 +16,8 @@ from test_policy_contract import CASES, EXAMPLES, NAMES, needs_queries, run_agai
 
 from velox_cache_core import POLICIES
 from velox_cache_core.layer import Layer
-from velox_cache_core.rows import BITS, QRows, Quant, row_bytes
+from velox_cache_core.store.rows import row_bytes
+from velox_cache_core.store.token_rows import BITS, QRows, Quant
 from velox_cache_core.undo import new_log
 
 WIDTHS = (8, 4, 2)

@@ -16,7 +16,7 @@ import pytest
 
 from velox_cache_core import POLICIES
 from velox_cache_core.engine import GROW, update
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import new_log
 
 B, H_KV, H_Q, D = 2, 2, 4, 8

@@ -12,7 +12,7 @@ import numpy as np
 
 from velox_cache_core import POLICIES
 from velox_cache_core.policies.kvzip import PAD
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_mlx_lm import prompt_state
 
 KVZIP = POLICIES["kvzip"]

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import save_prompt_cache
 from test_batch_generate import alone, assert_same_as_alone, batched, config, prompts
 from test_quantized_mlx import model_32, run
 
-from velox_cache_core.krows import KRows
+from velox_cache_core.store.channel_keys import KRows
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.prompt_cache import load_prompt_cache as velox_load
 

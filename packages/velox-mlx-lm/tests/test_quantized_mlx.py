@@ -15,7 +15,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache, save_prompt_cache
 from test_batch_generate import alone, assert_same_as_alone, batched, config, prompts
 
-from velox_cache_core.rows import QRows
+from velox_cache_core.store.token_rows import QRows
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig, methods
 from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.prompt_cache import load_prompt_cache as velox_load

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_cache_core import POLICIES
 from velox_cache_core.layer import Layer
-from velox_cache_core.rows import Quant
+from velox_cache_core.store.token_rows import Quant
 
 __all__ = ["Case", "compare", "make_step"]
 

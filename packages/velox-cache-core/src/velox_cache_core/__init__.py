@@ -42,7 +42,6 @@ from velox_cache_core.declarations import (
     setting_fields,
 )
 from velox_cache_core.engine import Call, Decision, Step
-from velox_cache_core.krows import KRows
 from velox_cache_core.lanes import GlobalRule, LaneRule, Lanes
 from velox_cache_core.policies.expected_attention import (
     ExpectedAttentionState,
@@ -80,8 +79,10 @@ from velox_cache_core.registry import (
     reserve_flags,
     unregister,
 )
-from velox_cache_core.rows import KEY_LAYOUTS, QRows, Quant, quant_of
-from velox_cache_core.slots import KVSlots, stored_fields
+from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.rows import quant_of
+from velox_cache_core.store.slots import KVSlots, stored_fields
+from velox_cache_core.store.token_rows import KEY_LAYOUTS, QRows, Quant
 from velox_cache_core.undo import Entry, LaneStep, UndoLog, new_log
 from velox_cache_core.validation import check_choice, check_int
 

@@ -11,8 +11,10 @@ import mlx.core as mx
 
 from velox_cache_core import lanes
 from velox_cache_core.engine import Step
-from velox_cache_core.rows import QUANTIZED, KRows, QRows, dense
 from velox_cache_core.scoring import grouped_logits, softmax
+from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.rows import QUANTIZED, dense
+from velox_cache_core.store.token_rows import QRows
 
 
 def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -22,9 +24,9 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     Attend once: when the rule already computed the query's attention weights (a decode step
     scored with the true query) and the backend is the CPU, where MLX's attention is not a fused
     kernel, the output is those weights times the values. On Metal/CUDA the fused kernel runs.
-    Quantized rows (:class:`~velox_cache_core.rows.QRows`) have no fused kernel: they are read
-    packed by ``mx.quantized_matmul`` on every backend (the rule's weights times the values, or
-    scores, mask, softmax and values, as mlx-lm's quantized attention computes them).
+    Quantized rows (:class:`~velox_cache_core.store.token_rows.QRows`) have no fused kernel:
+    they are read packed by ``mx.quantized_matmul`` on every backend (the rule's weights times
+    the values, or scores, mask, softmax and values, as mlx-lm's quantized attention computes them).
     ``sinks``: per-head attention sink logits ``[H_q]`` of models that have them (gpt-oss).
     A step with :attr:`~velox_cache_core.engine.Step.lanes` (heads keeping different row
     counts) attends over them and the step's rows together (:func:`velox_cache_core.lanes.attend`).

@@ -9,16 +9,15 @@ that decide (H2O: inertial). The lowest goes; sinks and, for H2O, a recent windo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.distributed import head_mean, layer_group
+from velox_cache_core.distributed import decision_mean
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 
 
 @dataclass(frozen=True)
@@ -71,14 +70,14 @@ def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.arra
 
 
 def _fused_weights(
-    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str, group: Any
+    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str, scope: Scope
 ) -> mx.array:
     """``[B, G, H_d, R, n]`` logits of rows that all see every candidate they precede ->
-    fused ``[B, G, n]`` weights (heads averaged over ``group``'s ranks too, when given)."""
+    fused ``[B, G, n]`` weights (heads averaged by :func:`decision_mean`)."""
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA exactly)
-        return head_mean(softmax(logits.astype(mx.float32)), 2, group)[:, :, 0]
+        return decision_mean(softmax(logits.astype(mx.float32)), 2, scope)[:, :, 0]
     visible = row_visibility(positions, row_positions)[:, :, None]
-    return fuse_rows(head_mean(masked_softmax(logits, visible), 2, group), fusion)
+    return fuse_rows(decision_mean(masked_softmax(logits, visible), 2, scope), fusion)
 
 
 def align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
@@ -105,8 +104,8 @@ def decide_by_weights(
 
     ``scores`` (``[B, G, n]`` aligned with the candidates, see :func:`align_scores`) switch the
     rule to accumulating weights; the updated scores of the kept slots are returned.
-    Layer-wide weights are averaged over the heads of every rank of ``call.group``
-    (:mod:`velox_cache_core.distributed`), so every rank takes the same decision.
+    Layer-wide weights are averaged by :func:`~velox_cache_core.distributed.decision_mean`:
+    over every rank's heads under tensor parallelism, so every rank takes the same decision.
     One function per path: a decode step, a sequential chunk, a oneshot chunk.
     """
     if call.length == 1:
@@ -122,17 +121,16 @@ def _step_weights(
     rule: Rule, call: Call, candidates: KVSlots, history: History | None
 ) -> tuple[mx.array, mx.array]:
     """A decode step's (weights ``[B, G, n]``, per-row weights ``[B, G, H_d, R, n]``)."""
-    group = layer_group(call.group, rule.scope)
     rows, row_positions = _rows(history, call.probe(rule.signal), call)
     logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
         row_weights = softmax(logits.astype(mx.float32))
-        return head_mean(row_weights, 2, group)[:, :, 0], row_weights
+        return decision_mean(row_weights, 2, rule.scope)[:, :, 0], row_weights
     # earlier rows (MorphKV) do not see the candidates that came after them
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     visible = row_visibility(positions, row_positions)[:, :, None]
     row_weights = masked_softmax(logits, visible)
-    return fuse_rows(head_mean(row_weights, 2, group), rule.fusion), row_weights
+    return fuse_rows(decision_mean(row_weights, 2, rule.scope), rule.fusion), row_weights
 
 
 def _decide_step(
@@ -189,7 +187,7 @@ def _decide_sequential(
         fusion=rule.fusion,
         scores=scores,
         recent=rule.recent,
-        group=layer_group(call.group, rule.scope),
+        scope=rule.scope,
     )
     mask = alive_mask(evict_step, positions, call.start, L)
     kept = candidates
@@ -211,20 +209,19 @@ def _decide_oneshot(
     scores: mx.array | None,
 ) -> tuple[Decision, mx.array | None]:
     """A chunk attended causally, then cut once by the last rows' (or accumulated) weights."""
-    group = layer_group(call.group, rule.scope)
     probe = call.probe(rule.signal)
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     if scores is not None:
         # Every chunk query attends causally; each adds its weights to the running sums.
         logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
         visible = row_visibility(positions, call.positions())[:, :, None]
-        weights = head_mean(masked_softmax(logits, visible), 2, group).sum(2)
+        weights = decision_mean(masked_softmax(logits, visible), 2, rule.scope).sum(2)
         scores = weights = scores + weights
     else:
         rows, row_positions = _rows(history, probe, call)
         rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
         logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-        weights = _fused_weights(logits, positions, row_positions, rule.fusion, group)
+        weights = _fused_weights(logits, positions, row_positions, rule.fusion, rule.scope)
     kept = candidates
     if candidates.n_slots > rule.budget:
         protected = rule.protected(positions, call.newest())

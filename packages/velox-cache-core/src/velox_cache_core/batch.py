@@ -30,12 +30,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import PolicyState, running_fields
 from velox_cache_core.engine import Step
 from velox_cache_core.policy import Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_kv
 
@@ -208,7 +208,6 @@ def update(
     lengths: Sequence[int] | None = None,
     left_padding: Sequence[int] | None = None,
     check_finite: bool = True,
-    group: Any = None,
 ) -> BatchStep:
     """Feed a padded call to every row: keys/values ``[B, H_kv, L, D]``, queries
     ``[B, H_q, L, D]``; row ``b`` gets its span (see :func:`spans`) as one single-sequence
@@ -240,7 +239,6 @@ def update(
             scale=scale,
             check_finite=check_finite,
             log=logs[b],
-            group=group,
         )
         steps.append(step)
         rows[b], logs[b] = step.state, step.log
@@ -440,8 +438,6 @@ def packed_update(
     values: R.Rows,
     queries: mx.array | None,
     scale: float | None,
-    *,
-    group: Any = None,
 ) -> tuple[Step, Packed]:
     """One decode step (keys/values ``[B, H_kv, 1, D]``, queries ``[B, H_q, 1, D]``) of every
     packed row at its own position: the step to attend over (masking padded rows' padding)
@@ -459,7 +455,6 @@ def packed_update(
         scale=scale,
         check_finite=False,
         log=packed.log,
-        group=group,
         row_start=packed.offsets,
     )
     if packed.padded:  # attention over the candidates, minus each row's padding

@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from velox_cache_core.krows import KRows
 from velox_cache_core.lanes import Lanes
-from velox_cache_core.rows import concat, dense, row_bytes
 from velox_cache_core.scoring import Scope as Scope
-from velox_cache_core.slots import KVSlots, stored_fields
+from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.rows import concat, dense, row_bytes
+from velox_cache_core.store.slots import KVSlots, stored_fields
 
 # -- the state --------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class PolicyState:
         (:attr:`KVSlots.n_held`) is the kept rows plus the dead slot a decode step leaves and
         the rows a growing store reserves. A row is ``(D + D_v) * itemsize`` bytes at full
         precision; quantized, its packed words plus its scales and biases
-        (:func:`~velox_cache_core.rows.row_bytes`)."""
+        (:func:`~velox_cache_core.store.rows.row_bytes`)."""
         if self.slots is None:
             return 0
         lanes = 0 if self.lanes is None else self.lanes.nbytes

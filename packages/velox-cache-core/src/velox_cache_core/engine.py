@@ -14,12 +14,12 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.declarations import PolicyState, Traits
 from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, rows_at, victims
 from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
     check_int,
@@ -67,9 +67,6 @@ class Call:
     queries: mx.array | None
     scale: float
     start: int  # absolute position of the first new token
-    # tensor-parallel group (``mx.distributed.Group``) whose ranks hold the layer's other heads:
-    # layer-wide decisions sum their weights over it (velox_cache_core.distributed); None: local
-    group: Any = None
     # int32 [B]: each row's own position of the new token, for a decode step of rows at
     # different positions (packed rows, velox_cache_core.batch); ``start`` is then moot
     row_start: mx.array | None = None
@@ -277,10 +274,6 @@ class Laid:
     # cut cannot be undone, so the call clears the undo log
     cut: bool = False
 
-    def regroup(self, group: Any) -> Laid:
-        """The same call deciding over ``group`` (see :mod:`velox_cache_core.distributed`)."""
-        return replace(self, call=replace(self.call, group=group))
-
 
 def prepare(
     policy: Policy,
@@ -291,7 +284,6 @@ def prepare(
     scale: Any = None,
     *,
     check_finite: bool = True,
-    group: Any = None,
 ) -> Laid:
     """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
     first half; :func:`decide` is the second). Nothing is computed or changed on error."""
@@ -303,7 +295,6 @@ def prepare(
         queries=queries,
         scale=scale,
         check_finite=check_finite,
-        group=group,
     )
     if call.length == 0:
         raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
@@ -319,10 +310,9 @@ def _open(
     queries: Any,
     scale: Any,
     check_finite: bool,
-    group: Any,
 ) -> tuple[KVSlots, Call]:
-    """:func:`open_call` for ``policy``'s state type, deciding over ``group``."""
-    slots, call = open_call(
+    """:func:`open_call` for ``policy``'s state type and traits."""
+    return open_call(
         state,
         policy.state_type,
         keys=keys,
@@ -332,7 +322,6 @@ def _open(
         check_finite=check_finite,
         traits=policy.traits,
     )
-    return slots, call if group is None else replace(call, group=group)
 
 
 def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array:
@@ -481,7 +470,6 @@ def update(
     *,
     check_finite: bool = True,
     log: UndoLog | None = None,
-    group: Any = None,
     row_start: Sequence[int] | None = None,
 ) -> Step:
     """Append ``L`` new tokens, return what their queries attend over, and evict to budget.
@@ -491,8 +479,9 @@ def update(
     ``check_finite`` rejects NaN/inf input at the cost of one host sync per call.
     The input state is never modified; a failed call raises before anything is computed.
     With an undo ``log`` (:mod:`velox_cache_core.undo`), the call is recorded in the returned
-    ``Step.log`` so that it can be trimmed exactly. ``group``: the tensor-parallel group of a
-    sharded model (:mod:`velox_cache_core.distributed`); ``None`` for a single process.
+    ``Step.log`` so that it can be trimmed exactly. Under tensor parallelism, call it within
+    :func:`velox_cache_core.distributed.summing_over` (as :class:`~velox_cache_core.layer.Layer`
+    does): its layer-wide decisions then span every rank's heads.
     ``row_start``: for one token per row (``L = 1``) of a policy that ``packs_rows``, each
     row's own position of it (rows of a batch packed into one state, see
     :mod:`velox_cache_core.batch`); the state's ``offset`` then only counts calls.
@@ -505,7 +494,6 @@ def update(
         queries=queries,
         scale=scale,
         check_finite=check_finite,
-        group=group,
     )
     if row_start is not None:
         call = replace(call, row_start=_row_start(policy, call, row_start))

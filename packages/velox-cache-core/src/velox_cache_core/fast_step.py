@@ -8,7 +8,7 @@ frames per layer per token: twice mlx-lm's own cache's host time on a small mode
 the token rate on a GPU where ``async_eval`` overlaps host and device.
 
 Here the step is traced once per (policy settings, shapes, scale) through the *same* code the
-slow path runs (:func:`velox_cache_core.slots.KVSlots.write_free`, the policy's
+slow path runs (:func:`velox_cache_core.store.slots.KVSlots.write_free`, the policy's
 ``evict_before`` and ``rule``, the victim gather of :mod:`velox_cache_core.undo`) and replayed
 by ``mx.compile``: the decisions, the stored rows and the undo entries are the slow path's, bit
 for bit (``tests/test_fast_step.py`` checks it per policy). The Python bookkeeping is done once
@@ -18,7 +18,7 @@ A policy opts in with ``Policy.compiled_decode``: its decode rule and ``evict_be
 state only through settings and array running fields (never an int counter, which a trace would
 freeze), and positions only through ``Call.positions``/``Call.newest``.
 
-Which steps take it (:func:`eligible`): one token, a single process (no tensor-parallel group),
+Which steps take it (:func:`eligible`): one token, a single process (no tensor parallelism),
 full-precision rows held as one uniform store (no lanes: ``allocation="uniform"``), after the
 prompt (no held prompt, no prompt-end step), with a dead slot to write into or an
 ``evict_before`` that frees one. A short chunk whose steps all stay steady (a speculative
@@ -43,7 +43,7 @@ from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import fresh, running_fields, setting_fields
 from velox_cache_core.engine import Call, Step
 from velox_cache_core.policy import Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
 
 Kernel = Callable[..., Any]

@@ -1,6 +1,6 @@
 """Lanes: the rows of KV heads that keep different numbers of rows, held without padding.
 
-The slot store (:class:`~velox_cache_core.slots.KVSlots`) gives every head of a layer the same
+The slot store (:class:`~velox_cache_core.store.slots.KVSlots`) gives every head of a layer the same
 number of rows. An adaptive allocation (AdaKV's per-head shares, KVzip's model-wide threshold)
 gives heads different counts; padding every head to the fullest one would hold up to twice the
 bytes the budget promises. Lanes hold exactly the rows kept: they are cut into *lanes* of
@@ -30,11 +30,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
-from velox_cache_core.krows import LANES_REFUSED, KRows
-from velox_cache_core.rows import QUANTIZED, Rows
 from velox_cache_core.scoring import exp
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import LANES_REFUSED, KRows
+from velox_cache_core.store.rows import QUANTIZED, Rows
+from velox_cache_core.store.slots import KVSlots
 
 ALLOCATIONS = ("uniform", "head", "global")
 
@@ -74,8 +74,8 @@ class GlobalRule:
 
     pending(state): whether the state still awaits that cut (it holds its prompt).
     scores(state): ``(live, scores, protected)``: the rows the cut shares out
-    (:class:`~velox_cache_core.slots.KVSlots`, ``[B, H, n]``), their float ``[B, H, n]`` scores
-    and the bool ``[B, H, n]`` rows no cut drops; ``None`` when there is nothing to cut (a
+    (:class:`~velox_cache_core.store.slots.KVSlots`, ``[B, H, n]``), their float ``[B, H, n]``
+    scores and the bool ``[B, H, n]`` rows no cut drops; ``None`` when there is nothing to cut (a
     prompt within ``budget``).
     cut(state, total): the state cut to ``total`` rows in its layer (``None``: nothing to cut;
     the policy goes on as with ``uniform``).
@@ -122,7 +122,7 @@ class Lanes:
     """Rows kept by KV heads with different counts.
 
     keys ``[B, N, W, D]``, values ``[B, N, W, D_v]`` (full precision or
-    :class:`~velox_cache_core.rows.QRows`), positions int32 ``[B, N, W]``, owner int32
+    :class:`~velox_cache_core.store.token_rows.QRows`), positions int32 ``[B, N, W]``, owner int32
     ``[B, N]``: the KV head each lane belongs to (a head's lanes in ascending order).
 
     For a policy that evicts at every decode step (TOVA, H2O, Expected Attention): ``free``

@@ -38,14 +38,15 @@ import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
-from velox_cache_core.distributed import Group, Recorder, Replay, StepSums
+from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policy import Policy
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
 from velox_cache_core.validation import check_queries, check_scale
 
@@ -174,9 +175,9 @@ class Layer:
     ``group``: the tensor-parallel group layer-wide decisions sum over (``None``: one
     process); ``sums``/``index``: the model's :class:`StepSums` and this layer's index in it
     (mode ``STEP_SUMS``). ``quant``: store the rows quantized
-    (:class:`~velox_cache_core.rows.Quant`): each call's keys and values are quantized as
-    they arrive, so what the queries attend over and what the policy scores are the same
-    quantized rows.
+    (:class:`~velox_cache_core.store.token_rows.Quant`): each call's keys and values are
+    quantized as they arrive, so what the queries attend over and what the policy scores are
+    the same quantized rows.
     """
 
     def __init__(
@@ -187,9 +188,9 @@ class Layer:
         *,
         mode: Mode = Mode.QUERIES,
         group: Any = None,
-        quant: R.Quant | None = None,
+        quant: Quant | None = None,
     ) -> None:
-        if quant is not None and not isinstance(quant, R.Quant):
+        if quant is not None and not isinstance(quant, Quant):
             raise TypeError(f"quant must be a Quant or None, got {type(quant).__name__}")
         if not isinstance(mode, Mode):
             raise TypeError(f"mode must be a Mode ({[m.name for m in Mode]}), got {mode!r}")
@@ -306,7 +307,7 @@ class Layer:
     def lay_out(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows]:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
-        (:class:`~velox_cache_core.rows.QRows`) when the layer has a ``quant``."""
+        (:class:`~velox_cache_core.store.token_rows.QRows`) when the layer has a ``quant``."""
         if self.stepped:
             self.stepped = []
         idle = self.pending is None and self.phase is None and self.quant is None
@@ -745,9 +746,9 @@ class Layer:
             queries=queries,
             scale=scale,
             check_finite=False,
-            group=recorder,
         )
-        step = decide(self.policy, laid, self.log)
+        with summing_over(recorder):
+            step = decide(self.policy, laid, self.log)
         if recorder.sums:  # the decision waits for the sums; the attention does not
             self.pending = Deferred(laid)
             sums.defer(recorder.sums, self.finish)
@@ -765,7 +766,8 @@ class Layer:
         the forward pass (the log's rows then hold no lazy read of slots written in place)."""
         pending, self.pending = self.pending, None
         assert isinstance(pending, Deferred)
-        step = decide(self.policy, pending.laid.regroup(replay), self.log)
+        with summing_over(replay):
+            step = decide(self.policy, pending.laid, self.log)
         self.log = step.log
         self.state = self._after_call(step.state, 1)
         tied = self.state.slots.arrays()
@@ -865,17 +867,18 @@ class Layer:
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
-        """One core update, recorded in the undo log."""
-        step = self.policy.update(
-            state,
-            keys=keys,
-            values=values,
-            queries=queries,
-            scale=scale,
-            check_finite=False,
-            log=self.log,
-            group=self.group,
-        )
+        """One core update, recorded in the undo log (its layer-wide decisions summed over
+        the layer's group)."""
+        with summing_over(self.group):
+            step = self.policy.update(
+                state,
+                keys=keys,
+                values=values,
+                queries=queries,
+                scale=scale,
+                check_finite=False,
+                log=self.log,
+            )
         self.log = step.log
         return step
 
@@ -950,7 +953,8 @@ class Layer:
                 "never makes one, so the cache would grow without bound; use "
                 "allocation='uniform' with a draft model"
             )
-        self.state, self.log = self.policy.trim(self.state, self.log, n, self.group)
+        with summing_over(self.group):
+            self.state, self.log = self.policy.trim(self.state, self.log, n)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:
         """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded

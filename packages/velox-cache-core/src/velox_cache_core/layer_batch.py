@@ -23,7 +23,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.batch import (
     Packed,
@@ -36,9 +35,11 @@ from velox_cache_core.batch import (
     scatter,
     unpack,
 )
+from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import check_fits
-from velox_cache_core.krows import KRows
 from velox_cache_core.layer import Layer
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.validation import check_kv
 
 
@@ -357,15 +358,10 @@ class LayerBatch:
             assert self._packed is not None
             (keys, values), self._packed_call = self._packed_call, None
             row = self._rows[0]
-            step, self._packed = packed_update(
-                row.policy,
-                self._packed,
-                keys=keys,
-                values=values,
-                queries=queries,
-                scale=scale,
-                group=row.group,
-            )
+            with summing_over(row.group):
+                step, self._packed = packed_update(
+                    row.policy, self._packed, keys=keys, values=values, queries=queries, scale=scale
+                )
             return attend_step(queries, step, scale, sinks)
         parts: list[mx.array | None] = []
         for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):

@@ -19,7 +19,7 @@ from velox_cache_core import undo
 from velox_cache_core.declarations import Compressor, PolicyState, Setting, Traits, policy_settings
 from velox_cache_core.engine import Call, Decision, Step, update
 from velox_cache_core.lanes import GlobalRule, LaneRule
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import UndoLog
 
 Rule = Callable[[Any, Call, KVSlots, KVSlots], Decision]
@@ -111,12 +111,11 @@ class Policy:
         scale: Any = None,
         check_finite: bool = True,
         log: UndoLog | None = None,
-        group: Any = None,
         row_start: Sequence[int] | None = None,
     ) -> Step:
         """Feed ``[B, H_kv, L, D]`` keys/values (and ``[B, H_q, L, D]`` queries); see
-        :func:`velox_cache_core.engine.update` (``group``: tensor-parallel group;
-        ``row_start``: per-row positions of a packed decode step)."""
+        :func:`velox_cache_core.engine.update` (``row_start``: per-row positions of a packed
+        decode step)."""
         return update(
             self,
             state,
@@ -126,14 +125,14 @@ class Policy:
             scale=scale,
             check_finite=check_finite,
             log=log,
-            group=group,
             row_start=row_start,
         )
 
-    def trim(self, state: Any, log: UndoLog, n: int, group: Any = None) -> tuple[Any, UndoLog]:
+    def trim(self, state: Any, log: UndoLog, n: int) -> tuple[Any, UndoLog]:
         """``(state, log)`` as if the last ``n`` tokens had never been fed (exact); raises
-        ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`). ``group``:
-        the tensor-parallel group the re-fed calls decide over, as :meth:`update`'s."""
+        ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`). The re-fed
+        calls decide as :meth:`update`'s (under tensor parallelism, within
+        :func:`velox_cache_core.distributed.summing_over`)."""
         if not isinstance(state, self.state_type):
             raise TypeError(
                 f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
@@ -143,7 +142,7 @@ class Policy:
 
         def feed(s: Any, k: Any, v: Any, q: Any, scale: float, lg: UndoLog) -> Any:
             step = self.update(
-                s, keys=k, values=v, queries=q, scale=scale, check_finite=False, log=lg, group=group
+                s, keys=k, values=v, queries=q, scale=scale, check_finite=False, log=lg
             )
             return step.state, step.log
 

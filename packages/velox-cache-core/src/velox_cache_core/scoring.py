@@ -13,7 +13,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from velox_cache_core.rows import QUANTIZED, Rows
+from velox_cache_core.store.rows import QUANTIZED, Rows
 
 # one decision per layer (every head keeps the same positions) or per KV head; a policy's
 # traits declare it (velox_cache_core.declarations re-exports it beside Signal and Prefill)

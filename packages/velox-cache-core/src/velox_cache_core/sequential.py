@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.distributed import head_mean
+from velox_cache_core.distributed import decision_group, head_mean
 from velox_cache_core.scoring import exp
 from velox_cache_core.selection import lowest_weight
 
@@ -35,13 +35,13 @@ def _decide(
     fusion: str,
     accumulate: bool,
     recent: int,
-    group: Any,
+    over: Any,
 ) -> tuple[mx.array, mx.array]:
     """One step: weights over the alive candidates, optional running sum, evict the lowest."""
     alive = (positions <= limit) & (evict_step >= step)
     e = exp_rows * alive[:, :, None, None, :]
     z = mx.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
-    weights = fuse_rows(head_mean(e / z, 2, group), fusion)
+    weights = fuse_rows(head_mean(e / z, 2, over), fusion)
     if accumulate:
         scores = scores + weights
         weights = scores
@@ -54,9 +54,12 @@ def _decide(
 
 
 @cache
-def _compiled(fusion: str, accumulate: bool, recent: int, group: Any):  # type: ignore[no-untyped-def]
+def _compiled(fusion: str, accumulate: bool, recent: int, over: Any):  # type: ignore[no-untyped-def]
+    """One step compiled; ``over``: what its head average spans (a traced ``all_sum`` over it,
+    :func:`velox_cache_core.distributed.decision_group`), part of the key."""
+
     def decide(*args: mx.array) -> tuple[mx.array, mx.array]:
-        return _decide(*args, fusion=fusion, accumulate=accumulate, recent=recent, group=group)
+        return _decide(*args, fusion=fusion, accumulate=accumulate, recent=recent, over=over)
 
     return mx.compile(decide)
 
@@ -83,7 +86,7 @@ def eviction_steps(
     fusion: str = "mean",
     scores: mx.array | None = None,
     recent: int = 0,
-    group: Any = None,
+    scope: str = "head",
 ) -> tuple[mx.array, mx.array | None]:
     """Step at which each candidate is evicted (``length`` if it survives the chunk).
 
@@ -91,11 +94,13 @@ def eviction_steps(
     rows at ``row_positions`` (int ``[R]``): earlier probes, then the chunk's. Step ``i`` of the
     chunk (position ``start + i``) fuses its own row and up to ``window - 1`` rows before it.
     positions: int32 ``[B, G, n]``. ``scores`` (``[B, G, n]``), if given, accumulate every
-    step's weights and decide instead of them. ``group``: average the heads over its ranks
-    too (one ``all_sum`` per step, :mod:`velox_cache_core.distributed`).
+    step's weights and decide instead of them. ``scope``: the decision's scope; a layer-wide
+    one averages over every rank's heads under tensor parallelism (one ``all_sum`` per step,
+    :func:`velox_cache_core.distributed.decision_group`).
     Returns int32 ``[B, G, n]`` and the final scores.
     """
     B, G, _, _, n = logits.shape
+    over = decision_group(scope)
     n_live = n - length  # candidates are the live rows, then the chunk
     assert scores is None or window == 1, "accumulating rules fuse one row per step"
     visible = row_visibility(positions, row_positions)[:, :, None]  # [B, G, 1, R, n]
@@ -109,10 +114,10 @@ def eviction_steps(
         # Before the first eviction nothing is missing: every row sees all it could.
         e = exp_rows[:, :, :, n_history : n_history + min(first, length)]
         assert scores is not None
-        scores = scores + head_mean(e / e.sum(axis=-1, keepdims=True), 2, group).sum(axis=2)
+        scores = scores + head_mean(e / e.sum(axis=-1, keepdims=True), 2, over).sum(axis=2)
     if scores is None:
         scores = mx.zeros((1,))
-    decide = _compiled(fusion, accumulate, recent, group)
+    decide = _compiled(fusion, accumulate, recent, over)
     # The scan is a long chain of small steps: evaluating the shared inputs first and the chain
     # every few steps keeps each step's graph small (measured 5x faster on CPU than one big graph).
     mx.eval(exp_rows, positions, protected, evict_step, scores)

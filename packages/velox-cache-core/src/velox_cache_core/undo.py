@@ -33,9 +33,10 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.declarations import PolicyState, fresh, running_fields
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_int
 
 
@@ -95,7 +96,7 @@ class Entry:
         for store in (self.row, self.victim, self.evicted):
             if store is not None:
                 out += store.arrays()
-        if isinstance(self.keys_before, R.KRows):  # its groups are the store's, or were
+        if isinstance(self.keys_before, KRows):  # its groups are the store's, or were
             out += [self.keys_before.window, self.keys_before.where]
         if self.inputs is not None:
             k, v, q, _ = self.inputs
@@ -227,7 +228,7 @@ def record(
         order=order,
         evicted=evicted,
         inputs=(keys, values, queries, scale) if L > 1 else None,
-        keys_before=before.keys if isinstance(before.keys, R.KRows) else None,
+        keys_before=before.keys if isinstance(before.keys, KRows) else None,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.rows import QUANTIZED, quant_of
+from velox_cache_core.store.rows import QUANTIZED, quant_of
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
@@ -40,7 +40,7 @@ def check_budget_and_sinks(budget: Any, n_sink: Any, *, prefix: str = "") -> Non
 
 def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> Any:
     """An ``mx.array`` of ``ndim`` axes and a floating dtype, or quantized rows
-    (:class:`~velox_cache_core.rows.QRows`, 4 axes) where ``ndim`` is 4."""
+    (:class:`~velox_cache_core.store.token_rows.QRows`, 4 axes) where ``ndim`` is 4."""
     if isinstance(x, QUANTIZED) and ndim == 4:
         return x
     if not isinstance(x, mx.array):

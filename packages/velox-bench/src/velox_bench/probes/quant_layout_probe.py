@@ -12,7 +12,7 @@ own (the real code path):
 - ``per-token``: ``kv_key_layout="token"``, keys and values quantized per row in groups of 64
   features (mlx-lm's ``QuantizedKVCache`` layout);
 - ``channel``: ``kv_key_layout="channel"``, keys per feature over groups of 64 tokens with a
-  full-precision window (KIVI's keys, ``velox_cache_core.krows``), values per token.
+  full-precision window (KIVI's keys, ``velox_cache_core.store.channel_keys``), values per token.
 
 The others are emulated: each call's keys and values are quantized and dequantized in that
 layout, then stored as 8-bit rows, which by themselves cost +0.002% here (docs/quantized.md):
@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from velox_bench.quality import corpus  # noqa: E402
 from velox_bench.quality.perplexity import perplexity, token_nll  # noqa: E402
 from velox_cache_core import layer as layer_module  # noqa: E402
-from velox_cache_core import rows as R  # noqa: E402
+from velox_cache_core.store.token_rows import QRows  # noqa: E402
 from velox_mlx_lm import KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
 
@@ -204,7 +204,7 @@ def score(model: Any, tokens: list[int], layout: str, bits: int | None, budget: 
         rope = {k: getattr(module, k) for k in ("dims", "traditional", "base", "scale")}
 
     def emulated(self: Any, keys: Any, values: Any) -> tuple[Any, Any]:
-        if not isinstance(keys, R.QRows):  # a trim's re-fed rows are stored already
+        if not isinstance(keys, QRows):  # a trim's re-fed rows are stored already
             if smoothing is not None:
                 keys = smoothing.keys(self, keys, width, rope)
             else:

@@ -26,7 +26,7 @@ import mlx.core as mx
 from velox_cache_core import lanes as LN
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 
 
 def holding(state: Any) -> bool:

@@ -46,13 +46,13 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, align_scores
 from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 

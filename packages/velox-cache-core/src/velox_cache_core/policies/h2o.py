@@ -36,7 +36,7 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import sinks
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
 
 

@@ -45,7 +45,6 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.declarations import (
     Compressor,
@@ -61,7 +60,8 @@ from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
 
 PROBES = ("reconstruct", "latest")

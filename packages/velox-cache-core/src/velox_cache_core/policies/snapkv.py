@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
-from velox_cache_core import rows as R
 from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
@@ -31,7 +30,8 @@ from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.sequential import row_visibility
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_choice, check_int
 
 

@@ -16,7 +16,7 @@ from velox_cache_core.declarations import PolicyState, read_settings
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks
 
 

@@ -30,7 +30,7 @@ from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
 from velox_cache_core.selection import sinks
-from velox_cache_core.slots import KVSlots
+from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
 SIGNALS = ("query", "key")

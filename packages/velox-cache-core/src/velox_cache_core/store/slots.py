@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import rows as R
-from velox_cache_core.rows import Rows
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.rows import Rows
 
 _TRANSIENT = "velox_transient"
 
@@ -54,7 +54,7 @@ class KVSlots:
     """Retained keys/values of one layer.
 
     keys, values: ``[B, H_kv, S, D]`` (values ``D_v`` wide), full precision or quantized
-    (:class:`~velox_cache_core.rows.QRows`); positions: int32 ``[B, H_kv, S]`` absolute
+    (:class:`~velox_cache_core.store.token_rows.QRows`); positions: int32 ``[B, H_kv, S]`` absolute
     positions; free: int32 ``[B, H_kv]`` index of the dead slot in each row, or ``None`` when
     all ``S`` slots hold live tokens.
     """

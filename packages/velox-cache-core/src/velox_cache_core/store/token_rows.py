@@ -1,4 +1,4 @@
-"""Rows of keys or values as a store holds them: full precision, or quantized as MLX lays out.
+"""Rows quantized per token, as MLX lays them out, and the :class:`Quant` spec of a store.
 
 A store's keys and values are ``[B, H_kv, S, D]`` rows. With a :class:`Quant` (``kv_bits``,
 ``kv_group_size``) each row is quantized on its own, along its ``D`` features, exactly as
@@ -9,21 +9,22 @@ A store's keys and values are ``[B, H_kv, S, D]`` rows. With a :class:`Quant` (`
 
 Every row operation of the store (take, write in place, concatenate, slice, pad) applies the
 same index to the three arrays, so evicting or overwriting a quantized row works like any
-other row, and ``mx.quantized_matmul(q, *rows, transpose=True)`` runs on them directly. The
-functions here take either kind (:data:`Rows`), so the engine, undo log, batching and
-encoding handle both through one path; :func:`dense` is the full-precision view the
-arithmetic reads.
+other row, and ``mx.quantized_matmul(q, *rows, transpose=True)`` runs on them directly.
+:class:`QRows` implements the row protocol (:class:`~velox_cache_core.store.rows.RowStore`),
+so the store's row functions (:mod:`velox_cache_core.store.rows`) handle it like the other
+kinds. Keys may instead be quantized per channel (``Quant(keys="channel")``:
+:class:`~velox_cache_core.store.channel_keys.KRows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.krows import KRows, join
+from velox_cache_core.store.channel_keys import KRows
 
 BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize accepts (mlx 0.32)
 GROUP_SIZES = (32, 64, 128)
@@ -36,7 +37,7 @@ class Quant:
     scale and bias. Values are always quantized per token (``group_size`` features, mlx-lm's
     ``QuantizedKVCache`` layout); keys too with ``keys="token"``, or with ``keys="channel"``
     per feature over groups of ``group_size`` tokens, the newest in a full-precision window
-    (KIVI's keys, :class:`~velox_cache_core.krows.KRows`)."""
+    (KIVI's keys, :class:`~velox_cache_core.store.channel_keys.KRows`)."""
 
     bits: int
     group_size: int = 64
@@ -148,6 +149,33 @@ class QRows:
             )
         return self.map(lambda a: a[index])
 
+    def write(self, new: QRows, fn: Callable[[mx.array, mx.array], mx.array]) -> QRows:
+        """``fn(array, new array)`` on each of the three arrays and ``new``'s counterpart (rows
+        of the same format): a write of new rows into a store."""
+        parts = zip(self.arrays(), new.arrays(), strict=True)
+        packed, scales, biases = (fn(a, b) for a, b in parts)
+        return QRows(packed, scales, biases, self.bits, self.group_size)
+
+    def pad(self, n: int, at_end: bool) -> QRows:
+        """``n`` zero rows added after (or before) the rows, in each of the three arrays."""
+
+        def grow(a: mx.array) -> mx.array:
+            B, H, _, W = a.shape
+            zeros = mx.zeros((B, H, n, W), dtype=a.dtype)
+            return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=2)
+
+        return self.map(grow)
+
+    def tie(self, others: list[mx.array]) -> QRows:
+        """The same rows, evaluated only after ``others`` (``mx.depends`` on each array)."""
+        return self.map(lambda a: mx.depends([a], others)[0])
+
+    def row_bytes(self) -> int:
+        """Bytes one row takes in every (batch row, head): ``B * H`` times the packed words'
+        and the scales' and biases'."""
+        B, H = int(self.packed.shape[0]), int(self.packed.shape[1])
+        return B * H * sum(int(a.shape[3]) * a.dtype.size for a in self.arrays())
+
     def matmul(self, x: mx.array, transpose: bool) -> mx.array:
         """``x [B, H, G, L, *]`` times each head's rows, read packed (``mx.quantized_matmul``):
         ``x @ rows^T`` (``transpose``: ``[B, H, G, L, S]``) or ``x @ rows`` (``[..., D]``)."""
@@ -168,118 +196,3 @@ class QRows:
         return mx.dequantize(
             self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits
         )
-
-
-Rows = Union[mx.array, QRows, KRows]  # noqa: UP007 (a runtime alias read by isinstance users)
-QUANTIZED = (QRows, KRows)
-
-
-def dense(rows: Rows) -> mx.array:
-    """Full-precision ``[B, H, S, D]`` rows (unchanged when they are not quantized)."""
-    return rows.dense() if isinstance(rows, QUANTIZED) else rows
-
-
-def quant_of(rows: Rows) -> Quant | None:
-    """The rows' quantization (``None``: full precision)."""
-    if isinstance(rows, KRows):
-        return Quant(rows.bits, rows.group_size, "channel")
-    return rows.quant if isinstance(rows, QRows) else None
-
-
-def apply(rows: Rows, fn: Callable[[mx.array], mx.array]) -> Rows:
-    """A row operation (one that indexes only the batch, head and row axes) on either kind."""
-    return rows.map(fn) if isinstance(rows, QUANTIZED) else fn(rows)
-
-
-def arrays(rows: Rows) -> list[mx.array]:
-    """The arrays behind ``rows`` (for ``mx.eval``, ``mx.depends`` and saving)."""
-    return rows.arrays() if isinstance(rows, QUANTIZED) else [rows]
-
-
-def concat(parts: Sequence[Rows], axis: int) -> Rows:
-    """``parts`` joined along ``axis`` (0: batch, 2: rows); all of one kind and format."""
-    first = parts[0]
-    if isinstance(first, KRows):
-        if not all(isinstance(p, KRows) for p in parts):
-            raise TypeError("cannot join keys quantized per channel with other rows")
-        return join(list(parts), axis)  # type: ignore[arg-type]
-    if isinstance(first, QRows):
-        qs = [_same_format(first, p) for p in parts]
-        return QRows(
-            mx.concatenate([q.packed for q in qs], axis=axis),
-            mx.concatenate([q.scales for q in qs], axis=axis),
-            mx.concatenate([q.biases for q in qs], axis=axis),
-            first.bits,
-            first.group_size,
-        )
-    if any(isinstance(p, QUANTIZED) for p in parts):
-        raise TypeError("cannot join quantized and full-precision rows")
-    return mx.concatenate(list(parts), axis=axis)  # type: ignore[arg-type]
-
-
-def _same_format(first: QRows, other: Rows) -> QRows:
-    if not isinstance(other, QRows) or other.quant != first.quant:
-        raise TypeError(f"cannot join rows quantized as {first.quant} with {quant_of(other)}")
-    return other
-
-
-def take(rows: Rows, idx: mx.array) -> Rows:
-    """Rows ``idx`` (int ``[B, H, m]``) of each (batch row, head)."""
-    return apply(rows, lambda a: mx.take_along_axis(a, idx[..., None], axis=2))
-
-
-def write(rows: Rows, new: Rows, fn: Callable[[mx.array, mx.array], mx.array]) -> Rows:
-    """``fn(array, new array)`` on each array of ``rows`` and its counterpart in ``new`` (the
-    same kind and format): a write of new rows into a store."""
-    if isinstance(rows, KRows):
-        if not isinstance(new, KRows):
-            raise TypeError(f"cannot write {quant_of(new)} rows into keys quantized per channel")
-        return rows.write(new, fn)
-    if isinstance(rows, QRows):
-        add = _same_format(rows, new)
-        parts = zip(rows.arrays(), add.arrays(), strict=True)
-        packed, scales, biases = (fn(a, b) for a, b in parts)
-        return QRows(packed, scales, biases, rows.bits, rows.group_size)
-    if isinstance(new, QUANTIZED):
-        raise TypeError("cannot write quantized rows into full-precision ones")
-    return fn(rows, new)
-
-
-def put(rows: Rows, row: mx.array, new: Rows) -> Rows:
-    """``rows`` with row ``row`` (int ``[B, H, 1]``) of each head replaced by ``new``
-    (``[B, H, 1, *]``, same kind), in place where MLX can."""
-
-    def one(a: mx.array, b: mx.array) -> mx.array:
-        B, H, _, W = a.shape
-        return mx.put_along_axis(a, mx.broadcast_to(row[..., None], (B, H, 1, W)), b, axis=2)
-
-    return write(rows, new, one)
-
-
-def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
-    """``rows`` with ``n`` zero rows added after (or before) them."""
-    if isinstance(rows, KRows):
-        return rows.pad(n, at_end)
-
-    def grow(a: mx.array) -> mx.array:
-        B, H, _, W = a.shape
-        zeros = mx.zeros((B, H, n, W), dtype=a.dtype)
-        return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=2)
-
-    return apply(rows, grow)
-
-
-def tie(rows: Rows, others: list[mx.array]) -> Rows:
-    """``rows`` unchanged, evaluated only after ``others`` (``mx.depends`` on each array)."""
-    if isinstance(rows, KRows):
-        return rows.tie(others)
-    return apply(rows, lambda a: mx.depends([a], others)[0])
-
-
-def row_bytes(rows: Rows) -> int:
-    """Bytes one row takes in every (batch row, head): ``B * H * D * itemsize`` at full
-    precision; quantized, ``B * H`` times the packed words' and the scales' and biases'."""
-    if isinstance(rows, KRows):
-        return rows.row_bytes()
-    B, H = int(rows.shape[0]), int(rows.shape[1])
-    return B * H * sum(int(a.shape[3]) * a.dtype.size for a in arrays(rows))
