@@ -126,8 +126,8 @@ def tests(session: nox.Session) -> None:
     xdist = xdist_args(session.posargs)
     workers = f" on {xdist[1]} workers" if xdist else ""
     session.log(
-        f"pytest{workers}, a dot per test: 8 to 11 minutes on a quiet 2-core machine (the "
-        "benchmarks' smoke runs come first and take a minute or two each)"
+        f"pytest{workers}, a dot per test: at most about 17 minutes on a quiet 2-core machine "
+        "(the benchmarks' smoke runs come first and take a minute or two each)"
     )
     # Exit code 5 (no tests collected) is a failure here: there must be tests.
     session.run("pytest", *test_dirs, *xdist, *session.posargs)
@@ -138,13 +138,14 @@ def xdist_args(posargs: Sequence[str]) -> list[str]:
     `VELOX_TEST_WORKERS` or the number of CPUs, at most 2; none when N is 1 or the arguments
     already choose (`-n ...`, `--numprocesses`, `-p no:xdist`, `--pdb`).
 
-    Two workers halve the wall time on the 2-core machine: many tests wait on a server or a
-    subprocess, so the other worker's tests fill the gap. More workers than 2 buy little and each
-    holds its own models (memory). `--dist loadfile` keeps a file's tests on one worker, so its
-    module-scoped fixtures (a loaded model, a running server) are built once; files go out in
-    collection order (`--no-loadscope-reorder`; xdist would otherwise send the files with the
-    most tests first), so the longest ones, the benchmark smoke runs, start first rather than
-    leave one worker busy alone at the end."""
+    One pytest process keeps about one core busy (385 CPU-seconds in 390 s for a model-heavy
+    subset), so a second worker uses the second core of the 2-core machine when it is idle (on a
+    busy one it gains little: the cores are already full). More workers than 2 buy little there
+    and each holds its own models (memory). `--dist loadfile` keeps a file's tests on one
+    worker, so its module-scoped fixtures (a loaded model, a running server) are built once;
+    files go out in collection order (`--no-loadscope-reorder`; xdist would otherwise send the
+    files with the most tests first), so the longest ones, the benchmark smoke runs, start
+    first rather than leave one worker busy alone at the end."""
     chosen = any(
         a in ("-n", "--numprocesses", "--pdb", "no:xdist")
         or a.startswith(("-n", "--numprocesses=", "-pno:xdist"))
