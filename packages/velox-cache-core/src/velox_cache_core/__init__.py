@@ -115,7 +115,7 @@ else:
         return value
 
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = [
     "KEY_LAYOUTS",
