@@ -136,7 +136,7 @@ def test_a_cancelled_one_at_a_time_prefill_ends_at_its_next_progress_report() ->
     rqueue.put(ctx)
     rqueue.put((64, 512))  # progress goes through while the request runs
     ctx.stop()
-    with pytest.raises(ConnectionAbortedError):
+    with pytest.raises(ConnectionResetError):
         rqueue.put((128, 512))
     rqueue.put(None)  # the end and errors still go through
     tracker.served_alone((rqueue, None, None))

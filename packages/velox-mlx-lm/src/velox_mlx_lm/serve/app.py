@@ -873,7 +873,9 @@ class VeloxHandler(mlx_server.APIHandler):
         try:
             yield
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-            self._status = f"client disconnected ({type(exc).__name__})"
+            # the built-in error's name (ClientGone is a ConnectionResetError noticed early)
+            kind = next(k for k in type(exc).__mro__ if k.__module__ == "builtins")
+            self._status = f"client disconnected ({kind.__name__})"
             self.close_connection = True
         finally:
             self._log_line(time.monotonic() - start)

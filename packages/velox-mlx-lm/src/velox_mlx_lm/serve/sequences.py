@@ -28,8 +28,9 @@ from mlx_lm.server import GenerationContext
 FREE_WAIT_S = 900.0  # the longest a handler waits for its cancelled sequence to leave the batch
 
 
-class ClientGone(ConnectionAbortedError):
-    """The client closed its connection while its request was still running."""
+class ClientGone(ConnectionResetError):
+    """The client closed its connection while its request was still running (noticed by a
+    peek at the socket, before a write to it could fail)."""
 
 
 def client_gone(sock: socket.socket | None) -> bool:
