@@ -652,16 +652,17 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
             self.tracker.served_alone(request)
 
     def _await_response(self, response_queue: Any) -> Any:
-        # mlx-lm's, plus: a client that hung up stops its sequence (checked at every response
-        # and every second without one: within a prefill chunk, streaming or not), and once
-        # the drain has timed out, a stream ends (None) at its next read.
+        # mlx-lm's, plus: a client that hung up ends this side within a second of no
+        # response (the generation thread removes its sequence on its own before the next
+        # step, and then puts nothing more), and once the drain has timed out, a stream ends
+        # (None) at its next read.
         while not self.abandoned:
-            self._check_client()
             try:
                 return response_queue.get(timeout=1.0)
             except Empty:
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
+                self._check_client()
         self.local.prompt = None  # the sequence is dropped, not finished: it has no stats
         return None
 

@@ -452,23 +452,17 @@ def tool_uses(ctx: Any, tool_texts: list[str], tools: Any) -> list[dict[str, Any
                     arguments = json.loads(arguments)
                 except json.JSONDecodeError:
                     arguments = {"arguments": arguments}
-            out.append(
-                {
-                    "type": "tool_use",
-                    "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
-                    "name": call.get("name", ""),
-                    "input": arguments if isinstance(arguments, dict) else {"value": arguments},
-                }
-            )
+            out.append(_tool_use(call.get("name", ""), arguments, call.get("id")))
     return out
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_use(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    """An Anthropic ``tool_use`` block (``input`` an object: a non-object is wrapped)."""
     return {
         "type": "tool_use",
-        "id": f"toolu_{uuid.uuid4().hex}",
-        "name": call["name"],
-        "input": call["arguments"],
+        "id": call_id or f"toolu_{uuid.uuid4().hex}",
+        "name": name,
+        "input": arguments if isinstance(arguments, dict) else {"value": arguments},
     }
 
 
@@ -526,7 +520,7 @@ def serve_messages(handler: Any, request: MessagesRequest, prompt_tokens: int) -
             call = fenced_tool_call(generated.text, request.tool_names)
             if call is not None:
                 generated.text = ""
-                uses = [_tool_use(call)]
+                uses = [_tool_use(call["name"], call["arguments"])]
         # A sequence cut short here is removed, not finished: it has no final stats.
         writer.finish(generated, uses, None if generated.cut else handler._velox_usage())
     finally:
