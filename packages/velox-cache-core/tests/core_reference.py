@@ -51,6 +51,8 @@ class ReferenceTova:
         assert 0 <= n_sink < budget
         self.budget = budget
         self.n_sink = n_sink
+        # positions never evicted besides the sinks (pinned spans); set by a test
+        self.pinned: set[int] = set()
         self.signal = signal
         self.scope = scope
         self.prefill = prefill
@@ -217,7 +219,9 @@ class ReferenceTova:
 
     def _lowest(self, weights: dict[int, float], count: int) -> set[int]:
         """The `count` lowest-weight non-sinks; equal weights evict the lower position first."""
-        order = sorted((w, p) for p, w in weights.items() if p >= self.n_sink)
+        order = sorted(
+            (w, p) for p, w in weights.items() if p >= self.n_sink and p not in self.pinned
+        )
         assert len(order) >= count
         if len(order) > count:
             last_out, first_in = order[count - 1][0], order[count][0]

@@ -188,7 +188,11 @@ class ReferenceExpectedAttention(_Reference):
         excess = len(self.kept[b][h]) - keeps
         if excess <= 0:
             return
-        evictable = {p: s for p, s in self.scores[b][h].items() if self.n_sink <= p and p <= spared}
+        evictable = {
+            p: s
+            for p, s in self.scores[b][h].items()
+            if self.n_sink <= p and p <= spared and p not in self.pinned
+        }
         evictable = {p: s for p, s in evictable.items() if p in self.kept[b][h]}
         gone = self._lowest(evictable, excess)
         self.kept[b][h] = [p for p in self.kept[b][h] if p not in gone]

@@ -49,6 +49,8 @@ class ReferenceKVzip(_Reference):
         for b in range(len(self.kept)):
             weights = self._row_weights(b, [list(range(n)) for _ in range(self.n_kv)], n - 1)
             for h in range(self.n_kv):
-                evictable = {p: w for p, w in weights[h].items() if p >= self.n_sink}
+                evictable = {
+                    p: w for p, w in weights[h].items() if p >= self.n_sink and p not in self.pinned
+                }
                 gone = self._lowest(evictable, n - self.budget)
                 self.kept[b][h] = [p for p in range(n) if p not in gone]

@@ -41,6 +41,8 @@ class _Reference:
         assert 0 <= n_sink < budget
         self.budget = budget
         self.n_sink = n_sink
+        # positions never evicted besides the sinks (pinned spans); set by a test
+        self.pinned: set[int] = set()
         self.offset = 0
         self.scale = 1.0
         self.n_kv = 0
@@ -214,7 +216,11 @@ class ReferenceH2O(_Reference):
         self.scores: list[list[dict[int, float]]] = []
 
     def _evictable(self, scores: dict[int, float], newest: int) -> dict[int, float]:
-        return {p: s for p, s in scores.items() if p >= self.n_sink and p <= newest - self.recent}
+        return {
+            p: s
+            for p, s in scores.items()
+            if p >= self.n_sink and p <= newest - self.recent and p not in self.pinned
+        }
 
     def _decide(self, b: int, length: int) -> None:
         assert self.kept is not None
@@ -272,7 +278,7 @@ class ReferenceStreamingLLM(_Reference):
             for h in range(self.n_kv):
                 kept = self.kept[b][h]
                 if len(kept) >= self.budget:
-                    kept.remove(min(p for p in kept if p >= self.n_sink))
+                    kept.remove(min(p for p in kept if p >= self.n_sink and p not in self.pinned))
                 kept.append(t)
                 self.last_visible[b][h][i] = sorted(kept)
 
@@ -336,7 +342,8 @@ class ReferenceSnapKV(_Reference):
                 for p in range(prefix):
                     near = [scores[h][j] for j in range(p - pad, p + pad + 1) if 0 <= j < prefix]
                     pooled[p] = sum(near) / self.kernel
-                gone = self._lowest(pooled, prefix - (self.budget - window))
+                free = {p: w for p, w in pooled.items() if p not in self.pinned}
+                gone = self._lowest(free, prefix - (self.budget - window))
                 self.kept[b][h] = [p for p in range(n) if p not in gone]
 
 
@@ -381,7 +388,9 @@ class ReferenceMorphKV(_Reference):
 
     def _evictable(self, weights: dict[int, float], newest: int) -> dict[int, float]:
         return {
-            p: w for p, w in weights.items() if p >= self.n_sink and p <= newest - (self.window - 1)
+            p: w
+            for p, w in weights.items()
+            if p >= self.n_sink and p <= newest - (self.window - 1) and p not in self.pinned
         }
 
     def _decide(self, b: int, length: int) -> None:

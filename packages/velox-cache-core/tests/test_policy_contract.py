@@ -61,6 +61,7 @@ from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES, Policy, expected_attention_compress, snapkv_compress
 from velox_cache_core.engine import GROW
+from velox_cache_core.pins import pin
 from velox_cache_core.policies.kvzip import kvzip_end_prompt
 from velox_cache_core.store.token_rows import Quant
 
@@ -645,13 +646,15 @@ def run_against_reference(
     seed: int,
     close_call: Callable[[bool], Any] = assume,
     quant: Quant | None = None,
+    pins: tuple[int, int] | None = None,
 ) -> None:
     """Feed engine and reference the same stream: the prompt in chunks, the prompt end (if the
     policy has one), then the decode chunks; compare them after every call.
 
     With ``quant`` the engine gets each call's keys and values quantized, and the reference
     the same rows dequantized: quantized rows must be kept, scored and attended exactly as
-    full-precision rows holding their dequantized values."""
+    full-precision rows holding their dequantized values. ``pins``: a span ``[start, stop)``
+    pinned before the first call (the reference never evicts its positions either)."""
     case = CASES[name]
     policy = POLICIES[name]
     length = sum(prompt)
@@ -661,6 +664,9 @@ def run_against_reference(
         stream, update = quantized_stream(policy, quant, stream)
     state = policy.init(**settings)
     ref = case.reference(**state.settings)
+    if pins is not None:
+        state = pin(policy, state, *pins)
+        ref.pinned = set(range(*pins))
     n_q = shape[1] * shape[2]
 
     def hook(ended: bool):

@@ -11,6 +11,8 @@ imports a core submodule:
   (:func:`new_log`), quantized rows (:class:`Quant`), a batch of rows decoded together
   (:class:`LayerBatch`), a model-wide allocation (:class:`ModelShares`), tensor-parallel sums
   (:class:`StepSums`);
+- pinned spans, never evicted (:func:`pin` a state, :func:`spans` of it, :data:`MAX_SPANS`;
+  ``Layer.pin`` on a layer);
 - what a saved state holds (:class:`KVSlots`, :class:`QRows`, :class:`KRows`,
   :class:`Lanes`, :class:`History`, :class:`UndoLog`, :class:`Entry`, :class:`LaneStep`,
   :func:`running_fields`, :func:`stored_fields`), for prompt-cache files;
@@ -43,6 +45,7 @@ from velox_cache_core.declarations import (
 )
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.lanes import GlobalRule, LaneRule, Lanes
+from velox_cache_core.pins import MAX_SPANS, pin, spans
 from velox_cache_core.policies.expected_attention import (
     ExpectedAttentionState,
     expected_attention_compress,
@@ -119,6 +122,7 @@ __version__ = "0.7.0"
 
 __all__ = [
     "KEY_LAYOUTS",
+    "MAX_SPANS",
     "POLICIES",
     "PRESETS",
     "RESERVED_FLAGS",
@@ -171,6 +175,7 @@ __all__ = [
     "init_tova_state",
     "morphkv_update",
     "new_log",
+    "pin",
     "policy_for_method",
     "quant_of",
     "read_settings",
@@ -181,6 +186,7 @@ __all__ = [
     "setting_fields",
     "snapkv_compress",
     "snapkv_update",
+    "spans",
     "stored_fields",
     "streaming_llm_update",
     "tova_update",

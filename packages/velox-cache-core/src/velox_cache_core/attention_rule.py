@@ -3,12 +3,13 @@
 Each step the probe rows (the new token's query or key, plus up to ``window - 1`` earlier ones
 for MorphKV) attend over the candidates; their weights, averaged per decision group and fused
 over rows, either decide directly (TOVA, MorphKV: memoryless) or are added to running scores
-that decide (H2O: inertial). The lowest goes; sinks and, for H2O, a recent window never do.
+that decide (H2O: inertial). The lowest goes; sinks, pinned spans and, for H2O, a recent
+window never do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -32,13 +33,16 @@ class Rule:
     window: int = 1  # probe rows fused per decision (MorphKV)
     fusion: str = "mean"
     recent: int = 0  # newest positions never evicted (H2O)
+    # the state's pinned spans, int32 [B, P, 2] (velox_cache_core.pins), never evicted
+    pins: mx.array | None = field(default=None, compare=False)
 
     def groups(self, n_kv_heads: int) -> int:
         return 1 if self.scope == "layer" else n_kv_heads
 
     def protected(self, positions: mx.array, newest: int | mx.array) -> mx.array:
-        """bool: sinks, and the ``recent`` newest positions when the newest is ``newest``."""
-        out = sinks(positions, self.n_sink)
+        """bool: sinks, pinned spans, and the ``recent`` newest positions when the newest is
+        ``newest``."""
+        out = sinks(positions, self.n_sink, self.pins)
         if self.recent:
             out = out | (positions > newest - self.recent)
         return out
@@ -182,6 +186,7 @@ def _decide_sequential(
         length=L,
         budget=rule.budget,
         n_sink=rule.n_sink,
+        pins=rule.pins,
         n_history=rows.shape[2] - L,
         window=rule.window,
         fusion=rule.fusion,

@@ -33,6 +33,7 @@ import mlx.core as mx
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import PolicyState, running_fields
 from velox_cache_core.engine import Step
+from velox_cache_core.pins import MAX_SPANS
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
@@ -368,6 +369,8 @@ def _others(state: Any) -> list[str]:
 
 def _running_arrays_alike(states: Sequence[Any]) -> bool:
     for name in _others(states[0]):
+        if name == "pins":  # rows without pins pack with empty spans
+            continue
         values = [getattr(s, name) for s in states]
         if not (all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)):
             return False
@@ -381,7 +384,12 @@ def _can_pad(policy: Policy, states: Sequence[Any]) -> bool:
         budget is not None
         and longest + 1 <= budget
         and all(s.slots.free is None for s in states)
-        and all(getattr(s, name) is None for s in states for name in _others(states[0]))
+        and all(
+            getattr(s, name) is None
+            for s in states
+            for name in _others(states[0])
+            if name != "pins"
+        )
     )
 
 
@@ -405,7 +413,9 @@ def pack(policy: Policy, states: Sequence[Any], logs: Sequence[UndoLog | None]) 
     pads = tuple(longest - s.slots.n_slots for s in states)
     changes: dict[str, Any] = {"slots": _stack_slots(states, pads), "offset": 0, "tokens_seen": 0}
     for name in _others(first):
-        if getattr(first, name) is not None:
+        if name == "pins":
+            changes[name] = _stacked_pins(states)
+        elif getattr(first, name) is not None:
             changes[name] = mx.concatenate([getattr(s, name) for s in states], axis=0)
     window = next((lg.window for lg in logs if lg is not None), 0)
     return Packed(
@@ -417,6 +427,15 @@ def pack(policy: Policy, states: Sequence[Any], logs: Sequence[UndoLog | None]) 
         pads=pads,
         budget=policy.traits.budget(first),
     )
+
+
+def _stacked_pins(states: Sequence[Any]) -> mx.array | None:
+    """Every row's pinned spans on the batch axis (a row without pins: empty spans), or
+    ``None`` when no row has any."""
+    if all(s.pins is None for s in states):
+        return None
+    empty = mx.zeros((1, MAX_SPANS, 2), dtype=mx.int32)
+    return mx.concatenate([empty if s.pins is None else s.pins for s in states], axis=0)
 
 
 def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:

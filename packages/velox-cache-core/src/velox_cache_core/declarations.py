@@ -92,6 +92,9 @@ class PolicyState:
     slots: KVSlots | None = running()
     offset: int = running(0)
     tokens_seen: int = running(0)
+    # the sequence's pinned token spans, int32 [B, P, 2] [start, stop) (velox_cache_core.pins):
+    # never evicted, by any policy (each reads them where it reads its sinks); None: no pins
+    pins: mx.array | None = running()
 
     @property
     def allocation(self) -> str:
@@ -329,6 +332,14 @@ def _no_hidden_rows(state: Any) -> bool:
     return False
 
 
+def _none_reserved(state: Any) -> int:
+    return 0
+
+
+def _no_sinks(state: Any) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Traits:
     """Typed questions about one of a policy's states, each with a default.
@@ -342,6 +353,10 @@ class Traits:
     budget: the rows per head a decode step evicts down to (``None``: no budget).
     hides_rows: whether the state holds rows that only the policy's masks hide (KVzip's pad
     slots): a model attending by itself, without the hook, would see them.
+    n_sink: the first positions it never evicts (its attention sinks).
+    reserved: rows per head the policy always keeps besides its sinks and pins (H2O's
+    ``recent`` window, SnapKV's observation ``window``): a pin fits when sinks, pins and these
+    leave a row to evict (:mod:`velox_cache_core.pins`).
     """
 
     signal: Callable[[Any], Signal | None] = _no_signal
@@ -349,12 +364,14 @@ class Traits:
     prefill: Callable[[Any], Prefill | None] = _no_prefill
     budget: Callable[[Any], int | None] = _no_budget
     hides_rows: Callable[[Any], bool] = _no_hidden_rows
+    n_sink: Callable[[Any], int] = _no_sinks
+    reserved: Callable[[Any], int] = _none_reserved
 
 
 def read_settings(*names: str, **others: Callable[[Any], Any]) -> Traits:
     """Traits answered by the state's settings of the same names (``"signal"``, ``"scope"``,
-    ``"prefill"``, ``"budget"``), plus ``others`` given as functions of the state."""
-    known = {"signal", "scope", "prefill", "budget", "hides_rows"}
+    ``"prefill"``, ``"budget"``, ``"n_sink"``), plus ``others`` given as functions of the state."""
+    known = {"signal", "scope", "prefill", "budget", "hides_rows", "n_sink", "reserved"}
     unknown = sorted((set(names) | set(others)) - known)
     if unknown:
         raise ValueError(f"traits must be among {sorted(known)}, got {unknown}")

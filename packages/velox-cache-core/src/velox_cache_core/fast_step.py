@@ -210,8 +210,9 @@ def write(
     free = [] if slots.free is None else [slots.free]
     if prefetch is not None:
         free = [prefetch[0]]
+    pins = [] if state.pins is None else [state.pins]
     k, v, p, written, row = kernel(
-        slots.keys, slots.values, slots.positions, free, keys, values, start
+        slots.keys, slots.values, slots.positions, free, keys, values, start, pins
     )
     candidates = _slots(k, v, p)
     row_slots = _slots(*row) if row else None
@@ -229,6 +230,7 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
         new_keys: mx.array,
         new_values: mx.array,
         start: mx.array,
+        pins: list[mx.array],
     ) -> Any:
         row: list[mx.array] = []
         if prefetched:  # evict_before's slot, and its row, read by the step before
@@ -239,7 +241,9 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
         slots = before
         if policy.evict_before is not None:
             call = Call(new_keys, new_values, None, 1.0, start)  # type: ignore[arg-type]
-            slots = policy.evict_before(template, before, call)
+            # the pinned spans are an input (a running array), the settings the trace's
+            state = fresh(template, pins=pins[0]) if pins else template
+            slots = policy.evict_before(state, before, call)
         assert slots.free is not None
         laid = slots.write_free(new_keys, new_values, start)
         if slots.free is not before.free:  # a live row freed now: the undo log keeps it
@@ -472,6 +476,7 @@ def _steps_kernel(
     kinds = kernels.key[2]
     decide_one = _decide_kernel(policy, template, kernels.running, kinds, settings)
     writes = {flag: _write_kernel(policy, template, prefetched=flag) for flag in (False, True)}
+    pins_at = kernels.running.index("pins")  # the pinned spans, an input of every write
 
     def kernel(
         keys: mx.array,
@@ -491,7 +496,7 @@ def _steps_kernel(
             v_i = mx.contiguous(new_values[:, :, i : i + 1])
             q_i = [mx.contiguous(q[:, :, i : i + 1]) for q in query]
             at = start + i
-            wrote = writes[prefetched](keys, values, positions, free, k_i, v_i, at)
+            wrote = writes[prefetched](keys, values, positions, free, k_i, v_i, at, old[pins_at])
             keys, values, positions, written, _ = wrote
             decided = decide_one(keys, values, positions, written, k_i, v_i, q_i, at, old)
             next_free, _, changes, _, _, ahead = decided
@@ -584,7 +589,7 @@ def _decide_kernel(
         ahead: list[mx.array] = []
         if prefetch_next and policy.evict_before is not None and kept.free is None:
             after = Call(new_keys, new_values, None, 1.0, start + 1)  # type: ignore[arg-type]
-            nxt = policy.evict_before(template, KVSlots(keys, values, positions), after)
+            nxt = policy.evict_before(state, KVSlots(keys, values, positions), after)
             if nxt.free is not None:
                 ahead = [nxt.free, *_rows_at(candidates, nxt.free)]
         return free, victim, changes, probs_out, out, ahead

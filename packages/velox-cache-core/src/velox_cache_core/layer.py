@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
 from velox_cache_core import lanes as LN
+from velox_cache_core import pins as PN
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
@@ -937,9 +938,18 @@ class Layer:
         self.state = self._end_prompt(self.state)
         self._forget_call()
 
+    def pin(self, start: int, stop: int) -> None:
+        """Never evict tokens ``[start, stop)`` (token indices, 0 = the sequence's first; in
+        every row of a batch): seen ones must all still be kept, future ones are kept as they
+        come. They count in the budget; ``ValueError`` and no change when they do not fit
+        (:mod:`velox_cache_core.pins`)."""
+        self.settle()
+        self.state = PN.pin(self.policy, self.state, start, stop)
+        self._fast_next = None
+
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
-        log does not reach back ``n`` tokens (or there is none)."""
+        log does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned."""
         self.settle()
         if self.log is None:
             raise ValueError(
@@ -953,8 +963,11 @@ class Layer:
                 "never makes one, so the cache would grow without bound; use "
                 "allocation='uniform' with a draft model"
             )
+        pins = self.state.pins
         with summing_over(self.group):
             self.state, self.log = self.policy.trim(self.state, self.log, n)
+        if self.state.pins is not pins:  # a span pinned after the step trimmed back to
+            self.state = replace(self.state, pins=pins)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:
         """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded

@@ -38,6 +38,7 @@ from velox_cache_core.batch import (
 from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import check_fits
 from velox_cache_core.layer import Layer
+from velox_cache_core.pins import seen_pinned
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.validation import check_kv
@@ -162,9 +163,9 @@ class LayerBatch:
         return True
 
     def row_stats(self) -> list[dict[str, int]]:
-        """Per row: ``tokens_seen``, ``tokens_kept``, ``kv_bytes`` (keys and values held, as
-        ``nbytes``) and ``cache_bytes`` (every byte the row holds, undo log included), read
-        without unpacking packed rows (which share the packed arrays evenly)."""
+        """Per row: ``tokens_seen``, ``tokens_kept``, ``pinned_tokens``, ``kv_bytes`` (keys and
+        values held, as ``nbytes``) and ``cache_bytes`` (every byte the row holds, undo log
+        included), read without unpacking packed rows (which share the packed arrays evenly)."""
         packed = self._packed
         if packed is None:
             return [_row_stats(row) for row in self._rows]
@@ -175,11 +176,12 @@ class LayerBatch:
             {
                 "tokens_seen": offset,
                 "tokens_kept": kept,
+                "pinned_tokens": seen_pinned(state.pins, offset, b),
                 "kv_bytes": int(state.nbytes) // B,
                 "cache_bytes": shared // B + (0 if log is None else log.nbytes),
             }
-            for offset, kept, log in zip(
-                packed.offsets, packed.tokens_kept, packed.logs, strict=True
+            for b, (offset, kept, log) in enumerate(
+                zip(packed.offsets, packed.tokens_kept, packed.logs, strict=True)
             )
         ]
 
@@ -468,6 +470,7 @@ def _row_stats(row: Layer) -> dict[str, int]:
     return {
         "tokens_seen": row.offset,
         "tokens_kept": int(state.tokens_kept),
+        "pinned_tokens": seen_pinned(state.pins, row.offset),
         "kv_bytes": int(state.nbytes),
         "cache_bytes": int(state.held_nbytes) + undo,
     }

@@ -1,7 +1,7 @@
 """Choosing which candidates to evict from their weights.
 
 Ties are broken towards the oldest token: among equal lowest weights the lowest position goes.
-Sinks (positions ``< n_sink``) are never chosen.
+Sinks (positions ``< n_sink``) and pinned spans (:mod:`velox_cache_core.pins`) are never chosen.
 """
 
 from __future__ import annotations
@@ -42,6 +42,25 @@ def highest_weights(
     return mx.sort(kept, axis=-1).astype(mx.int32)
 
 
-def sinks(positions: mx.array, n_sink: int) -> mx.array:
-    """bool ``[...]``: True where a position is an attention sink (never evicted)."""
-    return positions < n_sink
+def sinks(positions: mx.array, n_sink: int, pins: mx.array | None = None) -> mx.array:
+    """bool, the shape of ``positions``: True where a position is never evicted, an attention
+    sink (``< n_sink``) or inside one of the sequence's pinned spans.
+
+    positions: int ``[B, ...]`` (batch first; token indices); pins: int32 ``[B, P, 2]``
+    ``[start, stop)`` spans per sequence (empty spans ``[0, 0)`` pin nothing), or ``None``.
+    """
+    out = positions < n_sink
+    if pins is None:
+        return out
+    return out | pinned(positions, pins)
+
+
+def pinned(positions: mx.array, pins: mx.array) -> mx.array:
+    """bool, the shape of ``positions`` (int ``[B, ...]``): inside a span of ``pins``
+    (int32 ``[B, P, 2]``, or ``[1, P, 2]`` shared by every row)."""
+    if positions.ndim < 2:
+        raise ValueError(f"positions must be batch first [B, ...], got shape {positions.shape}")
+    shape = (pins.shape[0],) + (1,) * (positions.ndim - 1) + (pins.shape[1],)
+    start, stop = pins[..., 0].reshape(shape), pins[..., 1].reshape(shape)
+    p = positions[..., None]
+    return ((p >= start) & (p < stop)).any(axis=-1)

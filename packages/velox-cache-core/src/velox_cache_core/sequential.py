@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from velox_cache_core.distributed import decision_group, head_mean
 from velox_cache_core.scoring import exp
-from velox_cache_core.selection import lowest_weight
+from velox_cache_core.selection import lowest_weight, sinks
 
 
 def fuse_rows(weights: mx.array, fusion: str) -> mx.array:
@@ -81,6 +81,7 @@ def eviction_steps(
     length: int,
     budget: int,
     n_sink: int,
+    pins: mx.array | None = None,
     n_history: int = 0,
     window: int = 1,
     fusion: str = "mean",
@@ -93,10 +94,11 @@ def eviction_steps(
     logits: ``[B, G, H_d, R, n]`` probe logits over the candidates, ``R = n_history + length``
     rows at ``row_positions`` (int ``[R]``): earlier probes, then the chunk's. Step ``i`` of the
     chunk (position ``start + i``) fuses its own row and up to ``window - 1`` rows before it.
-    positions: int32 ``[B, G, n]``. ``scores`` (``[B, G, n]``), if given, accumulate every
-    step's weights and decide instead of them. ``scope``: the decision's scope; a layer-wide
-    one averages over every rank's heads under tensor parallelism (one ``all_sum`` per step,
-    :func:`velox_cache_core.distributed.decision_group`).
+    positions: int32 ``[B, G, n]``; sinks (``< n_sink``) and ``pins`` (int32 ``[B, P, 2]``
+    spans, :mod:`velox_cache_core.pins`) are never evicted. ``scores`` (``[B, G, n]``), if
+    given, accumulate every step's weights and decide instead of them. ``scope``: the
+    decision's scope; a layer-wide one averages over every rank's heads under tensor
+    parallelism (one ``all_sum`` per step, :func:`velox_cache_core.distributed.decision_group`).
     Returns int32 ``[B, G, n]`` and the final scores.
     """
     B, G, _, _, n = logits.shape
@@ -107,7 +109,7 @@ def eviction_steps(
     row_max = mx.where(visible, logits, -mx.inf).max(axis=-1, keepdims=True)
     exp_rows = exp(logits - row_max) * visible
     evict_step = mx.full((B, G, n), length, dtype=mx.int32)
-    protected = positions < n_sink
+    protected = sinks(positions, n_sink, pins)
     first = max(0, budget - n_live)
     accumulate = scores is not None
     if accumulate and first:

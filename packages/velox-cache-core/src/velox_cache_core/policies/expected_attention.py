@@ -241,8 +241,9 @@ class ExpectedAttentionState(PolicyState):
     refreshed_at: int | None = running()
 
     def protect(self, positions: mx.array, newest: Any) -> mx.array:
-        """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
-        return sinks(positions, self.n_sink) | (positions > newest - self.recent)
+        """bool: sinks, pinned spans and the ``recent`` newest positions (``newest``: the
+        newest one)."""
+        return sinks(positions, self.n_sink, self.pins) | (positions > newest - self.recent)
 
     def rope(self, head_dim: int) -> RoPE:
         """The model's RoPE for heads of ``head_dim`` features; ``ValueError`` when it was
@@ -423,7 +424,7 @@ def _evict(
     if candidates.n_slots <= state.budget:
         return candidates, scores
     positions = candidates.positions
-    protected = sinks(positions, state.n_sink) | (positions > call.newest() - state.recent)
+    protected = state.protect(positions, call.newest())
     if call.length == 1:
         return candidates.with_free(lowest_weight(scores, positions, protected)), scores
     keep = highest_weights(scores, positions, protected, state.budget)
@@ -496,7 +497,9 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
         )
     if live.n_slots > state.budget:
         positions = live.positions
-        keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
+        keep = highest_weights(
+            scores, positions, sinks(positions, state.n_sink, state.pins), state.budget
+        )
         live = live.take(keep)
         scores = mx.take_along_axis(scores, keep, axis=-1)
     return replace(done, slots=live, scores=scores, **changes)
@@ -640,7 +643,13 @@ EXPECTED_ATTENTION = Policy(
     expected_attention_rule,
     prompt_end=expected_attention_compress,
     # The true queries feed the statistics: there is no key stand-in.
-    traits=Traits(signal=_query_signal, scope=_per_head, budget=attrgetter("budget")),
+    traits=Traits(
+        signal=_query_signal,
+        scope=_per_head,
+        budget=attrgetter("budget"),
+        n_sink=attrgetter("n_sink"),
+        reserved=attrgetter("recent"),
+    ),
     lane_rule=EA_LANES,
     global_rule=EA_GLOBAL,
     summary={

@@ -17,6 +17,7 @@ call of any layer cuts them all (:class:`~velox_cache_core.model_shares.ModelSha
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 import mlx.core as mx
@@ -68,7 +69,7 @@ class H2OState(PolicyState):
 
     def protect(self, positions: mx.array, newest: Any) -> mx.array:
         """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
-        return sinks(positions, self.n_sink) | (positions > newest - self.recent)
+        return sinks(positions, self.n_sink, self.pins) | (positions > newest - self.recent)
 
     @property
     def rule(self) -> Rule:
@@ -79,6 +80,7 @@ class H2OState(PolicyState):
             self.scope,
             self.prefill,
             recent=self.recent,
+            pins=self.pins,
         )
 
 
@@ -171,7 +173,9 @@ H2O = Policy(
     h2o_rule,
     packs_rows=True,
     compiled_decode=True,
-    traits=read_settings("signal", "scope", "prefill", "budget"),
+    traits=read_settings(
+        "signal", "scope", "prefill", "budget", "n_sink", reserved=attrgetter("recent")
+    ),
     lane_rule=H2O_ALLOCATION.lane_rule(),
     global_rule=H2O_ALLOCATION.global_rule(),
     summary={

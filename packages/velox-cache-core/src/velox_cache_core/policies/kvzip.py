@@ -99,7 +99,7 @@ class KVzipState(PolicyState):
     @property
     def rule(self) -> Rule:
         """TOVA's rule that runs after compression with ``after="tova"``."""
-        return Rule(self.budget, self.n_sink, self.signal, "head", "sequential")
+        return Rule(self.budget, self.n_sink, self.signal, "head", "sequential", pins=self.pins)
 
 
 def init_kvzip_state(
@@ -203,7 +203,7 @@ def reconstruction_scores(
 
 
 def _protected(state: KVzipState, positions: mx.array) -> mx.array:
-    return sinks(positions, state.n_sink)
+    return sinks(positions, state.n_sink, state.pins)
 
 
 def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
@@ -218,7 +218,8 @@ def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
     width = LN.lane_width(state.budget)
     positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), s.shape) for s in scores]
     protected = [_protected(state, p) for p in positions]
-    least = LN.floor_rows(state.budget, state.allocation_floor, min(state.n_sink, n), width)
+    held = max(int(p.astype(mx.int32).sum(axis=-1).max().item()) for p in protected)  # type: ignore[arg-type]
+    least = LN.floor_rows(state.budget, state.allocation_floor, held, width)
     return LN.global_totals(scores, positions, protected, state.budget, least, width)
 
 
@@ -267,7 +268,7 @@ def kvzip_compress(
     if scores is None:
         scores = latest_scores(state)
     positions = live.positions
-    keep = highest_weights(scores, positions, sinks(positions, state.n_sink), state.budget)
+    keep = highest_weights(scores, positions, _protected(state, positions), state.budget)
     return replace(done, slots=live.take(keep))
 
 
@@ -330,7 +331,7 @@ KVZIP = Policy(
     kvzip_rule,
     prompt_end=kvzip_end_prompt,
     grows_after_prompt_end=True,
-    traits=read_settings("signal", "budget", "scope"),
+    traits=read_settings("signal", "budget", "scope", "n_sink"),
     upgrade=upgrade_saved,
     compressor=Compressor(
         needs_pass=_needs_pass,

@@ -56,6 +56,7 @@ class MorphKVState(PolicyState):
             window=self.window,
             fusion=self.fusion,
             recent=self.window - 1,
+            pins=self.pins,
         )
 
 
@@ -89,6 +90,11 @@ def init_morphkv_state(
     )
 
 
+def _recent_rows(state: MorphKVState) -> int:
+    """The newest ``window - 1`` rows, which the fused window's rows still read (never evicted)."""
+    return state.window - 1
+
+
 def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
     """TOVA's rule over the fused window; the state keeps the last ``window - 1`` probe rows."""
     decision = decide_by_weights(state.rule, call, candidates, history=state.history)[0]
@@ -104,7 +110,7 @@ MORPHKV = Policy(
     init_morphkv_state,
     morphkv_rule,
     compiled_decode=True,
-    traits=read_settings("signal", "scope", "prefill", "budget"),
+    traits=read_settings("signal", "scope", "prefill", "budget", "n_sink", reserved=_recent_rows),
     summary={
         "morphkv": "drops the token the last few queries attend to least (MorphKV)",
     },

@@ -19,6 +19,7 @@ end only arrives, and the last layer's cuts them all
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import mlx.core as mx
 
@@ -29,6 +30,7 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
+from velox_cache_core.selection import sinks
 from velox_cache_core.sequential import row_visibility
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
@@ -111,8 +113,9 @@ def snapkv_rule(state: SnapKVState, call: Call, slots: KVSlots, candidates: KVSl
 
 
 def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None:
-    """The prompt's rows ``[B, H, n]``, their pooled scores (the window's ``inf``) and the
-    window rows (bool), or ``None`` when nothing is to cut (within budget, nothing fed)."""
+    """The prompt's rows ``[B, H, n]``, their pooled scores (the window's and pinned rows'
+    ``inf``) and the rows the cut keeps whatever their score (bool: the window, pins), or
+    ``None`` when nothing is to cut (within budget, nothing fed)."""
     if state.slots is None or state.history is None or state.n_kept <= state.budget:
         return None
     live = state.slots.compact()
@@ -128,6 +131,9 @@ def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None
     B, H = scores.shape[:2]
     window_rows = mx.broadcast_to(mx.arange(n) >= n - W, (B, H, n))
     full = mx.concatenate([scores, mx.full((B, H, W), mx.inf)], axis=-1)
+    if state.pins is not None:
+        pinned = sinks(live.positions, 0, state.pins)
+        full, window_rows = mx.where(pinned, mx.inf, full), window_rows | pinned
     return live, full, window_rows
 
 
@@ -183,7 +189,7 @@ SNAPKV = Policy(
     prompt_end=snapkv_compress,
     grows_after_prompt_end=True,
     appends_now=lambda state: state.compressed,
-    traits=read_settings("signal", "budget"),
+    traits=read_settings("signal", "budget", reserved=attrgetter("window")),
     global_rule=SNAPKV_GLOBAL,
     summary={
         "snapkv": "cuts the prompt once, at its end, by what its last tokens attend to (SnapKV)",

@@ -74,7 +74,7 @@ class TovaState(PolicyState):
 
     @property
     def rule(self) -> Rule:
-        return Rule(self.budget, self.n_sink, self.signal, self.scope, self.prefill)
+        return Rule(self.budget, self.n_sink, self.signal, self.scope, self.prefill, pins=self.pins)
 
 
 TovaStep = Step
@@ -154,7 +154,7 @@ TOVA_ALLOCATION = HeldPrompt(
     name="tova",
     ready=lambda state: state.history is not None,
     prompt_scores=_prompt_scores,
-    protect=lambda state, positions, newest: sinks(positions, state.n_sink),
+    protect=lambda state, positions, newest: sinks(positions, state.n_sink, state.pins),
     step_scores=_tova_score,
     keep_scores=False,
     cleared={"scale": None},
@@ -170,7 +170,7 @@ TOVA = Policy(
     presets=PRESETS,
     packs_rows=True,
     compiled_decode=True,
-    traits=read_settings("signal", "scope", "prefill", "budget"),
+    traits=read_settings("signal", "scope", "prefill", "budget", "n_sink"),
     lane_rule=TOVA_ALLOCATION.lane_rule(),
     global_rule=TOVA_ALLOCATION.global_rule(),
     summary={
