@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 
-from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new_log
+from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new_log, spans
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
 from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
@@ -146,6 +146,24 @@ class PolicyKVCache(VeloxKVCache):
     @property
     def tokens_seen(self) -> int:
         return int(self._layer.view().tokens_seen)
+
+    def pin(self, start: int, stop: int) -> None:
+        """Never evict tokens ``[start, stop)`` (token indices of the sequence, 0 = its first):
+        seen ones must all still be kept, later ones are kept as they come. They count in the
+        budget and the bytes; ``ValueError`` (and nothing changed) when they cannot fit
+        (``velox_cache_core.pins``). :func:`velox_mlx_lm.pins.pin_span` pins every layer."""
+        self._layer.pin(start, stop)
+
+    @property
+    def pinned_spans(self) -> list[tuple[int, int]]:
+        """The pinned ``[start, stop)`` spans, sorted and disjoint."""
+        return spans(self._layer.view().pins)
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens of the pinned spans seen so far (all of them kept)."""
+        seen = self.offset
+        return sum(max(0, min(b, seen) - a) for a, b in self.pinned_spans)
 
     @property
     def tokens_kept(self) -> int:

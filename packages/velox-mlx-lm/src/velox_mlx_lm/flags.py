@@ -34,7 +34,7 @@ COMMAND_FLAGS = (
     *("--prompt-concurrency", "--quantized-kv-start", "--top-k", "--top-p"),
     *("--trust-remote-code", "--use-default-chat-template"),
     *("--api-key", "--max-memory", "--max-queue", "--beyond-context", "--drain-timeout"),
-    *("--help-method", "--help-all", "--max-prompt-tokens"),
+    *("--help-method", "--help-all", "--max-prompt-tokens", "--pin-prefix", "--max-pinned"),
     *(f"--{name.replace('_', '-')}" for name in ALIASES),
 )
 reserve_flags(COMMAND_FLAGS)

@@ -37,6 +37,7 @@ from velox_mlx_lm.flags import (
     layout_warning,
 )
 from velox_mlx_lm.help import arrange
+from velox_mlx_lm.pins import pin_prefix
 
 NO_PROMPT = "give a prompt: --prompt TEXT, --prompt-file FILE, --prompts-file FILE or --demo"
 # A Hugging Face repo id: owner/name, letters, digits, '-', '_' and '.' (the hub's own rule).
@@ -154,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         metavar="N",
         help="tokens the draft model proposes per round (default: 3; needs --draft-model)",
+    )
+    p.add_argument(
+        "--pin-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="never evict the prompt's first N tokens (a system prompt, tool definitions): "
+        "they count in the budget (default: 0)",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
     add_quant_flags(p)
@@ -340,6 +349,8 @@ def _check_args(args: argparse.Namespace) -> Any:
         if getattr(args, name) < 1:
             flag = f"--{name.replace('_', '-')}"
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
+    if args.pin_prefix < 0:
+        raise ValueError(f"--pin-prefix must be >= 0, got {args.pin_prefix}")
     record = config.record
     if args.draft_model is not None and record is not None:
         if record.compressor is not None:
@@ -386,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, tokenizer, model_name = _load_for_launch(args)
         draft_model = _load_draft(args, model)
         prompts = [prompt_tokens(text, chat, tokenizer) for text in texts]
+        _check_pin_prefix(args, prompts)
     except (ValueError, OSError) as exc:
         return _error(exc)
     loaded = Loaded(model, tokenizer, model_name, draft_model, started)
@@ -397,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(exc)
     _report(loaded, runs, config, args)
     return 0
+
+
+def _check_pin_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    shortest = min(len(p) for p in prompts)
+    if args.pin_prefix > shortest:
+        raise ValueError(
+            f"--pin-prefix {args.pin_prefix} is longer than the prompt ({shortest} tokens)"
+        )
 
 
 @dataclass(frozen=True)
@@ -439,7 +459,9 @@ def _single(
     def drafting(cfg: Any) -> tuple[Any, list[Any]] | None:
         if loaded.draft is None:
             return None
-        return loaded.draft, KVCacheBuilder.for_model(loaded.draft, cfg)
+        return loaded.draft, pin_prefix(
+            KVCacheBuilder.for_model(loaded.draft, cfg), args.pin_prefix
+        )
 
     if echo:
         print(f"model: {loaded.name}  |  BLAS: {_blas_name()}  |  prompt: {len(prompt)} tokens")
@@ -451,7 +473,7 @@ def _single(
             generate_once(model, tokenizer, prompt, full, args, FULL, echo, drafting(full_config))
         )
         runs[-1].stats.update(quant_stats(full_config))
-    caches = KVCacheBuilder.for_model(model, config)
+    caches = pin_prefix(KVCacheBuilder.for_model(model, config), args.pin_prefix)
     label = _label(config)
     if config.record is not None and config.record.compressor is not None:
         runs.append(document_run(model, tokenizer, text, chat, caches, args, label, echo))

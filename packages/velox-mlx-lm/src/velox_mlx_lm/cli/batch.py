@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from velox_mlx_lm.cli.generation import cell, grid, kv_stats, quant_stats, quantized
+from velox_mlx_lm.pins import pin_prefix
 
 
 @dataclass
@@ -45,7 +46,7 @@ def generate_batch(
     mx.reset_peak_memory()
     had_own = "make_cache" in vars(model)
     own = vars(model).get("make_cache")
-    model.make_cache = lambda: KVCacheBuilder.for_model(model, config)
+    model.make_cache = lambda: pin_prefix(KVCacheBuilder.for_model(model, config), args.pin_prefix)
     gen = BatchGenerator(
         model,
         max_tokens=args.max_tokens,

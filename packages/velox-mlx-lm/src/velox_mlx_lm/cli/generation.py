@@ -16,12 +16,14 @@ class Run:
 
 
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
+    from velox_mlx_lm.pins import pinned_tokens
     from velox_mlx_lm.serve.cache import kept_bytes, kept_rows, layer_roles
 
     kept = [kept_rows(c) for c in caches]
     ratios = [float(getattr(c, "compression_ratio", 1.0)) for c in caches]
     return {
         "tokens_kept_per_layer": max(kept) if kept else 0,
+        "pinned_tokens": pinned_tokens(caches),
         "compression_ratio": max(ratios) if ratios else 1.0,
         "kv_bytes": sum(kept_bytes(c) for c in caches),
         **layer_roles(caches),

@@ -49,7 +49,13 @@ from velox_mlx_lm.help import arrange
 from velox_mlx_lm.serve import auth as serve_auth
 from velox_mlx_lm.serve import memory as serve_memory
 from velox_mlx_lm.serve import release as serve_release
-from velox_mlx_lm.serve.cache import cache_nbytes, combine_layers, kv_stats, layer_roles
+from velox_mlx_lm.serve.cache import (
+    VeloxPromptCache,
+    cache_nbytes,
+    combine_layers,
+    kv_stats,
+    layer_roles,
+)
 from velox_mlx_lm.serve.errors import ANTHROPIC_KINDS, BadRequest
 from velox_mlx_lm.serve.memory import SHUTTING_DOWN
 from velox_mlx_lm.serve.messages import (
@@ -60,6 +66,7 @@ from velox_mlx_lm.serve.messages import (
     serve_messages,
 )
 from velox_mlx_lm.serve.pacing import Pacer
+from velox_mlx_lm.serve.pins import check_max_pinned, system_span
 from velox_mlx_lm.serve.sequences import (
     FREE_WAIT_S,
     ClientGone,
@@ -240,6 +247,15 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_PROMPT_TOKENS,
         help="longest prompt a request may have, with --beyond-context too; longer ones get "
         f"400 'prompt is too long' (default {DEFAULT_MAX_PROMPT_TOKENS})",
+    )
+    parser.add_argument(
+        "--max-pinned",
+        metavar="N",
+        type=int,
+        default=None,
+        help="tokens of a conversation's system prompt and tool definitions the server pins "
+        "(never evicted, counted in the budget); longer ones get 400 (default: half the "
+        "budget)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -446,12 +462,14 @@ class Monitor:
             "method": config.method,
             "settings": {} if config.policy is None else config.settings(),
             "budget": None if config.policy is None else config.settings().get("budget"),
+            "max_pinned": provider.cli_args.max_pinned,
             "layers": provider.layer_roles,
             "live": {
                 "sequences": len(live),
                 "kv_bytes": sum(r["kv_bytes"] for r in live),
                 "cache_bytes": sum(r["cache_bytes"] for r in live),
                 "max_tokens_kept": max((r["tokens_kept"] for r in live), default=0),
+                "pinned_tokens": sum(r.get("pinned_tokens", 0) for r in live),
                 "per_sequence": live,
             },
             "max_tokens_kept_since_start": max_kept,
@@ -1062,7 +1080,36 @@ class VeloxHandler(mlx_server.APIHandler):
             raise BadRequest(message, 400, "context_length_exceeded")
         if not prompt:
             raise BadRequest("the prompt is empty")
+        self._pin_system(request, template_kwargs, prompt)
         return prompt
+
+    def _pin_system(self, request: Any, template_kwargs: Any, prompt: list[int]) -> None:
+        """Have the conversation's system prompt and tool definitions pinned in its cache
+        (serve/pins.py): a 400 naming --max-pinned when they are longer than it."""
+        provider = self.provider
+        if provider.config.policy is None:
+            return
+        args = argparse.Namespace(chat_template_kwargs=template_kwargs)
+        rg = self.response_generator
+
+        def tokenize(head: Any) -> list[int]:
+            return list(rg._tokenize(provider.tokenizer, head, args)[0])
+
+        span = system_span(request, prompt, tokenize)
+        if not span:
+            return
+        limit = provider.cli_args.max_pinned
+        if span > limit:
+            raise BadRequest(
+                f"the system prompt and tool definitions take {span} tokens, more than this "
+                f"server pins (--max-pinned {limit}): shorten them, or start the server with a "
+                "larger --max-pinned (and --budget)",
+                400,
+                "invalid_request_error",
+            )
+        cache = rg.prompt_cache
+        assert isinstance(cache, VeloxPromptCache)  # serve() gives it one
+        cache.pins.put(prompt, span)
 
     def _admitted(self, prompt_tokens: int, max_tokens: int) -> Any:
         """Hold the request's admission cost against --max-memory while it runs."""
@@ -1110,6 +1157,7 @@ class VeloxHandler(mlx_server.APIHandler):
             "compression_ratio": stats["compression_ratio"],
             "kv_bytes": stats["kv_bytes"],
             "cache_bytes": stats["cache_bytes"],
+            "pinned_tokens": stats.get("pinned_tokens", 0),
         }
 
     def generate_response(self, text: str, finish_reason: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1182,6 +1230,7 @@ def serve(args: argparse.Namespace, config: Any) -> None:
             monitor.finish(tokens, caches) if kind == "assistant" else None
         ),
     )
+    prompt_cache.make = lambda: fresh_caches(provider)
     monitor.on_live = lambda live: governor.observe(live, prompt_cache.nbytes)
     # What a finished sequence freed goes back to the OS (docs/serving.md, "Process memory").
     releaser = serve_release.Releaser()
@@ -1213,6 +1262,15 @@ def serve(args: argparse.Namespace, config: Any) -> None:
         os._exit(0)
     else:  # mlx_lm.server.run: rank 0 takes the requests and shares each with the other ranks
         generator.join()
+
+
+def fresh_caches(provider: VeloxModelProvider) -> list[Any]:
+    """New caches for one sequence, as mlx-lm's server makes them (the draft model's after)."""
+    assert provider.model is not None  # loaded before serving
+    caches = make_prompt_cache(provider.model)
+    if provider.draft_model is not None:
+        caches += make_prompt_cache(provider.draft_model)
+    return caches
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -1331,6 +1389,7 @@ def check_serving_flags(args: argparse.Namespace, config: Any) -> None:
             "model is not trained past its context"
         )
     serve_auth.resolve_api_key(args.api_key)  # a blank key is an error, not "no key"
+    args.max_pinned = check_max_pinned(args.max_pinned, config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

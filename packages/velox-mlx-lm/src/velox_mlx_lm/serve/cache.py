@@ -13,6 +13,7 @@ prompt).
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,10 @@ from mlx_lm.models.cache import (
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.cache import PolicyKVCache
+from velox_mlx_lm.pins import pin_span
+from velox_mlx_lm.serve.pins import PinTable
+
+LOG = logging.getLogger("velox-serve")
 
 
 def trimmable_tokens(caches: list[Any]) -> int:
@@ -69,6 +74,7 @@ def layer_stats(cache: Any) -> dict[str, Any]:
     return {
         "tokens_seen": int(offset) if isinstance(offset, int) else None,
         "tokens_kept": kept_rows(cache),
+        "pinned_tokens": cache.pinned_tokens if isinstance(cache, PolicyKVCache) else 0,
         "kv_bytes": kept_bytes(cache),
         "cache_bytes": cache_nbytes(cache),
     }
@@ -84,6 +90,7 @@ def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_seen": seen_max,
         "tokens_kept": kept_max,
         "compression_ratio": round(seen_max / kept_max, 3) if kept_max else 1.0,
+        "pinned_tokens": max((r.get("pinned_tokens", 0) for r in layers), default=0),
         "kv_bytes": sum(r["kv_bytes"] for r in layers),
         "cache_bytes": sum(r["cache_bytes"] for r in layers),
     }
@@ -138,8 +145,29 @@ class VeloxPromptCache(LRUPromptCache):
     ) -> None:
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.on_insert = on_insert
+        # the spans to pin, by prompt (filled by the request handler), and fresh caches for a
+        # prompt nothing stored starts (serve/pins.py)
+        self.pins = PinTable()
+        self.make: Callable[[], list[Any]] | None = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        """The nearest stored cache (see the module docstring), its leading span pinned when
+        the handler asked for one: a stored cache that lost some of that span is not reused."""
+        cache, rest = self._nearest(model, tokens)
+        span = self.pins.pop(tokens)
+        if not span or self.make is None:
+            return cache, rest
+        if cache is not None:
+            try:
+                pin_span(cache, 0, span)
+                return cache, rest
+            except ValueError as exc:
+                LOG.info("not reusing a stored cache: %s", exc)
+        cache = self.make()
+        pin_span(cache, 0, span)
+        return cache, tokens
+
+    def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         # Look up all but the last token: the last one is always fed (it gives the logits).
         if len(tokens) < 2:
             return None, tokens
