@@ -24,7 +24,7 @@ from velox_mlx_lm.serve.pins import PinTable, common_prefix, system_span
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-BUDGET = 256
+BUDGET = 160
 SYSTEM = (
     "You are a careful coding agent. Rules: answer in one short sentence; the project's "
     "code name is BLUE HERON; never delete files; the test command is nox -s tests."
@@ -75,8 +75,8 @@ sys.exit(serve.main(sys.argv[1:]))
 def server(embedded_model_path: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     record = tmp_path_factory.mktemp("pins") / "record.jsonl"
     os.environ["VELOX_PIN_RECORD"] = str(record)
-    flags = ["--method", "tova", "--budget", str(BUDGET), "--max-tokens", "24"]
-    srv = Server(*flags, "--max-pinned", "200", code=RECORDING)
+    flags = ["--method", "tova", "--budget", str(BUDGET), "--max-tokens", "12"]
+    srv = Server(*flags, "--max-pinned", "130", code=RECORDING)
     try:
         srv.wait_ready()
         yield srv, record
@@ -104,7 +104,7 @@ def _check_identical(records: list[dict[str, Any]], turns: int) -> None:
         np.testing.assert_array_equal(np.array(r["rows"]), np.array(first["rows"]))
 
 
-PASSAGE = " ".join(f"Line {i}: build step {i} copies module {i} to the output." for i in range(12))
+PASSAGE = " ".join(f"Line {i}: build step {i} copies module {i} to the output." for i in range(6))
 
 
 def test_openai_route_keeps_the_system_prompt_and_tools(server: Any) -> None:
@@ -117,14 +117,14 @@ def test_openai_route_keeps_the_system_prompt_and_tools(server: Any) -> None:
             srv,
             "POST",
             "/v1/chat/completions",
-            {"model": "default_model", "messages": messages, "tools": TOOLS, "max_tokens": 24},
+            {"model": "default_model", "messages": messages, "tools": TOOLS, "max_tokens": 12},
         )
         assert status == 200, body
         assert body["usage"]["velox"]["pinned_tokens"] > 20
         messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     _check_identical(_records(record)[start:], 10)
     stats = raw(srv, "GET", "/v1/velox/stats")[2]
-    assert stats["max_pinned"] == 200
+    assert stats["max_pinned"] == 130
 
 
 def test_messages_route_keeps_the_system_prompt(server: Any) -> None:
@@ -135,7 +135,7 @@ def test_messages_route_keeps_the_system_prompt(server: Any) -> None:
     for turn in range(10):
         messages.append({"role": "user", "content": f"Step {turn}. {PASSAGE} What changed?"})
         reply = client.messages.create(
-            model="default_model", max_tokens=24, system=SYSTEM, messages=messages
+            model="default_model", max_tokens=12, system=SYSTEM, messages=messages
         )
         text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
         messages.append({"role": "assistant", "content": text})
@@ -159,7 +159,7 @@ def test_a_system_prompt_over_max_pinned_is_a_400(server: Any) -> None:
         },
     )
     assert status == 400
-    assert "--max-pinned 200" in body["error"]["message"]
+    assert "--max-pinned 130" in body["error"]["message"]
 
 
 # ------------------------------------------------------------------------------ units
