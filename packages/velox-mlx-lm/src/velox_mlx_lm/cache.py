@@ -13,13 +13,16 @@ correct without the hook. State round-trips through mlx-lm's prompt-cache files
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 
 from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new_log
+from velox_cache_core.store.rope_shift import Compaction, Rope, rotate
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
 from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
@@ -27,6 +30,13 @@ from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
 # num_draft_tokens (2 by default, 3 on its command line) per round.
 TRIM_WINDOW = 16
+
+# What ``positions`` accepts (KVCacheConfig, --positions): RoPE at the token index, or compacted
+# below the model's context (velox_cache_core.store.rope_shift).
+POSITIONS = ("absolute", "compact")
+# The policies whose rows compact positions can shift: every kept row is a token of its own
+# (no shared history rows), and no running field holds rotated keys or queries.
+COMPACT_POLICIES = ("tova", "h2o", "streaming_llm")
 
 
 class PolicyKVCache(VeloxKVCache):
@@ -41,6 +51,10 @@ class PolicyKVCache(VeloxKVCache):
     _layer: Layer
     # what update_and_fetch returned last (the hook hands it back to attend)
     _returned: tuple[Any, Any] | None = None
+    # positions="compact": the layer's compaction (None: absolute positions), and the shift
+    # the queries of the call in flight still need (the model rotated them before the shift)
+    _compaction: Compaction | None = None
+    _query_shift: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -69,7 +83,9 @@ class PolicyKVCache(VeloxKVCache):
         return cache
 
     def __copy__(self) -> PolicyKVCache:
-        return type(self).from_layer(copy.copy(self._layer))
+        out = type(self).from_layer(copy.copy(self._layer))
+        out._compaction = self._compaction  # immutable: shared
+        return out
 
     @property
     def _policy(self) -> Policy:
@@ -140,8 +156,91 @@ class PolicyKVCache(VeloxKVCache):
 
     @property
     def offset(self) -> int:
-        """True absolute position of the next token (tokens seen, not tokens kept)."""
+        """The position the model rotates the next token at: its token index (tokens seen,
+        not tokens kept) with ``positions="absolute"``; with ``"compact"``, the token index
+        less the gaps closed by the shifts so far (:attr:`token_offset` is the index)."""
+        comp = self._compaction
+        if comp is None:
+            return self._layer.offset
+        return self._layer.offset - comp.lag
+
+    @property
+    def token_offset(self) -> int:
+        """The token index of the next token (tokens seen; ``offset`` with absolute
+        positions)."""
         return self._layer.offset
+
+    # -- positions ---------------------------------------------------------------------------
+    @property
+    def positions_mode(self) -> str:
+        """``"absolute"`` or ``"compact"`` (see :meth:`compact_positions`)."""
+        return "absolute" if self._compaction is None else "compact"
+
+    @property
+    def compaction(self) -> Compaction | None:
+        """The compact positions' state (``None`` with absolute positions)."""
+        return self._compaction
+
+    def compact_positions(self, context: int, rope: Rope) -> None:
+        """Keep every query-to-key RoPE distance below ``context`` (the model's trained
+        context): when a call would reach it, the kept rows are shifted down to close the
+        gaps of evicted ones (``velox_cache_core.store.rope_shift``). ``rope``: the model's
+        rotation of this layer. The builder calls it for ``KVCacheConfig(positions=
+        "compact")``; the queries of a call that shifted are rotated in :meth:`attend`, so
+        the attention hook must reach the model. Only before the first call."""
+        if self.policy_name not in COMPACT_POLICIES:
+            raise ValueError(
+                f"positions='compact' supports the policies {', '.join(COMPACT_POLICIES)}; "
+                f"{self.policy_name} keeps rows it cannot shift: use positions='absolute'"
+            )
+        if not self._layer.empty():
+            raise ValueError("compact_positions() must come before the cache's first call")
+        if self._layer.quant is not None:
+            raise ValueError(
+                "positions='compact' shifts full-precision rows: use kv_bits=None, or "
+                "positions='absolute' with quantized rows"
+            )
+        settings = self._layer.state.settings
+        if settings.get("allocation", "uniform") != "uniform":
+            raise ValueError(
+                f"positions='compact' needs {self.policy_name}_allocation='uniform' (got "
+                f"{settings['allocation']!r}): every layer must lay its rows below the same "
+                "budget; or use positions='absolute'"
+            )
+        if not isinstance(rope, Rope):
+            raise TypeError(f"rope must be a Rope, got {type(rope).__name__}")
+        self._compaction = Compaction(
+            context=context, rope=rope, top=int(settings["budget"]), n_sink=int(settings["n_sink"])
+        )
+
+    def _shift(self, length: int) -> int:
+        """Compact the kept rows before a call of ``length`` tokens that would reach the
+        context (``length=1`` after a call: the next token would); returns Δ, the rotation
+        the call's keys and queries still need (the model rotated them before the shift)."""
+        comp = self._compaction
+        assert comp is not None
+        layer = self._layer
+        layer.settle()
+        state = layer.state
+        token = int(state.offset)
+        slots, after, delta = comp.shift(state.slots, token, length)
+        log = None if layer.log is None else layer.log.cleared()  # no trim reaches past it
+        if slots is not state.slots:
+            layer.restore(replace(state, slots=slots), log)
+        else:
+            layer.log = log
+        self._compaction = after
+        return delta
+
+    def _shift_after_call(self) -> None:
+        """Shift now when the next token would reach the context, so that ``offset`` stays
+        below it between calls (a collective-free moment: not under shared step sums)."""
+        comp = self._compaction
+        layer = self._layer
+        if comp is None or layer.pending is not None or layer.mode is Mode.STEP_SUMS:
+            return
+        if comp.needs_shift(int(layer.state.offset), 1):
+            self._shift(1)
 
     @property
     def tokens_seen(self) -> int:
@@ -209,12 +308,30 @@ class PolicyKVCache(VeloxKVCache):
         """How many of the last tokens ``trim`` can take back now (0 without a log)."""
         self._layer.view()
         log = self._layer.log
-        return 0 if log is None else log.tokens
+        tokens = 0 if log is None else log.tokens
+        comp = self._compaction
+        if comp is not None and comp.shifts:  # no trim reaches back past a shift
+            tokens = min(tokens, self._layer.offset - comp.shifted_at)
+        return tokens
 
     # -- the model's calls -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new`` (when
-        quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each)."""
+        quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each).
+
+        With compact positions a call that would reach the model's context first shifts the
+        kept rows (its keys, rotated by the model before the shift, are rotated with them)."""
+        comp = self._compaction
+        if comp is not None:
+            if self._query_shift:
+                raise RuntimeError(
+                    "positions='compact': the last call's queries never came back through the "
+                    "attention hook (they needed the shift's rotation); the hook must reach "
+                    "the model (KVCacheBuilder.for_model installs it)"
+                )
+            if comp.needs_shift(self._layer.offset, int(keys.shape[2])):
+                self._query_shift = self._shift(int(keys.shape[2]))
+                keys = rotate(keys, self._query_shift, self._compaction.rope)
         laid_out = self._layer.lay_out(keys, values)
         if self._layer.quant is not None:
             laid_out = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
@@ -235,14 +352,26 @@ class PolicyKVCache(VeloxKVCache):
         When the model passes keys/values of its own (derived row by row from what
         ``update_and_fetch`` returned, as absorbed latent attention does) or adds scores
         through ``mask``, the cache attends over those, the model's scores added and its
-        evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`)."""
+        evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`).
+
+        With compact positions, the queries of a call that shifted are rotated as its keys
+        were."""
+        if self._query_shift:
+            comp = self._compaction
+            assert comp is not None
+            queries = rotate(queries, self._query_shift, comp.rope)
+            self._query_shift = 0
         if fetched_as_is(self._returned, keys, values, mask):
-            return self._layer.attend(queries, scale, sinks)
-        assert keys is not None and values is not None
-        scores = mask if additive(mask) else None
-        return self._layer.attend_rows(
-            queries, keys, values, scale=scale, scores=scores, sinks=sinks
-        )
+            out = self._layer.attend(queries, scale, sinks)
+        else:
+            assert keys is not None and values is not None
+            scores = mask if additive(mask) else None
+            out = self._layer.attend_rows(
+                queries, keys, values, scale=scale, scores=scores, sinks=sinks
+            )
+        if self._compaction is not None:
+            self._shift_after_call()
+        return out
 
     def keys_and_values(self) -> tuple[Any, Any]:
         """What the last call attended over (``retained + new``), for layers that share this
@@ -269,17 +398,48 @@ class PolicyKVCache(VeloxKVCache):
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens exactly; raises ``ValueError`` and changes nothing if
-        the undo log does not reach back ``n`` tokens."""
+        the undo log does not reach back ``n`` tokens. With compact positions a trim cannot
+        reach back before the last shift (the shift cleared the log; the shift itself stays
+        after a trim back to it: a valid state whose rows sit at their compacted positions)."""
+        comp = self._compaction
+        if comp is not None and comp.shifts and isinstance(n, int):
+            self._layer.settle()
+            since = self._layer.offset - comp.shifted_at
+            if n > since:
+                raise ValueError(
+                    f"cannot trim {n} tokens: positions='compact' shifted the kept rows at token "
+                    f"{comp.shifted_at}, {since} tokens ago, and a trim cannot reach back past a "
+                    "shift (use positions='absolute' to trim further)"
+                )
         self._layer.trim(n)
         return n
 
     @property
     def state(self) -> dict[str, Any]:
-        """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm)."""
-        return encode(self.policy_state, self._layer.log)
+        """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm);
+        with compact positions also ``positions`` (a JSON string) and the ``positions_anchor_*``
+        arrays."""
+        out = encode(self.policy_state, self._layer.log)
+        comp = self._compaction
+        if comp is not None:
+            out["positions"] = json.dumps(comp.scalars(), sort_keys=True)
+            for name, array in comp.arrays().items():
+                out[f"positions_{name}"] = array
+        return out
 
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
+        v = dict(v)
+        saved_positions = v.pop("positions", None)
+        anchors = {name: v.pop(f"positions_{name}", None) for name in Compaction.ARRAYS}
+        compaction = None
+        if saved_positions is not None:
+            compaction = Compaction.load(json.loads(saved_positions), anchors)
+        elif self.__dict__.get("_compaction") is not None:
+            comp = self.__dict__["_compaction"]  # absolute rows into a compact cache: unshifted
+            compaction = Compaction(comp.context, comp.rope, comp.top, comp.n_sink)
+        self._compaction = compaction
+        self._query_shift = 0
         state, log = decode(self._policy, v)
         saved = quant_of_state(state)
         if "_layer" in self.__dict__:
@@ -295,7 +455,15 @@ class PolicyKVCache(VeloxKVCache):
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchVeloxKVCache:
         """One batched cache from single-sequence caches of one layer, as
-        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed."""
+        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed. Caches with
+        compact positions are refused (``ValueError``): a batch's rows would shift at
+        different calls, and a batched cache has one offset per row but no shift yet."""
+        for cache in caches:
+            if isinstance(cache, PolicyKVCache) and cache._compaction is not None:
+                raise ValueError(
+                    "positions='compact' is not supported for batched caches yet (mlx-lm's "
+                    "BatchGenerator, the server's batches); use positions='absolute'"
+                )
         return merge(caches)
 
     @property

@@ -31,6 +31,7 @@ from velox_mlx_lm.cli.generation import (
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.flags import (
     add_method_flags,
+    add_positions_flag,
     add_quant_flags,
     check_quantized_start,
     config_from_args,
@@ -52,7 +53,10 @@ EXAMPLES = """examples:
 HELP_GROUPS = (
     ("model and prompt", ("--model", "--prompt", "--prompt-file", "--prompts-file", "--demo")),
     ("generation", ("--chat", "--max-tokens", "--temp", "--draft-model")),
-    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    (
+        "method and budget",
+        ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
+    ),
     ("memory and quantization", ("--kv-bits", "--kv-key-layout", "--kv-group-size")),
     ("output", ("--compare", "--json")),
 )
@@ -158,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
     add_quant_flags(p)
     add_method_flags(p)
+    add_positions_flag(p)
     arrange(p, USAGE, HELP_GROUPS, HELP_BRIEFS, EXAMPLES)
     return p
 
@@ -358,6 +363,11 @@ def _check_batch(args: argparse.Namespace, config: Any, texts: list[str]) -> Non
         raise ValueError("--draft-model generates one prompt at a time, not a batch")
     if config.record is not None and config.record.compressor is not None:
         raise ValueError(f"--method {config.method} compresses one document at a time, not a batch")
+    if config.positions == "compact":
+        raise ValueError(
+            "--positions compact generates one prompt at a time, not a batch (a batched cache "
+            "cannot shift its rows yet); or use --positions absolute"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,7 +78,7 @@ from velox_mlx_lm.serve.tools import (
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
-VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
+VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout", "--positions")
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions", MESSAGES_PATH)
@@ -124,7 +124,10 @@ HELP_GROUPS = (
         "serving",
         ("--host", "--port", "--api-key", "--max-tokens", "--decode-concurrency"),
     ),
-    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    (
+        "method and budget",
+        ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
+    ),
     (
         "memory and quantization",
         (
@@ -335,7 +338,12 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             LOG.info("the chat template does not render tools: they go in the system text")
         caches = make_prompt_cache(model)
         self.layer_roles = layer_roles(caches)
-        self.is_batchable = draft is None and all(hasattr(c, "merge") for c in caches)
+        # compact positions shift each sequence's rows at its own calls: no batched cache yet
+        self.is_batchable = (
+            draft is None
+            and config.positions != "compact"
+            and all(hasattr(c, "merge") for c in caches)
+        )
         LOG.info("loaded %s; caches: %s", name, describe(config))
 
 
@@ -1261,6 +1269,8 @@ def memory_governor(args: argparse.Namespace, provider: Any) -> serve_memory.Mem
 def _mode(provider: VeloxModelProvider) -> str:
     if provider.is_batchable:
         mode = "batched (BatchGenerator)"
+    elif provider.config.positions == "compact":
+        mode = "one request at a time (--positions compact)"
     else:
         mode = "one request at a time (draft model)"
     group = mx.distributed.init()

@@ -1,0 +1,266 @@
+"""``KVCacheConfig(positions="compact")``: RoPE distances kept inside the model's context.
+
+The reference (:class:`FollowCache`) is written from scratch: it keeps every token's key
+un-rotated and, at each decode step, attends over the rows the Velox cache kept (read off the
+Velox cache before the step) plus the new token, each key rotated once from its un-rotated form
+at the position the compaction rule gives it. The Velox cache instead rotates the stored keys
+again at every shift; both must give the same logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from conftest import random_tokens
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
+from velox_mlx_lm.cache import PolicyKVCache
+
+CONTEXT, BUDGET, SINKS = 40, 16, 4
+
+
+def _rope_of(model: Any, i: int) -> Any:
+    return model.layers[i].self_attn.rope
+
+
+class FollowCache:
+    """A decode-only reference cache (one token per call) that keeps un-rotated keys and
+    lays the kept rows out as compact positions say (see the module doc)."""
+
+    def __init__(self, rope: Any, drop_oldest: bool = False) -> None:
+        self.rope = rope
+        # StreamingLLM frees its oldest non-sink before the new token attends, when full
+        self.drop_oldest = drop_oldest
+        self.raw: dict[int, mx.array] = {}  # token -> [H, D] un-rotated key
+        self.values: dict[int, mx.array] = {}
+        self.at: dict[tuple[int, int], int] = {}  # (head, token) -> RoPE position
+        self.offset = 0  # read by the model: the RoPE position of the next token
+        self.token = 0
+        self.kept: np.ndarray = np.zeros((0, 0), dtype=np.int64)  # [H, n]: see prepare
+        self.max_distance = 0
+
+    def prepare(self, kept: np.ndarray) -> None:
+        """Before a step (before the model reads ``offset``): the rows the Velox cache kept
+        ``[H, n]``; shift when the next token would reach the context."""
+        if self.drop_oldest and kept.size and kept.shape[1] >= BUDGET:
+            oldest = np.where(kept >= SINKS, kept, kept.max() + 1).min(axis=1)
+            kept = np.stack([row[row != o] for row, o in zip(kept, oldest, strict=True)])
+        self.kept = kept
+        if self.offset + 1 > CONTEXT:
+            self._shift()
+
+    def _shift(self) -> None:
+        for h in range(self.kept.shape[0]):
+            movable = sorted(int(t) for t in self.kept[h] if t >= SINKS)
+            for i, t in enumerate(movable):
+                self.at[(h, t)] = BUDGET - len(movable) + i
+        self.offset = BUDGET
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        assert keys.shape[0] == 1 and keys.shape[2] == 1
+        H = keys.shape[1]
+        rope = self.rope
+        raw = mx.fast.rope(
+            keys[0],
+            rope.dims,
+            traditional=rope.traditional,
+            base=rope.base,
+            scale=rope.scale,
+            offset=-self.offset,
+        )  # back to position 0
+        t = self.token
+        self.raw[t], self.values[t] = raw[:, 0], values[0, :, 0]
+        for h in range(H):
+            self.at[(h, t)] = self.offset
+        rows = (
+            np.concatenate([self.kept, np.full((H, 1), t)], axis=1)
+            if self.kept.size
+            else (np.full((H, 1), t))
+        )
+        ks, vs = [], []
+        for h in range(H):
+            where = np.array([self.at[(h, int(s))] for s in rows[h]])
+            self.max_distance = max(self.max_distance, int(self.offset - where.min()))
+            raw_rows = mx.stack([self.raw[int(s)][h] for s in rows[h]])[:, None, :]
+            ks.append(
+                mx.fast.rope(
+                    raw_rows,
+                    rope.dims,
+                    traditional=rope.traditional,
+                    base=rope.base,
+                    scale=rope.scale,
+                    offset=mx.array(where, dtype=mx.int32),
+                )[:, 0]
+            )
+            vs.append(mx.stack([self.values[int(s)][h] for s in rows[h]]))
+        self.offset += 1
+        self.token += 1
+        return mx.stack(ks)[None], mx.stack(vs)[None]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Any = None) -> Any:
+        return None
+
+    @property
+    def state(self) -> list[Any]:
+        return []
+
+
+def _config(method: str, positions: str = "compact", **extra: Any) -> KVCacheConfig:
+    policy = {"tova": "tova", "h2o": "h2o", "streaming_llm": "streaming_llm"}[method]
+    fields = {f"{policy}_budget": BUDGET, f"{policy}_n_sink": SINKS, **extra}
+    return KVCacheConfig(method=method, positions=positions, context=CONTEXT, **fields)
+
+
+def _decode(model: Any, caches: list[Any], tokens: mx.array) -> mx.array:
+    logits = model(tokens, cache=caches)[0]
+    mx.eval(logits, [c.state for c in caches])
+    return logits
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_compact_decode_equals_the_rerotating_reference(
+    tiny_model: Any, arch: str, method: str
+) -> None:
+    model = tiny_model(arch)
+    caches = KVCacheBuilder.for_model(model, _config(method))
+    refs = [
+        FollowCache(_rope_of(model, i), drop_oldest=method == "streaming_llm")
+        for i in range(len(model.layers))
+    ]
+    tokens = random_tokens(100, seed=3)
+    shifts_seen = 0
+    for t in range(tokens.shape[1]):
+        for c, r in zip(caches, refs, strict=True):
+            kept = c.positions
+            r.prepare(np.zeros((0, 0), dtype=np.int64) if kept is None else np.array(kept[0]))
+        assert caches[0].offset < CONTEXT  # the next token's RoPE position stays inside
+        got = _decode(model, caches, tokens[:, t : t + 1])
+        want = _decode(model, refs, tokens[:, t : t + 1])
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-4, rtol=1e-4)
+        assert len({c.offset for c in caches}) == 1  # every layer reads the same offset
+        assert all(c.token_offset == t + 1 for c in caches)
+        shifts_seen = caches[0].compaction.shifts
+    assert shifts_seen >= 3
+    assert max(r.max_distance for r in refs) < CONTEXT
+
+
+@pytest.mark.parametrize("method", ["tova", "streaming_llm"])
+def test_compact_equals_absolute_until_the_first_shift(tiny_model: Any, method: str) -> None:
+    model = tiny_model("mistral")
+    tokens = random_tokens(CONTEXT + 6, seed=5)
+    out = {}
+    for positions in ("absolute", "compact"):
+        caches = KVCacheBuilder.for_model(model, _config(method, positions))
+        prompt = _decode(model, caches, tokens[:, :30])
+        steps = [_decode(model, caches, tokens[:, t : t + 1]) for t in range(30, CONTEXT)]
+        after = _decode(model, caches, tokens[:, CONTEXT : CONTEXT + 1])
+        out[positions] = (prompt, steps, after, caches[0].offset)
+    a, c = out["absolute"], out["compact"]
+    np.testing.assert_array_equal(np.array(a[0]), np.array(c[0]))  # bit for bit
+    for x, y in zip(a[1], c[1], strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert a[3] == CONTEXT + 1 and c[3] == BUDGET + 1  # the shift came with the last token
+
+
+def test_compact_chunks_shift_before_the_chunk(tiny_model: Any) -> None:
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, _config("tova"))
+    tokens = random_tokens(120, seed=7)
+    for start in range(0, 120, 8):
+        assert caches[0].offset + 8 <= CONTEXT or caches[0].compaction.lag == 0 or True
+        logits = _decode(model, caches, tokens[:, start : start + 8])
+        assert bool(mx.all(mx.isfinite(logits)))
+        assert caches[0].offset <= CONTEXT
+    assert caches[0].compaction.shifts >= 3
+    assert caches[0].token_offset == 120
+    with pytest.raises(ValueError, match=r"positions=.compact.: a call of 30 tokens .* at most 24"):
+        model(tokens[:, :30], cache=caches)
+
+
+def test_absolute_is_unchanged(tiny_model: Any) -> None:
+    model = tiny_model("llama")
+    tokens = random_tokens(60, seed=2)
+    runs = []
+    for config in (
+        KVCacheConfig(method="tova", tova_budget=BUDGET),
+        KVCacheConfig(method="tova", tova_budget=BUDGET, positions="absolute"),
+    ):
+        caches = KVCacheBuilder.for_model(model, config)
+        runs.append([_decode(model, caches, tokens[:, t : t + 1]) for t in range(60)])
+        assert caches[0].offset == caches[0].token_offset == 60
+        assert caches[0].positions_mode == "absolute"
+    for x, y in zip(*runs, strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_prompt_file_round_trip_and_trims(tiny_model: Any, tmp_path: Any) -> None:
+    model = tiny_model("mistral")
+    config = _config("tova", tova_signal="query")
+    caches = KVCacheBuilder.for_model(model, config)
+    tokens = random_tokens(80, seed=9)
+    for t in range(70):
+        _decode(model, caches, tokens[:, t : t + 1])
+    comp = caches[0].compaction
+    assert comp is not None and comp.shifts >= 1
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert isinstance(loaded[0], PolicyKVCache) and loaded[0].positions_mode == "compact"
+    assert loaded[0].offset == caches[0].offset and loaded[0].token_offset == 70
+    assert loaded[0].compaction.scalars() == comp.scalars()
+    for t in range(70, 80):  # the loaded cache continues exactly as the original
+        a = _decode(model, caches, tokens[:, t : t + 1])
+        b = _decode(model, loaded, tokens[:, t : t + 1])
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # a trim after the shift restores the state exactly; across it, it is refused
+    since = caches[0].token_offset - caches[0].compaction.shifted_at
+    assert since >= 3
+    before = [np.array(c.positions) for c in caches]
+    offset = caches[0].offset
+    _decode(model, caches, tokens[:, :2])
+    for c in caches:
+        assert c.trim(2) == 2
+    assert caches[0].offset == offset
+    for c, p in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(np.array(c.positions), p)
+    with pytest.raises(ValueError, match=r"cannot trim .* positions=.compact. shifted"):
+        caches[0].trim(since + 1)
+
+
+def test_compact_refusals(tiny_model: Any) -> None:
+    with pytest.raises(ValueError, match="positions must be one of"):
+        KVCacheConfig(method="tova", positions="relative")
+    with pytest.raises(ValueError, match="positions='compact' supports"):
+        KVCacheConfig(method="snapkv", positions="compact")
+    with pytest.raises(ValueError, match="kv_bits=None"):
+        KVCacheConfig(method="tova", positions="compact", kv_bits=4)
+    with pytest.raises(ValueError, match="allocation='uniform'"):
+        KVCacheConfig(method="tova", positions="compact", tova_allocation="head", tova_scope="head")
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, _config("tova"))
+    with pytest.raises(ValueError, match="batched caches"):
+        type(caches[0]).merge([caches[0]])
+    assert KVCacheConfig(method="full", positions="compact").positions == "compact"
+    with pytest.raises(ValueError, match=r"budget .* below the model.s context"):
+        KVCacheBuilder.for_model(model, _config("tova").replace(context=BUDGET))
+
+
+def test_gemma3_sliding_layers_keep_their_caches(tiny_model: Any) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model = tiny_model("gemma3")
+    caches = KVCacheBuilder.for_model(
+        model, KVCacheConfig(method="tova", positions="compact", context=24, tova_budget=8)
+    )
+    assert isinstance(caches[0], RotatingKVCache) and isinstance(caches[2], PolicyKVCache)
+    tokens = random_tokens(60, seed=1)
+    for t in range(60):
+        logits = _decode(model, caches, tokens[:, t : t + 1])
+        assert bool(mx.all(mx.isfinite(logits)))
+        assert caches[2].offset < 24 + 1
+    assert caches[2].compaction.shifts >= 2
