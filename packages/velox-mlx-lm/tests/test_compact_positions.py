@@ -241,10 +241,14 @@ def test_compact_refusals(tiny_model: Any) -> None:
         KVCacheConfig(method="tova", positions="compact", kv_bits=4)
     with pytest.raises(ValueError, match="allocation='uniform'"):
         KVCacheConfig(method="tova", positions="compact", tova_allocation="head", tova_scope="head")
-    model = tiny_model("llama")
-    caches = KVCacheBuilder.for_model(model, _config("tova"))
-    with pytest.raises(ValueError, match="batched caches"):
-        type(caches[0]).merge([caches[0]])
+    model = tiny_model("llama", fresh=True)
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    model.layers[1].self_attn.rope = Llama3RoPE(
+        8, 2048, False, 10_000.0, {"factor": 8.0, "original_max_position_embeddings": 256}
+    )
+    with pytest.raises(ValueError, match=r"layer 1 has a Llama3RoPE; positions='compact'"):
+        KVCacheBuilder.for_model(model, _config("tova"))
     assert KVCacheConfig(method="full", positions="compact").positions == "compact"
     with pytest.raises(ValueError, match=r"budget .* below the model.s context"):
         KVCacheBuilder.for_model(model, _config("tova").replace(context=BUDGET))
@@ -264,3 +268,27 @@ def test_gemma3_sliding_layers_keep_their_caches(tiny_model: Any) -> None:
         assert bool(mx.all(mx.isfinite(logits)))
         assert caches[2].offset < 24 + 1
     assert caches[2].compaction.shifts >= 2
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm"])
+def test_batch_generator_rows_equal_sequences_alone(tiny_model: Any, method: str) -> None:
+    """mlx-lm's BatchGenerator (right-padded prompts prefilled in chunks, a late insert): each
+    row shifts at its own calls and equals the sequence generated alone."""
+    from test_batch_generate import assert_same_as_alone, batched, config, prompts
+
+    model = tiny_model("mistral", fresh=True)
+    cfg = config(method).replace(positions="compact", context=24)
+    items = list(zip(prompts(), (40, 30, 35, 25), strict=True))
+    late = [(prompts((17,), seed=1)[0], 30)]
+    results = batched(model, cfg, items, late=late)
+    assert_same_as_alone(model, cfg, [*items, *late], results)
+    shifted = [c.compaction.shifts for c in results[0][2] if isinstance(c, PolicyKVCache)]
+    assert min(shifted) >= 2
+
+
+def test_batch_refuses_mixed_positions(tiny_model: Any) -> None:
+    model = tiny_model("llama")
+    compact = KVCacheBuilder.for_model(model, _config("tova"))
+    absolute = KVCacheBuilder.for_model(model, _config("tova", "absolute"))
+    with pytest.raises(ValueError, match="mixes positions"):
+        type(compact[0]).merge([compact[0], absolute[0]])

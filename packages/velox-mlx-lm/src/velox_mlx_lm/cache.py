@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -25,18 +24,12 @@ from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new
 from velox_cache_core.store.rope_shift import Compaction, Rope, rotate
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
+from velox_mlx_lm.positions import COMPACT_POLICIES, shift_layer
 from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
 
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
 # num_draft_tokens (2 by default, 3 on its command line) per round.
 TRIM_WINDOW = 16
-
-# What ``positions`` accepts (KVCacheConfig, --positions): RoPE at the token index, or compacted
-# below the model's context (velox_cache_core.store.rope_shift).
-POSITIONS = ("absolute", "compact")
-# The policies whose rows compact positions can shift: every kept row is a token of its own
-# (no shared history rows), and no running field holds rotated keys or queries.
-COMPACT_POLICIES = ("tova", "h2o", "streaming_llm")
 
 
 class PolicyKVCache(VeloxKVCache):
@@ -217,19 +210,8 @@ class PolicyKVCache(VeloxKVCache):
         """Compact the kept rows before a call of ``length`` tokens that would reach the
         context (``length=1`` after a call: the next token would); returns Δ, the rotation
         the call's keys and queries still need (the model rotated them before the shift)."""
-        comp = self._compaction
-        assert comp is not None
-        layer = self._layer
-        layer.settle()
-        state = layer.state
-        token = int(state.offset)
-        slots, after, delta = comp.shift(state.slots, token, length)
-        log = None if layer.log is None else layer.log.cleared()  # no trim reaches past it
-        if slots is not state.slots:
-            layer.restore(replace(state, slots=slots), log)
-        else:
-            layer.log = log
-        self._compaction = after
+        assert self._compaction is not None
+        self._compaction, delta = shift_layer(self._layer, self._compaction, length)
         return delta
 
     def _shift_after_call(self) -> None:
@@ -331,7 +313,7 @@ class PolicyKVCache(VeloxKVCache):
                 )
             if comp.needs_shift(self._layer.offset, int(keys.shape[2])):
                 self._query_shift = self._shift(int(keys.shape[2]))
-                keys = rotate(keys, self._query_shift, self._compaction.rope)
+                keys = rotate(keys, self._query_shift, comp.rope)
         laid_out = self._layer.lay_out(keys, values)
         if self._layer.quant is not None:
             laid_out = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
@@ -455,15 +437,8 @@ class PolicyKVCache(VeloxKVCache):
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchVeloxKVCache:
         """One batched cache from single-sequence caches of one layer, as
-        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed. Caches with
-        compact positions are refused (``ValueError``): a batch's rows would shift at
-        different calls, and a batched cache has one offset per row but no shift yet."""
-        for cache in caches:
-            if isinstance(cache, PolicyKVCache) and cache._compaction is not None:
-                raise ValueError(
-                    "positions='compact' is not supported for batched caches yet (mlx-lm's "
-                    "BatchGenerator, the server's batches); use positions='absolute'"
-                )
+        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed (each row keeps
+        its compact positions, if any)."""
         return merge(caches)
 
     @property

@@ -24,7 +24,8 @@ from velox_cache_core import (
     field_name,
     policy_for_method,
 )
-from velox_mlx_lm.cache import COMPACT_POLICIES, POSITIONS, TRIM_WINDOW
+from velox_mlx_lm.cache import TRIM_WINDOW
+from velox_mlx_lm.positions import COMPACT_POLICIES, POSITIONS
 
 FULL = "full"
 

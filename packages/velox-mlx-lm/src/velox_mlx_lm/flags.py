@@ -193,7 +193,7 @@ POSITIONS_HELP = (
 
 def add_positions_flag(parser: argparse.ArgumentParser, default: str = "absolute") -> None:
     """``--positions absolute|compact`` (``KVCacheConfig(positions=...)``)."""
-    from velox_mlx_lm.cache import POSITIONS
+    from velox_mlx_lm.positions import POSITIONS
 
     action = parser.add_argument(
         "--positions",

@@ -52,8 +52,8 @@ from velox_bench.quality.perplexity import perplexity, token_nll  # noqa: E402
 from velox_bench.quality.report import replace_between  # noqa: E402
 from velox_bench.results import save_figure  # noqa: E402
 from velox_bench.variants import Variant, policy_variants  # noqa: E402
-from velox_mlx_lm.cache import POSITIONS  # noqa: E402
 from velox_mlx_lm.embedded import DEFAULT_MODEL, MODELS, load  # noqa: E402
+from velox_mlx_lm.positions import POSITIONS  # noqa: E402
 
 # Tokens scored by default: twice SmolLM2's 8k context; 40k for Gemma 3 (its context is 32k).
 DEFAULT_TOKENS = {"smollm2-135m": 16_384, "gemma3-270m": 40_960}

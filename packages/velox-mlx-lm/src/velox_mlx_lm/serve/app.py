@@ -338,12 +338,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             LOG.info("the chat template does not render tools: they go in the system text")
         caches = make_prompt_cache(model)
         self.layer_roles = layer_roles(caches)
-        # compact positions shift each sequence's rows at its own calls: no batched cache yet
-        self.is_batchable = (
-            draft is None
-            and config.positions != "compact"
-            and all(hasattr(c, "merge") for c in caches)
-        )
+        self.is_batchable = draft is None and all(hasattr(c, "merge") for c in caches)
         LOG.info("loaded %s; caches: %s", name, describe(config))
 
 
@@ -1269,8 +1264,6 @@ def memory_governor(args: argparse.Namespace, provider: Any) -> serve_memory.Mem
 def _mode(provider: VeloxModelProvider) -> str:
     if provider.is_batchable:
         mode = "batched (BatchGenerator)"
-    elif provider.config.positions == "compact":
-        mode = "one request at a time (--positions compact)"
     else:
         mode = "one request at a time (draft model)"
     group = mx.distributed.init()
