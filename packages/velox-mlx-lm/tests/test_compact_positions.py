@@ -237,8 +237,8 @@ def test_compact_refusals(tiny_model: Any) -> None:
         KVCacheConfig(method="tova", positions="relative")
     with pytest.raises(ValueError, match="positions='compact' supports"):
         KVCacheConfig(method="snapkv", positions="compact")
-    with pytest.raises(ValueError, match="kv_bits=None"):
-        KVCacheConfig(method="tova", positions="compact", kv_bits=4)
+    with pytest.raises(ValueError, match="kv_key_layout='token'"):
+        KVCacheConfig(method="tova", positions="compact", kv_bits=4, kv_key_layout="channel")
     with pytest.raises(ValueError, match="allocation='uniform'"):
         KVCacheConfig(method="tova", positions="compact", tova_allocation="head", tova_scope="head")
     model = tiny_model("llama", fresh=True)
@@ -292,3 +292,42 @@ def test_batch_refuses_mixed_positions(tiny_model: Any) -> None:
     absolute = KVCacheBuilder.for_model(model, _config("tova", "absolute"))
     with pytest.raises(ValueError, match="mixes positions"):
         type(compact[0]).merge([compact[0], absolute[0]])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_rows_shift_through_dequantize_rotate_quantize(bits: int) -> None:
+    """Keys quantized per token are shifted by dequantize, rotate, quantize: past the shifts the
+    quantized cache stays as close to the full-precision one as it does with absolute
+    positions (StreamingLLM: the same rows are kept whatever the rounding)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # quantized in groups of 32
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    tokens = random_tokens(100, seed=4)
+    errors = {}
+    for positions in ("absolute", "compact"):
+        runs = []
+        for kv_bits in (None, bits):
+            config = _config("streaming_llm", positions).replace(kv_bits=kv_bits, kv_group_size=32)
+            caches = KVCacheBuilder.for_model(model, config)
+            runs.append(
+                np.stack(
+                    [np.array(_decode(model, caches, tokens[:, t : t + 1])) for t in range(100)]
+                )
+            )
+        errors[positions] = np.abs(runs[0] - runs[1])[CONTEXT:].max()
+        if positions == "compact":
+            assert caches[0].compaction.shifts >= 3
+    assert errors["compact"] < 2.0 * errors["absolute"], errors

@@ -188,10 +188,11 @@ class PolicyKVCache(VeloxKVCache):
             )
         if not self._layer.empty():
             raise ValueError("compact_positions() must come before the cache's first call")
-        if self._layer.quant is not None:
+        quant = self._layer.quant
+        if quant is not None and quant.keys != "token":
             raise ValueError(
-                "positions='compact' shifts full-precision rows: use kv_bits=None, or "
-                "positions='absolute' with quantized rows"
+                "positions='compact' shifts keys quantized per token (kv_key_layout='token'), "
+                f"not per {quant.keys}; or use positions='absolute'"
             )
         settings = self._layer.state.settings
         if settings.get("allocation", "uniform") != "uniform":

@@ -93,7 +93,8 @@ class KVCacheConfig:
     ``positions``: ``"absolute"`` (keys rotated at their token index, the default) or
     ``"compact"`` (past the model's context, the kept rows are shifted down so that no
     query-to-key RoPE distance exceeds it: docs/architecture.md, "Positions"; for
-    ``tova``, ``h2o`` and ``streaming_llm`` at full precision, uniform allocation).
+    ``tova``, ``h2o`` and ``streaming_llm``, uniform allocation, keys at full precision or
+    quantized per token).
     ``context``: the context ``"compact"`` keeps distances within (``None``: the model's
     ``max_position_embeddings``, read by ``KVCacheBuilder.for_model``).
     Every policy's settings are validated once, at construction, whatever the method; the
@@ -170,10 +171,10 @@ class KVCacheConfig:
                 f"(and 'full', which keeps every row and never shifts); method "
                 f"{self.method!r} keeps rows it cannot shift: use positions='absolute'"
             )
-        if self.kv_bits is not None:
+        if self.kv_bits is not None and self.kv_key_layout != "token":
             raise ValueError(
-                "positions='compact' shifts full-precision rows: use kv_bits=None, or "
-                "positions='absolute' with quantized rows"
+                "positions='compact' shifts keys quantized per token: use "
+                f"kv_key_layout='token' (got {self.kv_key_layout!r}), or positions='absolute'"
             )
         allocation = self.settings().get("allocation", "uniform")
         if allocation != "uniform":

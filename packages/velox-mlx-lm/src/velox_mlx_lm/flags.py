@@ -187,7 +187,7 @@ POSITIONS_HELP = (
     "RoPE positions of a bounded method's rows: 'absolute' rotates every key at its token "
     "index; 'compact' shifts the kept rows down when the next position would reach the "
     "model's context, so that no query-to-key distance exceeds it (tova, h2o, streaming_llm; "
-    "full-precision rows)"
+    "keys at full precision or quantized per token)"
 )
 
 
@@ -283,6 +283,8 @@ def key_layout(config: Any) -> str:
     ``uniform``), else ``token`` (KVCacheConfig's own default, the library's)."""
     if config.kv_bits is None or config.kv_bits > LOW_BITS or config.policy is None:
         return "token"
+    if config.positions == "compact":  # shifts keys quantized per token only
+        return "token"
     return "channel" if config.settings().get("allocation", "uniform") == "uniform" else "token"
 
 
@@ -294,6 +296,8 @@ def layout_warning(args: argparse.Namespace, config: Any) -> str | None:
         return None
     if config.policy is None:
         why, fix = "--method full has only mlx-lm's per-token layout", "a Velox --method"
+    elif config.positions == "compact":
+        why, fix = "--positions compact shifts keys per token", "--positions absolute"
     else:
         allocation = config.settings().get("allocation", "uniform")
         if allocation == "uniform":

@@ -21,7 +21,11 @@ position of a stored row is recovered from its token index (:meth:`Compaction.ro
 a row kept at the last shift has the position the shift gave it (the ``anchor_*`` arrays), a
 row that arrived since sits at its token index less ``lag``.
 
-Nothing here imports the rest of the core but the slot store.
+Keys quantized per token (:class:`~velox_cache_core.store.token_rows.QRows`) are shifted through
+dequantize, rotate, quantize (one more rounding per shift a row lives through; shifts come once
+per ``context - budget`` tokens). Keys quantized per channel are not shifted (refused).
+
+Nothing here imports the rest of the core but the store.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.token_rows import QRows
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,19 @@ def rotate(x: mx.array, shift: int | mx.array, rope: Rope) -> mx.array:
         offset=offset,
     )
     return out.reshape(B, H, n, D).astype(x.dtype)
+
+
+def rotate_rows(keys: Any, shift: int | mx.array, rope: Rope) -> Any:
+    """:func:`rotate` for stored keys: full precision, or quantized per token (dequantized,
+    rotated and quantized again in the same format)."""
+    if isinstance(keys, mx.array):
+        return rotate(keys, shift, rope)
+    if isinstance(keys, QRows):
+        return keys.quant.quantize(rotate(keys.dense(), shift, rope))
+    raise TypeError(
+        "positions='compact' shifts full-precision keys or keys quantized per token, got "
+        f"{type(keys).__name__} (keys quantized per channel)"
+    )
 
 
 def live_rows(slots: KVSlots) -> mx.array:
@@ -207,10 +225,7 @@ class Compaction:
         old = self.rope_positions(positions)
         new = compacted(positions, live, self.n_sink, self.top)
         moves = mx.where(live, old - new, 0).astype(mx.int32)
-        keys = slots.keys
-        if not isinstance(keys, mx.array):
-            raise TypeError("positions='compact' shifts full-precision keys only")
-        shifted = replace(slots, keys=rotate(keys, moves, self.rope), reserve=None)
+        shifted = replace(slots, keys=rotate_rows(slots.keys, moves, self.rope), reserve=None)
         after = Compaction(
             context=self.context,
             rope=self.rope,
