@@ -25,9 +25,10 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import Layer, LayerBatch, indices
-from velox_cache_core.store.rope_shift import Compaction, rotate
+from velox_cache_core.batch import scatter
+from velox_cache_core.store.rope_shift import Compaction
 from velox_mlx_lm.base import VeloxKVCache, fetched_as_is
-from velox_mlx_lm.positions import same_compaction, shift_layer
+from velox_mlx_lm.positions import feed_row, same_compaction, shift_layer
 from velox_mlx_lm.prompt_state import encode
 
 Compactions = list[Compaction | None]
@@ -95,7 +96,8 @@ class BatchVeloxKVCache(VeloxKVCache):
     # compact positions: each row's compaction (None: every row absolute), and the shift each
     # row's queries of the call in flight still need
     _compactions: Compactions | None = None
-    _query_shifts: list[int] | None = None
+    # a call some row shifts in: (each row's real span, keys, values); attend feeds the rows
+    _rows_call: tuple[list[tuple[int, int]], mx.array, mx.array] | None = None
 
     def __init__(
         self, batch: LayerBatch, row_type: Any, compactions: Compactions | None = None
@@ -198,8 +200,10 @@ class BatchVeloxKVCache(VeloxKVCache):
         is the input: attention happens in :meth:`attend`, per row. With compact positions, a
         row whose call would reach the model's context shifts first (its keys rotated here,
         its queries in :meth:`attend`)."""
-        if self._compactions is not None:
-            keys = self._shift_before(keys)
+        if self._compactions is not None and self._shifts_in(keys):
+            self._rows_call = (self.batch.take_spans(int(keys.shape[2])), keys, values)
+            self._fetched = (keys, values)
+            return keys, values
         self.batch.lay_out(keys, values)
         self._fetched = (keys, values)
         return keys, values
@@ -225,39 +229,53 @@ class BatchVeloxKVCache(VeloxKVCache):
         comps = self._compactions
         if comps is None:
             return self.batch.attend(queries, scale, sinks)
-        shifts, self._query_shifts = self._query_shifts, None
-        if shifts is not None:
-            queries = rotate(queries, _per_row(shifts, queries), _rope(comps))
-        out = self.batch.attend(queries, scale, sinks)
+        if self._rows_call is not None:
+            out = self._attend_rows(queries, scale, sinks)
+        else:
+            out = self.batch.attend(queries, scale, sinks)
         self._shift_after()
         return out
 
     # -- compact positions -----------------------------------------------------------------------
-    def _shift_before(self, keys: mx.array) -> mx.array:
-        """Shift the rows a call of ``keys`` would take past the context; the call's keys come
-        back rotated per row as their row's kept rows were."""
+    def _shifts_in(self, keys: mx.array) -> bool:
+        """Whether some row's call of ``keys`` would reach the model's context (counting every
+        column as real: a padded row is then fed alone too, which changes nothing)."""
         comps = self._compactions
         assert comps is not None
-        if self._query_shifts is not None:
+        if self._rows_call is not None:
             raise RuntimeError(
                 "positions='compact': the last call's queries never came back through the "
                 "attention hook (a batched cache needs it)"
             )
         length = int(keys.shape[2])
         offsets = self.batch.offsets
-        need = [
+        return any(
             c is not None and c.needs_shift(o, length) for o, c in zip(offsets, comps, strict=True)
-        ]
-        if not any(need):
-            return keys
-        rows = self.batch.rows  # unpacked: each row shifts its own state
-        shifts = [0] * len(rows)
-        for b, row in enumerate(rows):
-            comp = comps[b]
-            if need[b] and comp is not None:
-                comps[b], shifts[b] = shift_layer(row, comp, length)
-        self._query_shifts = shifts
-        return rotate(keys, _per_row(shifts, keys), _rope(comps))
+        )
+
+    def _attend_rows(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+        """A call some row shifts in, fed row by row: each row's real tokens as the same
+        sequence alone takes them (:func:`velox_mlx_lm.positions.feed_row`)."""
+        assert self._rows_call is not None and self._compactions is not None
+        (spans, keys, values), self._rows_call = self._rows_call, None
+        comps = self._compactions
+        parts: list[mx.array | None] = []
+        for b, (row, (first, count)) in enumerate(zip(self.batch.rows, spans, strict=True)):
+            if count == 0:
+                parts.append(None)
+                continue
+            part = slice(first, first + count)
+            out, comps[b] = feed_row(
+                row,
+                comps[b],
+                keys[b : b + 1, :, part],
+                values[b : b + 1, :, part],
+                queries[b : b + 1, :, part],
+                scale,
+                sinks,
+            )
+            parts.append(out)
+        return scatter(parts, spans, queries)
 
     def _shift_after(self) -> None:
         """Shift, after a call's attention, the rows whose next token would reach the context
@@ -343,15 +361,3 @@ class BatchVeloxKVCache(VeloxKVCache):
             "a batched Velox cache is not saved or loaded as a whole: extract() its rows and "
             "save those (each is a single-sequence cache)"
         )
-
-
-def _per_row(shifts: list[int], x: mx.array) -> mx.array:
-    """int32 ``[B, H, L]``: row ``b``'s shift for every head and token of ``x`` ``[B, H, L, D]``."""
-    B, H, L, _ = x.shape
-    return mx.broadcast_to(mx.array(shifts, dtype=mx.int32)[:, None, None], (B, H, L))
-
-
-def _rope(compactions: Compactions) -> Any:
-    """The rotation the rows share (every row of a batch has the same)."""
-    comp = next(c for c in compactions if c is not None)
-    return comp.rope

@@ -48,6 +48,12 @@ class PolicyKVCache(VeloxKVCache):
     # the queries of the call in flight still need (the model rotated them before the shift)
     _compaction: Compaction | None = None
     _query_shift: int = 0
+    # the layer's state, undo log and compaction just before the last shift, while a trim may
+    # still reach back past it (its undo window): such a trim undoes the shift
+    _before_shift: tuple[Any, Any, Compaction] | None = None
+    # a call whose shift falls inside it: (tokens before the shift, keys, values); attend
+    # runs it as two calls around the shift
+    _split: tuple[int, mx.array, mx.array] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +84,7 @@ class PolicyKVCache(VeloxKVCache):
     def __copy__(self) -> PolicyKVCache:
         out = type(self).from_layer(copy.copy(self._layer))
         out._compaction = self._compaction  # immutable: shared
+        out._before_shift = self._before_shift
         return out
 
     @property
@@ -211,9 +218,20 @@ class PolicyKVCache(VeloxKVCache):
         """Compact the kept rows before a call of ``length`` tokens that would reach the
         context (``length=1`` after a call: the next token would); returns Δ, the rotation
         the call's keys and queries still need (the model rotated them before the shift)."""
-        assert self._compaction is not None
-        self._compaction, delta = shift_layer(self._layer, self._compaction, length)
+        comp = self._compaction
+        assert comp is not None
+        layer = self._layer
+        layer.settle()
+        before = (layer.state, layer.log, comp)
+        self._compaction, delta = shift_layer(layer, comp, length)
+        self._before_shift = before if layer.log is not None else None
         return delta
+
+    def _forget_before_shift(self) -> None:
+        """Drop the state before the last shift once no trim can reach back to it."""
+        comp, log = self._compaction, self._layer.log
+        if comp is None or log is None or self._layer.offset - comp.shifted_at > log.window:
+            self._before_shift = None
 
     def _shift_after_call(self) -> None:
         """Shift now when the next token would reach the context, so that ``offset`` stays
@@ -284,7 +302,11 @@ class PolicyKVCache(VeloxKVCache):
     def held_nbytes(self) -> int:
         """Every byte the cache holds: the state's (rows held, their positions, running
         arrays) and the undo log's."""
-        return int(self._layer.view().held_nbytes) + self.undo_nbytes
+        held = int(self._layer.view().held_nbytes) + self.undo_nbytes
+        before = self._before_shift
+        if before is not None:  # the state before a shift, kept for trims past it
+            held += int(before[0].held_nbytes) + (0 if before[1] is None else before[1].nbytes)
+        return held
 
     @property
     def trimmable_tokens(self) -> int:
@@ -293,8 +315,12 @@ class PolicyKVCache(VeloxKVCache):
         log = self._layer.log
         tokens = 0 if log is None else log.tokens
         comp = self._compaction
-        if comp is not None and comp.shifts:  # no trim reaches back past a shift
-            tokens = min(tokens, self._layer.offset - comp.shifted_at)
+        if comp is not None and comp.shifts:  # past a shift: only with the state before it
+            since = self._layer.offset - comp.shifted_at
+            tokens = min(tokens, since)
+            before = self._before_shift
+            if tokens == since and before is not None and before[1] is not None:
+                tokens = min(since + before[1].tokens, before[1].window)
         return tokens
 
     # -- the model's calls -------------------------------------------------------------------
@@ -306,14 +332,23 @@ class PolicyKVCache(VeloxKVCache):
         kept rows (its keys, rotated by the model before the shift, are rotated with them)."""
         comp = self._compaction
         if comp is not None:
-            if self._query_shift:
+            if self._query_shift or self._split is not None:
                 raise RuntimeError(
                     "positions='compact': the last call's queries never came back through the "
                     "attention hook (they needed the shift's rotation); the hook must reach "
                     "the model (KVCacheBuilder.for_model installs it)"
                 )
-            if comp.needs_shift(self._layer.offset, int(keys.shape[2])):
-                self._query_shift = self._shift(int(keys.shape[2]))
+            if self._before_shift is not None:
+                self._forget_before_shift()
+            length = int(keys.shape[2])
+            if comp.needs_shift(self._layer.offset, length):
+                first = comp.context - comp.offset(self._layer.offset)  # tokens before it
+                if 0 < first < length:  # the shift falls inside the call: attend splits it
+                    comp.check_fits(length - first)
+                    self._split = (first, keys, values)
+                    self._returned = (keys, values)
+                    return keys, values
+                self._query_shift = self._shift(length)
                 keys = rotate(keys, self._query_shift, comp.rope)
         laid_out = self._layer.lay_out(keys, values)
         if self._layer.quant is not None:
@@ -338,7 +373,9 @@ class PolicyKVCache(VeloxKVCache):
         evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`).
 
         With compact positions, the queries of a call that shifted are rotated as its keys
-        were."""
+        were; a call the shift falls inside runs as two calls around it."""
+        if self._split is not None:
+            return self._attend_split(queries, scale, mask, sinks, keys, values)
         if self._query_shift:
             comp = self._compaction
             assert comp is not None
@@ -355,6 +392,41 @@ class PolicyKVCache(VeloxKVCache):
         if self._compaction is not None:
             self._shift_after_call()
         return out
+
+    def _attend_split(
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+        keys: mx.array | None,
+        values: mx.array | None,
+    ) -> mx.array:
+        """A call whose tokens reach the context at its ``first``-th: the tokens before it are
+        laid out and attended, the kept rows shift (as after a call that ends at the context),
+        then the rest, rotated by the shift, are laid out and attended. The state is what
+        feeding the tokens in those two calls gives (with sequential prefill, what feeding them
+        one by one gives), so it does not depend on where the calls begin and end, and trims
+        stay exact (speculative decoding's verify chunks)."""
+        assert self._split is not None
+        (first, k, v), self._split = self._split, None
+        if not fetched_as_is(self._returned, keys, values, mask):
+            raise ValueError(
+                f"{self.serves or 'this model'} attends over keys, values or scores of its own: "
+                "positions='compact' cannot split its calls at the context; use "
+                "positions='absolute'"
+            )
+        layer = self._layer
+        layer.lay_out(k[:, :, :first], v[:, :, :first])
+        before = layer.attend(queries[:, :, :first], scale, sinks)
+        delta = self._shift(int(k.shape[2]) - first)
+        comp = self._compaction
+        assert comp is not None
+        layer.lay_out(rotate(k[:, :, first:], delta, comp.rope), v[:, :, first:])
+        after = layer.attend(rotate(queries[:, :, first:], delta, comp.rope), scale, sinks)
+        self._returned = None
+        self._shift_after_call()
+        return mx.concatenate([before, after], axis=2)
 
     def keys_and_values(self) -> tuple[Any, Any]:
         """What the last call attended over (``retained + new``), for layers that share this
@@ -381,20 +453,50 @@ class PolicyKVCache(VeloxKVCache):
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens exactly; raises ``ValueError`` and changes nothing if
-        the undo log does not reach back ``n`` tokens. With compact positions a trim cannot
-        reach back before the last shift (the shift cleared the log; the shift itself stays
-        after a trim back to it: a valid state whose rows sit at their compacted positions)."""
+        the undo log does not reach back ``n`` tokens. With compact positions a trim that
+        reaches back past the last shift restores the state before it (kept for the undo
+        window after a shift), then trims the rest."""
         comp = self._compaction
-        if comp is not None and comp.shifts and isinstance(n, int):
+        if comp is not None and comp.shifts and isinstance(n, int) and n > 0:
             self._layer.settle()
             since = self._layer.offset - comp.shifted_at
-            if n > since:
-                raise ValueError(
-                    f"cannot trim {n} tokens: positions='compact' shifted the kept rows at token "
-                    f"{comp.shifted_at}, {since} tokens ago, and a trim cannot reach back past a "
-                    "shift (use positions='absolute' to trim further)"
-                )
+            before = self._before_shift
+            # back to the shift itself: the state there is the shifted one when the shift came
+            # after a call (the next token would have reached the context), else the one before
+            back = (
+                n == since and before is not None and not before[2].needs_shift(comp.shifted_at, 1)
+            )
+            if n > since or back:
+                return self._trim_past_shift(n, since)
         self._layer.trim(n)
+        return n
+
+    def _trim_past_shift(self, n: int, since: int) -> int:
+        """A trim of ``n`` tokens reaching back past the last shift (``since`` tokens ago):
+        the state before the shift, trimmed by the rest (exact: what the cache would hold had
+        it never seen the trimmed tokens; the shift comes again when the context is reached)."""
+        comp = self._compaction
+        before = self._before_shift
+        log = self._layer.log
+        if before is None or log is None or log.tokens < since:
+            raise ValueError(
+                f"cannot trim {n} tokens: positions='compact' shifted the kept rows {since} "
+                "tokens ago and the state before the shift is gone (beyond the undo window, or "
+                "a loaded prompt cache); a trim cannot reach back past it"
+            )
+        state, old_log, old_comp = before
+        if old_log is None or old_log.tokens < n - since:
+            raise ValueError(
+                f"cannot trim {n} tokens: the undo log reaches back {since} tokens past the "
+                f"shift at token {comp.shifted_at if comp else '?'} and "
+                f"{0 if old_log is None else old_log.tokens} before it"
+            )
+        trimmed = copy.copy(self._layer)
+        trimmed.restore(state, old_log)
+        trimmed.trim(n - since)  # raises, changing nothing here, when it cannot
+        self._layer.restore(trimmed.state, trimmed.log)
+        self._compaction = old_comp
+        self._before_shift = None
         return n
 
     @property
@@ -423,6 +525,8 @@ class PolicyKVCache(VeloxKVCache):
             compaction = Compaction(comp.context, comp.rope, comp.top, comp.n_sink)
         self._compaction = compaction
         self._query_shift = 0
+        self._before_shift = None
+        self._split = None
         state, log = decode(self._policy, v)
         saved = quant_of_state(state)
         if "_layer" in self.__dict__:

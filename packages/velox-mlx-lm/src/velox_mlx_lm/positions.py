@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import mlx.core as mx
+
 from velox_cache_core import Layer
-from velox_cache_core.store.rope_shift import Compaction
+from velox_cache_core.store.rope_shift import Compaction, rotate
 
 # What ``positions`` accepts (KVCacheConfig, --positions): RoPE at the token index, or compacted
 # below the model's context.
@@ -45,3 +47,32 @@ def same_compaction(a: Compaction | None, b: Compaction | None) -> bool:
     if a is None or b is None:
         return a is b
     return (a.context, a.rope, a.top, a.n_sink) == (b.context, b.rope, b.top, b.n_sink)
+
+
+def feed_row(
+    layer: Layer,
+    comp: Compaction | None,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array,
+    scale: float,
+    sinks: mx.array | None,
+) -> tuple[mx.array, Compaction | None]:
+    """One call of a batch's row fed to its layer as the same sequence alone takes it
+    (``PolicyKVCache``): the tokens before the context, the shift, then the rest rotated by
+    it (keys and queries). Returns the attention output ``[1, H_q, L, D]`` and the row's
+    compaction after."""
+    length = int(keys.shape[2])
+    if comp is None or not comp.needs_shift(layer.offset, length):
+        layer.lay_out(keys, values)
+        return layer.attend(queries, scale, sinks), comp
+    first = max(0, comp.context - comp.offset(layer.offset))
+    comp.check_fits(length - first)
+    outs = []
+    if first:
+        layer.lay_out(keys[:, :, :first], values[:, :, :first])
+        outs.append(layer.attend(queries[:, :, :first], scale, sinks))
+    comp, delta = shift_layer(layer, comp, length - first)
+    layer.lay_out(rotate(keys[:, :, first:], delta, comp.rope), values[:, :, first:])
+    outs.append(layer.attend(rotate(queries[:, :, first:], delta, comp.rope), scale, sinks))
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), comp

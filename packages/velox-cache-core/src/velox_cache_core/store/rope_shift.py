@@ -184,6 +184,16 @@ class Compaction:
         context (a RoPE position ``>= context``)."""
         return self.offset(token_offset) + length > self.context
 
+    def check_fits(self, length: int) -> None:
+        """``ValueError`` when ``length`` tokens after a shift would not fit in the context
+        above the kept rows (``top + length > context``)."""
+        if self.top + length > self.context:
+            raise ValueError(
+                f"positions='compact': a call of {length} tokens does not fit in the model's "
+                f"context ({self.context}) above the {self.top} kept rows; feed chunks of at "
+                f"most {self.context - self.top} tokens (or use positions='absolute')"
+            )
+
     def rope_positions(self, positions: mx.array) -> mx.array:
         """int32 ``[B, H, S]``: the RoPE position each row at token ``positions`` was rotated at."""
         since = (positions - self.lag).astype(mx.int32)
@@ -208,12 +218,7 @@ class Compaction:
         and queries, rotated at ``offset(token_offset) + i`` by the model, must be rotated by
         ``-Δ`` (:func:`rotate`). ``ValueError`` when the call cannot fit the context even
         after compaction (``top + length > context``)."""
-        if self.top + length > self.context:
-            raise ValueError(
-                f"positions='compact': a call of {length} tokens does not fit in the model's "
-                f"context ({self.context}) above the {self.top} kept rows; feed chunks of at "
-                f"most {self.context - self.top} tokens (or use positions='absolute')"
-            )
+        self.check_fits(length)
         delta = self.offset(token_offset) - self.top
         if delta <= 0:  # nothing to close (cannot happen when needs_shift held)
             return slots, self, 0
