@@ -404,3 +404,36 @@ def test_speculative_decoding_with_compact_positions(tiny_model: Any, method: st
     assert spec == plain
     assert caches[0].compaction.shifts >= 2 and drafted[0].compaction.shifts >= 2
     assert all(c.offset < CONTEXT for c in caches + drafted)
+
+
+@pytest.mark.parametrize(
+    ("argv", "positions"),
+    [
+        ([], "absolute"),
+        (["--beyond-context"], "compact"),
+        (["--beyond-context", "--method", "streaming_llm"], "compact"),
+        (["--beyond-context", "--positions", "absolute"], "absolute"),
+        (["--positions", "compact"], "compact"),
+        (["--beyond-context", "--method", "morphkv"], "absolute"),  # cannot shift
+        (["--beyond-context", "--kv-bits", "4"], "absolute"),  # keys best per channel
+        (["--beyond-context", "--kv-bits", "4", "--kv-key-layout", "token"], "compact"),
+        (["--beyond-context", "--kv-bits", "8"], "compact"),
+    ],
+)
+def test_serve_positions_default_follows_beyond_context(argv: list[str], positions: str) -> None:
+    from velox_mlx_lm.serve.app import _check_args, build_parser
+
+    config = _check_args(build_parser().parse_args(argv))
+    assert config.positions == positions
+
+
+def test_generate_takes_positions() -> None:
+    from velox_mlx_lm.cli.app import _check_args, build_parser
+
+    args = build_parser().parse_args(["--prompt", "hi", "--positions", "compact"])
+    assert _check_args(args).positions == "compact"
+    args = build_parser().parse_args(
+        ["--prompt", "hi", "--method", "snapkv", "--positions", "compact"]
+    )
+    with pytest.raises(ValueError, match="positions='compact' supports"):
+        _check_args(args)
