@@ -211,6 +211,11 @@ def test_prompt_file_round_trip_and_trims(tiny_model: Any, tmp_path: Any) -> Non
     assert isinstance(loaded[0], PolicyKVCache) and loaded[0].positions_mode == "compact"
     assert loaded[0].offset == caches[0].offset and loaded[0].token_offset == 70
     assert loaded[0].compaction.scalars() == comp.scalars()
+    from velox_mlx_lm import load_prompt_cache as velox_load
+
+    assert velox_load(path, config)[0].positions_mode == "compact"
+    with pytest.raises(ValueError, match="saved with positions='compact'"):
+        velox_load(path, config.replace(positions="absolute"))
     for t in range(70, 80):  # the loaded cache continues exactly as the original
         a = _decode(model, caches, tokens[:, t : t + 1])
         b = _decode(model, loaded, tokens[:, t : t + 1])

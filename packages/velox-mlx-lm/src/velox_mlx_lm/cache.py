@@ -523,10 +523,6 @@ class PolicyKVCache(VeloxKVCache):
         elif self.__dict__.get("_compaction") is not None:
             comp = self.__dict__["_compaction"]  # absolute rows into a compact cache: unshifted
             compaction = Compaction(comp.context, comp.rope, comp.top, comp.n_sink)
-        self._compaction = compaction
-        self._query_shift = 0
-        self._before_shift = None
-        self._split = None
         state, log = decode(self._policy, v)
         saved = quant_of_state(state)
         if "_layer" in self.__dict__:
@@ -538,6 +534,10 @@ class PolicyKVCache(VeloxKVCache):
             self._layer.restore(state, log)
         else:  # from_state (a loaded prompt cache) skips __init__
             self._layer = Layer(self._policy, state, log, quant=saved)
+        self._compaction = compaction
+        self._query_shift = 0
+        self._before_shift = None
+        self._split = None
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchVeloxKVCache:
