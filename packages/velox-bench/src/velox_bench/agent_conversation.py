@@ -140,14 +140,15 @@ def run_config(
             base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0,
             timeout=3600,
         )  # fmt: skip
-        messages: list[dict[str, Any]] = []
+        messages: list[Any] = []
+        tools: Any = TOOLS
         for turn in tqdm(turns, desc=name, unit="turn"):
             messages.append({"role": "user", "content": turn.text})
             began = time.perf_counter()
             try:
                 reply = client.messages.create(
                     model="velox-embedded" if model.startswith("embedded:") else model,
-                    max_tokens=max_tokens, system=SYSTEM, tools=TOOLS, messages=messages,
+                    max_tokens=max_tokens, system=SYSTEM, tools=tools, messages=messages,
                     extra_body={"temperature": 0.0},
                 )  # fmt: skip
             except anthropic.BadRequestError as exc:  # past what the server takes
@@ -172,31 +173,33 @@ def run_config(
     return {"name": name, "flags": list(flags), "turns": rows}
 
 
+def _share(rows: list[dict[str, Any]]) -> float | None:
+    """Share of ``rows`` (questions) answered, or ``None`` without any."""
+    return round(sum(r["correct"] for r in rows) / len(rows), 3) if rows else None
+
+
+def _config_summary(config: dict[str, Any], reach: int) -> dict[str, Any]:
+    rows = [r for r in config["turns"] if "tokens_seen" in r]
+    asked = [r for r in rows if "correct" in r]
+    system = [r for r in asked if r["where"] == "system"]
+    return {
+        "turns": len(rows),
+        "tokens_reached": max((r["tokens_seen"] for r in rows), default=0),
+        "degenerate": sum(r["degenerate"] for r in rows),
+        "system_answered": _share(system),
+        "early_answered": _share([r for r in asked if r["where"] == "early"]),
+        "system_answered_within_full": _share([r for r in system if r["tokens_seen"] <= reach]),
+        "stopped": any("stopped" in r for r in config["turns"]),
+    }
+
+
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """Per configuration: turns, tokens reached, degenerate replies, questions answered (all,
     and within the tokens the full cache reached)."""
     full = next((c for c in result["configs"] if c["name"] == "full"), None)
-    reach = max((r.get("tokens_seen", 0) for r in full["turns"]), default=0) if full else 0
-    out = {}
-    for config in result["configs"]:
-        rows = [r for r in config["turns"] if "tokens_seen" in r]
-        asked = [r for r in rows if "correct" in r]
-
-        def share(subset: list[dict[str, Any]]) -> float | None:
-            return round(sum(r["correct"] for r in subset) / len(subset), 3) if subset else None
-
-        out[config["name"]] = {
-            "turns": len(rows),
-            "tokens_reached": max((r["tokens_seen"] for r in rows), default=0),
-            "degenerate": sum(r["degenerate"] for r in rows),
-            "system_answered": share([r for r in asked if r["where"] == "system"]),
-            "early_answered": share([r for r in asked if r["where"] == "early"]),
-            "system_answered_within_full": share(
-                [r for r in asked if r["where"] == "system" and r["tokens_seen"] <= reach]
-            ),
-            "stopped": any("stopped" in r for r in config["turns"]),
-        }
-    return out
+    seen = [r.get("tokens_seen", 0) for r in full["turns"]] if full else []
+    reach = max(seen, default=0)
+    return {c["name"]: _config_summary(c, reach) for c in result["configs"]}
 
 
 def table(result: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ imports a core submodule:
   (:func:`new_log`), quantized rows (:class:`Quant`), a batch of rows decoded together
   (:class:`LayerBatch`), a model-wide allocation (:class:`ModelShares`), tensor-parallel sums
   (:class:`StepSums`);
+- RoPE positions compacted past the context (:class:`Compaction`, :class:`Rope`,
+  :func:`rotate`);
 - pinned spans, never evicted (:func:`pin` a state, :func:`spans` of it, :data:`MAX_SPANS`;
   ``Layer.pin`` on a layer);
 - what a saved state holds (:class:`KVSlots`, :class:`QRows`, :class:`KRows`,
@@ -83,6 +85,7 @@ from velox_cache_core.registry import (
     unregister,
 )
 from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.rope_shift import Compaction, Rope, rotate
 from velox_cache_core.store.rows import quant_of
 from velox_cache_core.store.slots import KVSlots, stored_fields
 from velox_cache_core.store.token_rows import KEY_LAYOUTS, QRows, Quant
@@ -127,6 +130,7 @@ __all__ = [
     "PRESETS",
     "RESERVED_FLAGS",
     "Call",
+    "Compaction",
     "Compressor",
     "Decision",
     "Entry",
@@ -148,6 +152,7 @@ __all__ = [
     "PolicyState",
     "QRows",
     "Quant",
+    "Rope",
     "Setting",
     "SnapKVState",
     "Step",
@@ -181,6 +186,7 @@ __all__ = [
     "read_settings",
     "register",
     "reserve_flags",
+    "rotate",
     "running",
     "running_fields",
     "setting_fields",

@@ -302,6 +302,15 @@ class LayerBatch:
         """End of a padded prompt: later calls are all real tokens again."""
         self._real_left = [None] * len(self._rows)
 
+    def take_spans(self, length: int) -> list[tuple[int, int]]:
+        """For a caller that feeds the rows itself (``rows[b].lay_out``/``attend``): the rows
+        unpacked, each row's ``(first, count)`` real tokens of a call of ``length``, the
+        padding consumed as :meth:`lay_out` would."""
+        if self._spans is not None:
+            raise RuntimeError("a call is waiting for attend()")
+        self._unpack()
+        return self._take_spans(length)
+
     def _take_spans(self, length: int) -> list[tuple[int, int]]:
         spans = []
         for b in range(len(self._rows)):

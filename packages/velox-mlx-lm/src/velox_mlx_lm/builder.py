@@ -8,7 +8,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from velox_cache_core import Mode, ModelShares, StepSums
+from velox_cache_core import Mode, ModelShares, Rope, StepSums
 from velox_mlx_lm.cache import PolicyKVCache, cache_class
 from velox_mlx_lm.config import KVCacheConfig
 from velox_mlx_lm.distributed import tensor_group
@@ -90,6 +90,7 @@ class KVCacheBuilder:
         if config.method == "full" or not any(_unbounded(b) for b in bases):
             return bases  # nothing to evict: no hook, no warning
         reached = install_attention_hook(model)
+        context = _compact_context(model, config, reached)
         if not reached:
             _refuse_quantized(model, config)
             config = _without_queries(model, config)
@@ -108,6 +109,8 @@ class KVCacheBuilder:
                 cache.layer.serves = f"{name} ({label})"
                 # a nested cache the model might use outside attention: refuse such a use
                 cache.layer.must_attend = nested and reached > 0
+                if context is not None:
+                    cache.compact_positions(context, compact_rope(model, index))
                 return cache
 
             return make
@@ -270,6 +273,55 @@ def _with_rope(model: nn.Module, config: KVCacheConfig, index: int) -> KVCacheCo
         )
     facts = {f"{record.name}_{s}": getattr(rope, name) for s, name in ROPE_SETTINGS.items()}
     return config.replace(**facts)
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The model's trained context (``max_position_embeddings`` of its args), or ``None``."""
+    for owner in (getattr(model, "args", None), getattr(model, "config", None)):
+        value = getattr(owner, "max_position_embeddings", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _compact_context(model: nn.Module, config: KVCacheConfig, reached: int) -> int | None:
+    """The context ``positions="compact"`` keeps distances within (``None``: absolute
+    positions); refuses a model the attention hook does not reach (the queries of a call
+    that shifts are rotated there)."""
+    if config.positions != "compact":
+        return None
+    if not reached:
+        raise ValueError(
+            f"{model_type(model)} computes attention by hand, so the Velox attention hook "
+            "cannot rotate the queries of a call that shifts: positions='compact' needs it; "
+            "use positions='absolute'"
+        )
+    context = config.context if config.context is not None else model_context(model)
+    if context is None:
+        raise ValueError(
+            f"{model_type(model)} does not say its context (no max_position_embeddings): "
+            "give KVCacheConfig(context=...) for positions='compact'"
+        )
+    return context
+
+
+def compact_rope(model: nn.Module, index: int) -> Rope:
+    """Layer ``index``'s rotation for ``positions="compact"``: mlx's ``nn.RoPE`` (plain or
+    linearly scaled) only; other RoPE kinds (Llama 3, YaRN, LongRoPE frequencies) are
+    refused with a ``ValueError``."""
+    rope = _rope_module(model, index)
+    if not isinstance(rope, nn.RoPE):
+        found = "no RoPE module" if rope is None else f"a {type(rope).__name__}"
+        raise ValueError(
+            f"{model_type(model)} layer {index} has {found}; positions='compact' re-rotates "
+            "keys for mlx's nn.RoPE (plain or linearly scaled) only: use positions='absolute'"
+        )
+    return Rope(
+        dims=int(rope.dims),
+        base=float(rope.base),
+        traditional=bool(rope.traditional),
+        scale=float(rope.scale),
+    )
 
 
 def _rope_module(model: nn.Module, index: int) -> Any:

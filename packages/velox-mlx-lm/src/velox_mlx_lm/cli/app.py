@@ -31,6 +31,7 @@ from velox_mlx_lm.cli.generation import (
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.flags import (
     add_method_flags,
+    add_positions_flag,
     add_quant_flags,
     check_quantized_start,
     config_from_args,
@@ -53,7 +54,10 @@ EXAMPLES = """examples:
 HELP_GROUPS = (
     ("model and prompt", ("--model", "--prompt", "--prompt-file", "--prompts-file", "--demo")),
     ("generation", ("--chat", "--max-tokens", "--temp", "--draft-model")),
-    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    (
+        "method and budget",
+        ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
+    ),
     ("memory and quantization", ("--kv-bits", "--kv-key-layout", "--kv-group-size")),
     ("output", ("--compare", "--json")),
 )
@@ -167,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable stats only")
     add_quant_flags(p)
     add_method_flags(p)
+    add_positions_flag(p)
     arrange(p, USAGE, HELP_GROUPS, HELP_BRIEFS, EXAMPLES)
     return p
 

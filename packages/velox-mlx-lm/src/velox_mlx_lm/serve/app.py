@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import logging
@@ -40,6 +41,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache
 from velox_mlx_lm.flags import (
+    LOW_BITS,
+    POSITIONS_HELP,
     add_method_flags,
     check_quantized_start,
     config_from_args,
@@ -85,7 +88,7 @@ from velox_mlx_lm.serve.tools import (
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
-VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout")
+VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout", "--positions")
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions", MESSAGES_PATH)
@@ -131,7 +134,10 @@ HELP_GROUPS = (
         "serving",
         ("--host", "--port", "--api-key", "--max-tokens", "--decode-concurrency"),
     ),
-    ("method and budget", ("--method", "--budget", "--n-sink", "--window", "--allocation")),
+    (
+        "method and budget",
+        ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
+    ),
     (
         "memory and quantization",
         (
@@ -202,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     ours = generate_parser()
     for action in ours._actions:
         if any(flag in VELOX_FLAGS for flag in action.option_strings):
+            if "--positions" in action.option_strings:  # its default follows --beyond-context
+                action = copy.copy(action)
+                action.help = (
+                    f"{POSITIONS_HELP} (default: compact with --beyond-context where the method "
+                    "allows it, else absolute)"
+                )
+                action.velox_brief = "absolute or compact (default: compact with --beyond-context)"  # type: ignore[attr-defined]
             parser._add_action(action)
     add_method_flags(parser)
     add_serving_flags(parser)
@@ -1328,8 +1341,29 @@ def _mode(provider: VeloxModelProvider) -> str:
     return mode
 
 
+def beyond_context_positions(args: argparse.Namespace) -> str:
+    """``--positions`` when it is not given: ``compact`` with ``--beyond-context`` where the
+    method allows it (TOVA, H2O, StreamingLLM, uniform allocation, and keys not quantized to
+    4 bits or fewer without ``--kv-key-layout token``, which are best per channel), else
+    ``absolute``. The past-context table (docs/benchmarks.md) is why: past the context,
+    absolute positions take SmolLM2 from about 22 to 302 (TOVA at 14k-16k)."""
+    if args.positions is not None:
+        return str(args.positions)
+    if not args.beyond_context:
+        return "absolute"
+    bits, layout = getattr(args, "kv_bits", None), getattr(args, "kv_key_layout", None)
+    if bits is not None and bits <= LOW_BITS and layout != "token":
+        return "absolute"
+    try:
+        config = config_from_args(argparse.Namespace(**{**vars(args), "positions": "compact"}))
+    except ValueError:
+        return "absolute"
+    return "compact" if config.policy is not None else "absolute"
+
+
 def _check_args(args: argparse.Namespace) -> Any:
     """The config the flags describe, once every flag is checked (``ValueError``)."""
+    args.positions = beyond_context_positions(args)
     config = config_from_args(args, quantize_full=False)
     record = config.record
     check_quantized_start(args, velox=record is not None)

@@ -1,0 +1,273 @@
+"""Compact RoPE positions: keep every query-to-key distance inside the model's trained context.
+
+RoPE attention depends on the distance between a query's and a key's rotation. A bounded cache
+keeps a few old rows (sinks, rows a policy found important) while the token index keeps
+growing, so past the model's context ``C`` the distance from the current query to those rows
+exceeds anything the model was trained on. With compact positions (llama.cpp's context shift,
+generalised to the sparse rows an eviction policy keeps), when the next call would reach ``C``
+every kept row is moved down to close the gaps its evicted neighbours left:
+
+- sinks (token index ``< n_sink``) keep their rotation;
+- the other kept rows of each (batch row, KV head), in token order, are laid just below
+  ``top`` (the budget): the newest at ``top - 1``, the one before at ``top - 2``, ... Each
+  key is rotated once more, by ``-(old - new)`` (:func:`rotate`);
+- the next token is rotated at ``top`` instead of its token index less the previous lag: the
+  layer's ``lag`` (token index minus RoPE position of the next token) grows by ``Δ``, the same
+  for every layer of a model (each layer shifts at the same call, to the same ``top``).
+
+Token indices (``KVSlots.positions``: sinks, windows, ties, pins) never change; only the
+rotation the keys carry and the offset the model rotates its next tokens at do. The RoPE
+position of a stored row is recovered from its token index (:meth:`Compaction.rope_positions`):
+a row kept at the last shift has the position the shift gave it (the ``anchor_*`` arrays), a
+row that arrived since sits at its token index less ``lag``.
+
+Keys quantized per token (:class:`~velox_cache_core.store.token_rows.QRows`) are shifted through
+dequantize, rotate, quantize (one more rounding per shift a row lives through; shifts come once
+per ``context - budget`` tokens). Keys quantized per channel are not shifted (refused).
+
+Nothing here imports the rest of the core but the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.token_rows import QRows
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A model's rotation as ``mx.fast.rope`` takes it (mlx's ``nn.RoPE`` fields): the first
+    ``dims`` features rotated, frequencies ``base ** (-2i / dims)``, positions multiplied by
+    ``scale`` (linear scaling), pairs interleaved when ``traditional``."""
+
+    dims: int
+    base: float
+    traditional: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dims, bool) or not isinstance(self.dims, int):
+            raise TypeError(f"dims must be an int, got {type(self.dims).__name__}")
+        if self.dims < 2 or self.dims % 2:
+            raise ValueError(f"dims must be an even int >= 2, got {self.dims}")
+        for name in ("base", "scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not isinstance(self.traditional, bool):
+            raise TypeError(f"traditional must be a bool, got {type(self.traditional).__name__}")
+
+
+def rotate(x: mx.array, shift: int | mx.array, rope: Rope) -> mx.array:
+    """``x`` ``[B, H, n, D]`` rotated at positions ``p`` returned as rotated at ``p - shift``.
+
+    ``shift``: a Python int (every row the same) or int ``[B, H, n]`` (one per row). A RoPE
+    rotation by ``a`` then by ``b`` is the rotation by ``a + b``, so this is ``mx.fast.rope``
+    at offset ``-shift`` applied to each row on its own; the features past ``rope.dims`` are
+    unchanged. Computed in float32 and returned in ``x``'s dtype."""
+    if x.ndim != 4:
+        raise ValueError(f"x must be [B, H, n, D], got shape {tuple(x.shape)}")
+    B, H, n, D = x.shape
+    if rope.dims > D:
+        raise ValueError(f"rope.dims must be <= the head dim {D}, got {rope.dims}")
+    if isinstance(shift, int) and not isinstance(shift, bool):
+        if shift == 0 or n == 0:
+            return x
+        offset: int | mx.array = -shift
+        rows = x.reshape(B * H * n, 1, D)
+    elif isinstance(shift, mx.array):
+        if tuple(shift.shape) != (B, H, n):
+            raise ValueError(f"shift must be an int or [B, H, n] = {(B, H, n)}, got {shift.shape}")
+        if not mx.issubdtype(shift.dtype, mx.integer):
+            raise TypeError(f"shift must hold integers, got {shift.dtype}")
+        if n == 0:
+            return x
+        offset = -shift.reshape(-1).astype(mx.int32)
+        rows = x.reshape(B * H * n, 1, D)
+    else:
+        raise TypeError(f"shift must be an int or an mx.array, got {type(shift).__name__}")
+    out = mx.fast.rope(
+        rows.astype(mx.float32),
+        rope.dims,
+        traditional=rope.traditional,
+        base=float(rope.base),
+        scale=float(rope.scale),
+        offset=offset,
+    )
+    return out.reshape(B, H, n, D).astype(x.dtype)
+
+
+def rotate_rows(keys: Any, shift: int | mx.array, rope: Rope) -> Any:
+    """:func:`rotate` for stored keys: full precision, or quantized per token (dequantized,
+    rotated and quantized again in the same format)."""
+    if isinstance(keys, mx.array):
+        return rotate(keys, shift, rope)
+    if isinstance(keys, QRows):
+        return keys.quant.quantize(rotate(keys.dense(), shift, rope))
+    raise TypeError(
+        "positions='compact' shifts full-precision keys or keys quantized per token, got "
+        f"{type(keys).__name__} (keys quantized per channel)"
+    )
+
+
+def live_rows(slots: KVSlots) -> mx.array:
+    """bool ``[B, H, S]``: slots holding a kept row (all but each row's dead ``free`` slot)."""
+    B, H, S = slots.positions.shape
+    if slots.free is None:
+        return mx.ones((B, H, S), dtype=mx.bool_)
+    return mx.arange(S)[None, None, :] != slots.free[:, :, None]
+
+
+def compacted(positions: mx.array, live: mx.array, n_sink: int, top: int) -> mx.array:
+    """int32 ``[B, H, S]``: the RoPE positions a shift gives the rows at token ``positions``.
+
+    Sinks (``< n_sink``) keep theirs; the other ``live`` rows of each ``[b, h]``, in token
+    order, are laid just below ``top`` (the newest at ``top - 1``). Dead slots keep their
+    token index (nothing reads them)."""
+    movable = live & (positions >= n_sink)
+    key = mx.where(movable, positions, -1)
+    rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1).astype(mx.int32)  # ascending
+    S = positions.shape[-1]
+    return mx.where(movable, top - S + rank, positions).astype(mx.int32)
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """One layer's compact positions: the model's ``context`` and ``rope``, the kept rows'
+    ``top`` (the budget) and ``n_sink``, and what the shifts so far did.
+
+    ``lag``: the token index of the next token minus the RoPE position the model rotates it
+    at (0 until the first shift). ``shifted_at``: token index of the first token after the last
+    shift (0: none yet). ``anchor_positions``/``anchor_ropes``: int32 ``[B, H, S]``, the token
+    indices of the rows kept at the last shift (-1 for a dead slot) and the RoPE positions it
+    gave them. Immutable: a shift returns a new object, so copies of a cache share it."""
+
+    context: int
+    rope: Rope
+    top: int
+    n_sink: int
+    lag: int = 0
+    shifted_at: int = 0
+    shifts: int = 0
+    anchor_positions: mx.array | None = None
+    anchor_ropes: mx.array | None = None
+
+    # the array fields (saved beside the JSON of :meth:`scalars`)
+    ARRAYS: ClassVar[tuple[str, ...]] = ("anchor_positions", "anchor_ropes")
+
+    def __post_init__(self) -> None:
+        for name, low in (("context", 2), ("top", 1), ("n_sink", 0), ("lag", 0), ("shifts", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.top >= self.context:
+            raise ValueError(
+                f"positions='compact' lays the kept rows below the budget ({self.top}), which "
+                f"must be below the model's context ({self.context})"
+            )
+
+    def offset(self, token_offset: int) -> int:
+        """The RoPE position the model rotates the token at ``token_offset`` at."""
+        return token_offset - self.lag
+
+    def needs_shift(self, token_offset: int, length: int) -> bool:
+        """Whether a call of ``length`` tokens starting at ``token_offset`` would reach the
+        context (a RoPE position ``>= context``)."""
+        return self.offset(token_offset) + length > self.context
+
+    def check_fits(self, length: int) -> None:
+        """``ValueError`` when ``length`` tokens after a shift would not fit in the context
+        above the kept rows (``top + length > context``)."""
+        if self.top + length > self.context:
+            raise ValueError(
+                f"positions='compact': a call of {length} tokens does not fit in the model's "
+                f"context ({self.context}) above the {self.top} kept rows; feed chunks of at "
+                f"most {self.context - self.top} tokens (or use positions='absolute')"
+            )
+
+    def rope_positions(self, positions: mx.array) -> mx.array:
+        """int32 ``[B, H, S]``: the RoPE position each row at token ``positions`` was rotated at."""
+        since = (positions - self.lag).astype(mx.int32)
+        if self.anchor_positions is None or self.anchor_ropes is None:
+            return since
+        anchors = self.anchor_positions
+        if anchors.shape[:2] != positions.shape[:2]:
+            raise ValueError(
+                f"the compact positions were kept for {tuple(anchors.shape[:2])} (batch, heads), "
+                f"the rows are {tuple(positions.shape[:2])}"
+            )
+        match = positions[..., :, None] == anchors[..., None, :]  # [B, H, S, S_anchor]
+        found = mx.any(match, axis=-1)
+        kept = mx.sum(mx.where(match, self.anchor_ropes[..., None, :], 0), axis=-1)
+        return mx.where(found & (positions < self.shifted_at), kept, since).astype(mx.int32)
+
+    def shift(
+        self, slots: KVSlots | None, token_offset: int, length: int
+    ) -> tuple[KVSlots | None, Compaction, int]:
+        """Shift before a call of ``length`` tokens at ``token_offset``: ``(slots with their
+        keys rotated to the compacted positions, the compaction after, Δ)``; the call's keys
+        and queries, rotated at ``offset(token_offset) + i`` by the model, must be rotated by
+        ``-Δ`` (:func:`rotate`). ``ValueError`` when the call cannot fit the context even
+        after compaction (``top + length > context``)."""
+        self.check_fits(length)
+        delta = self.offset(token_offset) - self.top
+        if delta <= 0:  # nothing to close (cannot happen when needs_shift held)
+            return slots, self, 0
+        if slots is None or slots.positions.shape[-1] == 0:
+            after = replace(self, lag=self.lag + delta, shifted_at=token_offset)
+            return slots, replace(after, shifts=self.shifts + 1), delta
+        positions = slots.positions
+        live = live_rows(slots)
+        old = self.rope_positions(positions)
+        new = compacted(positions, live, self.n_sink, self.top)
+        moves = mx.where(live, old - new, 0).astype(mx.int32)
+        shifted = replace(slots, keys=rotate_rows(slots.keys, moves, self.rope), reserve=None)
+        after = Compaction(
+            context=self.context,
+            rope=self.rope,
+            top=self.top,
+            n_sink=self.n_sink,
+            lag=self.lag + delta,
+            shifted_at=token_offset,
+            shifts=self.shifts + 1,
+            anchor_positions=mx.where(live, positions, -1).astype(mx.int32),
+            anchor_ropes=new,
+        )
+        return shifted, after, delta
+
+    # -- saving ------------------------------------------------------------------------------
+    def scalars(self) -> dict[str, Any]:
+        """The JSON-ready fields (the anchors are arrays: :meth:`arrays`)."""
+        return {
+            "context": self.context,
+            "rope": {
+                "dims": self.rope.dims,
+                "base": self.rope.base,
+                "traditional": self.rope.traditional,
+                "scale": self.rope.scale,
+            },
+            "top": self.top,
+            "n_sink": self.n_sink,
+            "lag": self.lag,
+            "shifted_at": self.shifted_at,
+            "shifts": self.shifts,
+        }
+
+    def arrays(self) -> dict[str, mx.array | None]:
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    @classmethod
+    def load(cls, scalars: dict[str, Any], arrays: dict[str, Any]) -> Compaction:
+        """The compaction :meth:`scalars` and :meth:`arrays` describe."""
+        fields = dict(scalars)
+        rope = Rope(**fields.pop("rope"))
+        return cls(rope=rope, **fields, **arrays)
