@@ -147,7 +147,7 @@ def run_config(
             began = time.perf_counter()
             try:
                 reply = client.messages.create(
-                    model="velox-embedded" if model.startswith("embedded:") else model,
+                    model=model,
                     max_tokens=max_tokens, system=SYSTEM, tools=tools, messages=messages,
                     extra_body={"temperature": 0.0},
                 )  # fmt: skip
