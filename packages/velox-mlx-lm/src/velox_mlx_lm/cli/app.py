@@ -53,7 +53,7 @@ EXAMPLES = """examples:
 # The first screen (--help): these flags, grouped, with one-line helps; --help-all shows all.
 HELP_GROUPS = (
     ("model and prompt", ("--model", "--prompt", "--prompt-file", "--prompts-file", "--demo")),
-    ("generation", ("--chat", "--max-tokens", "--temp", "--draft-model")),
+    ("generation", ("--chat", "--max-tokens", "--temp", "--draft-model", "--pin-prefix")),
     (
         "method and budget",
         ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
@@ -71,6 +71,7 @@ HELP_BRIEFS = {
     "--max-tokens": "tokens to generate (default: 256)",
     "--temp": "sampling temperature (default: 0, greedy)",
     "--draft-model": "speculative decoding: 'embedded:layers=N' or a model",
+    "--pin-prefix": "never evict the prompt's first N tokens (default: 0)",
     "--compare": "also run the full cache; print both answers side by side",
     "--json": "print machine-readable stats only",
 }

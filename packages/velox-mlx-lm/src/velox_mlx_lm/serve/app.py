@@ -147,6 +147,7 @@ HELP_GROUPS = (
             "--max-queue",
             "--beyond-context",
             "--max-prompt-tokens",
+            "--max-pinned",
         ),
     ),
 )
@@ -163,6 +164,7 @@ HELP_BRIEFS = {
     "--max-queue": "requests that may wait for memory (default: 64)",
     "--beyond-context": "let sequences go past the model's context",
     "--max-prompt-tokens": f"longest prompt (default: {DEFAULT_MAX_PROMPT_TOKENS})",
+    "--max-pinned": "system prompt + tools tokens pinned (default: half the budget)",
 }
 # mlx-lm's help of these flags says what they do in mlx-lm; Velox changes it.
 KV_BITS_HELP = (
