@@ -8,7 +8,9 @@
 - :mod:`~velox_cache_core.store.token_rows`: rows quantized per token (:class:`QRows`, mlx-lm's
   ``QuantizedKVCache`` layout) and the :class:`Quant` spec a layer quantizes by;
 - :mod:`~velox_cache_core.store.channel_keys`: keys quantized per channel over groups of
-  tokens, with a full-precision window (:class:`KRows`, KIVI's keys).
+  tokens, with a full-precision window (:class:`KRows`, KIVI's keys);
+- :mod:`~velox_cache_core.store.rope_shift`: compact RoPE positions, the re-rotation of kept
+  keys that keeps query-to-key distances inside a model's context (``positions="compact"``).
 
 Dense rows are plain ``mx.array`` ``[B, H_kv, S, D]``. Nothing here imports the rest of the
 core.
