@@ -442,3 +442,32 @@ def test_generate_takes_positions() -> None:
     )
     with pytest.raises(ValueError, match="positions='compact' supports"):
         _check_args(args)
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm"])
+def test_pinned_rows_keep_their_positions_through_shifts(tiny_model: Any, method: str) -> None:
+    """Pinned rows, like sinks, are never shifted: their stored keys (rotated at their first
+    RoPE positions) stay byte for byte through the shifts, and every distance stays inside."""
+    from velox_mlx_lm.pins import pin_span
+
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(
+        model, _config(method, h2o_recent=4) if method == "h2o" else _config(method)
+    )
+    pin_span(caches, 10, 14)
+    tokens = random_tokens(110, seed=11)
+
+    def pinned_keys(cache: PolicyKVCache) -> np.ndarray:
+        state = cache.policy_state
+        positions = np.array(state.positions)[0, 0]
+        keys = np.array(state.keys.astype(mx.float32))[0, 0]
+        return np.stack([keys[i] for i in np.argsort(positions) if 10 <= positions[i] < 14])
+
+    _decode(model, caches, tokens[:, :20])
+    before = [pinned_keys(c) for c in caches]
+    for t in range(20, 110):
+        _decode(model, caches, tokens[:, t : t + 1])
+        assert caches[0].offset < CONTEXT
+    assert caches[0].compaction.shifts >= 3
+    for cache, keys in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(pinned_keys(cache), keys)

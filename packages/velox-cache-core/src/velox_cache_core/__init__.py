@@ -84,6 +84,7 @@ from velox_cache_core.registry import (
     reserve_flags,
     unregister,
 )
+from velox_cache_core.selection import pinned
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.rope_shift import Compaction, Rope, rotate
 from velox_cache_core.store.rows import quant_of
@@ -181,6 +182,7 @@ __all__ = [
     "morphkv_update",
     "new_log",
     "pin",
+    "pinned",
     "policy_for_method",
     "quant_of",
     "read_settings",

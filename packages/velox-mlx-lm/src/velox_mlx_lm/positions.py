@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from velox_cache_core import Compaction, Layer, rotate
+from velox_cache_core import Compaction, Layer, pinned, rotate
 
 # What ``positions`` accepts (KVCacheConfig, --positions): RoPE at the token index, or compacted
 # below the model's context.
@@ -31,7 +31,12 @@ def shift_layer(layer: Layer, comp: Compaction, length: int) -> tuple[Compaction
     layer.settle()
     state = layer.state
     token = int(state.offset)
-    slots, after, delta = comp.shift(state.slots, token, length)
+    pins = state.pins  # pinned rows keep their RoPE positions, as sinks do
+
+    def fixed(positions: mx.array) -> mx.array:
+        return pinned(positions, pins)
+
+    slots, after, delta = comp.shift(state.slots, token, length, None if pins is None else fixed)
     log = None if layer.log is None else layer.log.cleared()
     if slots is not state.slots:
         layer.restore(replace(state, slots=slots), log)

@@ -125,13 +125,18 @@ def live_rows(slots: KVSlots) -> mx.array:
     return mx.arange(S)[None, None, :] != slots.free[:, :, None]
 
 
-def compacted(positions: mx.array, live: mx.array, n_sink: int, top: int) -> mx.array:
+def compacted(
+    positions: mx.array, live: mx.array, n_sink: int, top: int, fixed: mx.array | None = None
+) -> mx.array:
     """int32 ``[B, H, S]``: the RoPE positions a shift gives the rows at token ``positions``.
 
     Sinks (``< n_sink``) keep theirs; the other ``live`` rows of each ``[b, h]``, in token
     order, are laid just below ``top`` (the newest at ``top - 1``). Dead slots keep their
-    token index (nothing reads them)."""
+    token index (nothing reads them). ``fixed`` (bool ``[B, H, S]``): more rows that do not
+    move (pinned spans); the caller keeps their RoPE positions (:meth:`Compaction.shift`)."""
     movable = live & (positions >= n_sink)
+    if fixed is not None:
+        movable = movable & ~fixed
     key = mx.where(movable, positions, -1)
     rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1).astype(mx.int32)  # ascending
     S = positions.shape[-1]
@@ -211,13 +216,15 @@ class Compaction:
         return mx.where(found & (positions < self.shifted_at), kept, since).astype(mx.int32)
 
     def shift(
-        self, slots: KVSlots | None, token_offset: int, length: int
+        self, slots: KVSlots | None, token_offset: int, length: int, fixed: Any = None
     ) -> tuple[KVSlots | None, Compaction, int]:
         """Shift before a call of ``length`` tokens at ``token_offset``: ``(slots with their
         keys rotated to the compacted positions, the compaction after, Δ)``; the call's keys
         and queries, rotated at ``offset(token_offset) + i`` by the model, must be rotated by
-        ``-Δ`` (:func:`rotate`). ``ValueError`` when the call cannot fit the context even
-        after compaction (``top + length > context``)."""
+        ``-Δ`` (:func:`rotate`). ``fixed(positions)``: bool ``[B, H, S]``, the rows that keep
+        their RoPE positions besides the sinks (pinned spans), or ``None``. ``ValueError``
+        when the call cannot fit the context even after compaction (``top + length >
+        context``)."""
         self.check_fits(length)
         delta = self.offset(token_offset) - self.top
         if delta <= 0:  # nothing to close (cannot happen when needs_shift held)
@@ -228,7 +235,10 @@ class Compaction:
         positions = slots.positions
         live = live_rows(slots)
         old = self.rope_positions(positions)
-        new = compacted(positions, live, self.n_sink, self.top)
+        kept = None if fixed is None else fixed(positions)
+        new = compacted(positions, live, self.n_sink, self.top, kept)
+        if kept is not None:
+            new = mx.where(kept, old, new).astype(mx.int32)
         moves = mx.where(live, old - new, 0).astype(mx.int32)
         shifted = replace(slots, keys=rotate_rows(slots.keys, moves, self.rope), reserve=None)
         after = Compaction(
