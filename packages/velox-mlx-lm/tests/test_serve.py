@@ -108,8 +108,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(embedded_model_path: Any) -> Iterator[tuple[Server, Server]]:
-    """(TOVA budget 48 with the prompt cache, the same with none): started together."""
+    """(TOVA budget 48 with the prompt cache, the same with none): started together. Their
+    system prompts are longer than the budget, so nothing is pinned (``--max-pinned 0``;
+    pinning has its own tests, test_serve_pins.py)."""
     flags = ["--method", "tova", "--budget", str(BUDGET), "--max-tokens", str(TOKENS)]
+    flags += ["--max-pinned", "0"]
     warm = Server(*flags)
     cold = Server(*flags, "--prompt-cache-size", "0")
     try:

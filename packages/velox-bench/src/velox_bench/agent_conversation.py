@@ -235,14 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_turns = 4 if args.quick else max(1, args.tokens // (per_turn + args.max_tokens + 20))
     turns = script(n_turns, chunk)
     max_tokens = 8 if args.quick else args.max_tokens
-    configs = [run_config(n, CONFIGS[n], turns, max_tokens, args.model) for n in names]
-    result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "configs": configs}
-    result["summary"] = summary(result)
-    print(table(result))
     name = args.model.removeprefix("embedded:")
     out = args.out or results_dir() / f"agent_conversation_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "configs": []}
+    for config in names:  # the file is rewritten after each configuration
+        result["configs"].append(run_config(config, CONFIGS[config], turns, max_tokens, args.model))
+        result["summary"] = summary(result)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
     print(f"wrote {out}")
     return 0
 

@@ -269,8 +269,8 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens of a conversation's system prompt and tool definitions the server pins "
-        "(never evicted, counted in the budget); longer ones get 400 (default: half the "
-        "budget)",
+        "(never evicted, counted in the budget); longer ones get 400; 0 pins nothing "
+        "(default: half the budget)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -1114,6 +1114,8 @@ class VeloxHandler(mlx_server.APIHandler):
         if not span:
             return
         limit = provider.cli_args.max_pinned
+        if limit == 0:  # --max-pinned 0: nothing pinned
+            return
         if span > limit:
             raise BadRequest(
                 f"the system prompt and tool definitions take {span} tokens, more than this "
