@@ -471,3 +471,21 @@ def test_pinned_rows_keep_their_positions_through_shifts(tiny_model: Any, method
     assert caches[0].compaction.shifts >= 3
     for cache, keys in zip(caches, before, strict=True):
         np.testing.assert_array_equal(pinned_keys(cache), keys)
+
+
+def test_stats_count_tokens_not_compacted_positions(tiny_model: Any) -> None:
+    """Past a shift ``offset`` is the compacted position; the server's ``tokens_seen`` and the
+    pinned tokens count tokens."""
+    from velox_mlx_lm.pins import pin_span
+    from velox_mlx_lm.serve.cache import kv_stats
+
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, _config("tova"))
+    pin_span(caches, 4, 8)
+    tokens = random_tokens(60, seed=2)
+    _decode(model, caches, tokens[:, :30])
+    for t in range(30, 60):
+        _decode(model, caches, tokens[:, t : t + 1])
+    assert caches[0].offset < caches[0].token_offset == 60
+    stats = kv_stats(caches)
+    assert stats["tokens_seen"] == 60 and stats["pinned_tokens"] == 4

@@ -18,7 +18,9 @@ keeps the tokens the server saw, whether the reply is degenerate (only whitespac
 fragment repeated) and, for a question, whether the reply holds the answer. The summary table
 gives, per configuration: the turns, the tokens reached, degenerate replies, and the share of
 system-prompt and early-output questions answered (also within the turns the full cache
-reached). Results: ``benchmarks/results/agent_conversation_<model>.json``.
+reached). Results: ``benchmarks/results/agent_conversation_<model>.json``, rewritten after each
+configuration; a run of some configurations keeps the others' results for the same model and
+``--tokens``.
 """
 
 from __future__ import annotations
@@ -239,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or results_dir() / f"agent_conversation_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "configs": []}
+    if out.is_file():  # a run of other configurations on the same conversation is kept
+        old = json.loads(out.read_text())
+        if (old.get("model"), old.get("tokens")) == (args.model, args.tokens):
+            result["configs"] = [c for c in old["configs"] if c["name"] not in names]
     for config in names:  # the file is rewritten after each configuration
         result["configs"].append(run_config(config, CONFIGS[config], turns, max_tokens, args.model))
         result["summary"] = summary(result)

@@ -273,7 +273,7 @@ class PolicyKVCache(VeloxKVCache):
     @property
     def pinned_tokens(self) -> int:
         """Tokens of the pinned spans seen so far (all of them kept)."""
-        seen = self.offset
+        seen = self.token_offset  # a token index, whatever the positions
         return sum(max(0, min(b, seen) - a) for a, b in self.pinned_spans)
 
     @property

@@ -70,7 +70,10 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
 def layer_stats(cache: Any) -> dict[str, Any]:
     """One layer cache's counters (``tokens_seen`` is ``None`` where the offset is not an
     int), as ``BatchVeloxKVCache.row_stats`` gives them per row."""
-    offset = getattr(cache, "offset", None)
+    # tokens seen: a Velox cache's token index (its offset is compacted under compact positions)
+    offset = (
+        cache.token_offset if isinstance(cache, PolicyKVCache) else getattr(cache, "offset", None)
+    )
     return {
         "tokens_seen": int(offset) if isinstance(offset, int) else None,
         "tokens_kept": kept_rows(cache),
