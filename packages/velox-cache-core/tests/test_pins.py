@@ -21,7 +21,7 @@ from test_policy_contract import CASES, NAMES, needs_queries, run_against_refere
 from velox_cache_core import POLICIES, Layer, new_log
 from velox_cache_core.batch import pack, packed_update, unpack
 from velox_cache_core.lanes import PAD
-from velox_cache_core.pins import MAX_SPANS, count, merged, pin, spans
+from velox_cache_core.pins import MAX_SPANS, count, merged, pin, pin_room, spans
 from velox_cache_core.selection import pinned, sinks
 from velox_cache_core.store.token_rows import Quant
 
@@ -34,8 +34,9 @@ EXAMPLES = hypothesis_settings(
 
 def room(name: str, state) -> int:
     """Pinned tokens beyond the sinks that fit ``state`` (pins.py's rule)."""
-    traits = POLICIES[name].traits
-    return traits.budget(state) - 1 - traits.n_sink(state) - traits.reserved(state)
+    found = pin_room(POLICIES[name], state)
+    assert found is not None  # every registered policy has a budget
+    return found
 
 
 # ------------------------------------------------------------------------- the masks

@@ -47,7 +47,7 @@ from velox_cache_core.declarations import (
 )
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.lanes import GlobalRule, LaneRule, Lanes
-from velox_cache_core.pins import MAX_SPANS, pin, spans
+from velox_cache_core.pins import MAX_SPANS, pin, pin_room, seen_pinned, spans
 from velox_cache_core.policies.expected_attention import (
     ExpectedAttentionState,
     expected_attention_compress,
@@ -182,6 +182,7 @@ __all__ = [
     "morphkv_update",
     "new_log",
     "pin",
+    "pin_room",
     "pinned",
     "policy_for_method",
     "quant_of",
@@ -191,6 +192,7 @@ __all__ = [
     "rotate",
     "running",
     "running_fields",
+    "seen_pinned",
     "setting_fields",
     "snapkv_compress",
     "snapkv_update",

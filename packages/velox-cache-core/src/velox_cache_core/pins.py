@@ -70,6 +70,16 @@ def seen_pinned(pins: mx.array | None, offset: int, row: int = 0) -> int:
     return sum(max(0, min(b, offset) - a) for a, b in found if b > a)
 
 
+def pin_room(policy: Policy, state: Any) -> int | None:
+    """Most tokens beyond the sinks that ``state`` can pin: its budget less its sinks, the rows
+    the policy always keeps besides (:attr:`~velox_cache_core.declarations.Traits.reserved`)
+    and one row to evict; ``None`` for a policy without a budget (it evicts nothing)."""
+    budget = policy.traits.budget(state)
+    if budget is None:
+        return None
+    return budget - 1 - policy.traits.n_sink(state) - policy.traits.reserved(state)
+
+
 def check_span(start: Any, stop: Any) -> None:
     """``start``/``stop``: ints with ``0 <= start < stop``."""
     check_int("start", start, minimum=0)
@@ -100,14 +110,14 @@ def pin(policy: Policy, state: Any, start: int, stop: int) -> Any:
 def _check_fits(
     policy: Policy, state: Any, found: list[tuple[int, int]], start: int, stop: int
 ) -> None:
-    budget = policy.traits.budget(state)
-    if budget is None:  # a policy without a budget evicts nothing a pin could lose
+    room = pin_room(policy, state)
+    if room is None:  # a policy without a budget evicts nothing a pin could lose
         return
     n_sink = policy.traits.n_sink(state)
     reserved = policy.traits.reserved(state)
     pinned = count(found, n_sink)
-    room = budget - 1 - n_sink - reserved
     if pinned > room:
+        budget = policy.traits.budget(state)
         kept = f"{n_sink} sink{'' if n_sink == 1 else 's'}" + (
             f" and {reserved} rows it always keeps" if reserved else ""
         )

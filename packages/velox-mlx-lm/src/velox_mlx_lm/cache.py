@@ -31,6 +31,7 @@ from velox_cache_core import (
     StepSums,
     new_log,
     rotate,
+    seen_pinned,
     spans,
 )
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
@@ -273,8 +274,7 @@ class PolicyKVCache(VeloxKVCache):
     @property
     def pinned_tokens(self) -> int:
         """Tokens of the pinned spans seen so far (all of them kept)."""
-        seen = self.token_offset  # a token index, whatever the positions
-        return sum(max(0, min(b, seen) - a) for a, b in self.pinned_spans)
+        return seen_pinned(self._layer.view().pins, self.token_offset)  # a token index
 
     @property
     def tokens_kept(self) -> int:

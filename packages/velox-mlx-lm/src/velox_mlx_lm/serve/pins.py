@@ -17,30 +17,34 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from velox_cache_core import pin_room
+
 SYSTEM_ROLES = ("system", "developer")
 SHARE = 2
 """``--max-pinned``'s default: 1/``SHARE`` of the budget (within what the method can pin)."""
 
 
-def pin_room(config: Any) -> int | None:
-    """Most tokens ``config``'s method can pin beyond its sinks (``velox_cache_core.pins``'s
-    rule), or ``None`` for a method that evicts nothing (mlx-lm's own cache)."""
+def config_room(config: Any) -> tuple[int, int] | None:
+    """(budget, most tokens beyond the sinks it can pin: ``velox_cache_core.pin_room``) of
+    ``config``'s method, or ``None`` for one that evicts nothing (mlx-lm's own cache)."""
     policy = config.record
     if policy is None:
         return None
     state = policy.init_for(config.method, **config.settings())
+    room = pin_room(policy, state)
     budget = policy.traits.budget(state)
-    if budget is None:
+    if room is None or budget is None:
         return None
-    return max(0, budget - 1 - policy.traits.n_sink(state) - policy.traits.reserved(state))
+    return budget, max(0, room)
 
 
 def default_max_pinned(config: Any) -> int:
-    """1/:data:`SHARE` of the budget, within :func:`pin_room` (0 without a budget)."""
-    room = pin_room(config)
-    if room is None:
+    """1/:data:`SHARE` of the budget, within what it can pin (0 without a budget)."""
+    found = config_room(config)
+    if found is None:
         return 0
-    return min(room, int(config.settings().get("budget", 0)) // SHARE)
+    budget, room = found
+    return min(room, budget // SHARE)
 
 
 def check_max_pinned(value: int | None, config: Any) -> int:
@@ -49,7 +53,8 @@ def check_max_pinned(value: int | None, config: Any) -> int:
         return default_max_pinned(config)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"--max-pinned must be an int >= 0, got {value!r}")
-    room = pin_room(config)
+    found = config_room(config)
+    room = None if found is None else found[1]
     if room is not None and value > room:
         raise ValueError(
             f"--max-pinned {value} does not fit --method {config.method}'s budget: at most "
