@@ -332,7 +332,8 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over the three src/ directories (configuration in pyproject.toml)."""
     install_packages(session)
-    session.install("mypy", "numpy")
+    # anthropic: velox_bench.agent_conversation drives the server through its client
+    session.install("mypy", "numpy", "anthropic")
     session.run("mypy", *SRC_DIRS, *session.posargs)
 
 
