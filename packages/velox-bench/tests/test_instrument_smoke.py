@@ -13,6 +13,7 @@ import pytest
 
 from velox_bench import instrument
 from velox_bench.quality import instrument as grid
+from velox_bench.quality.ruler import KINDS as RULER_KINDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.corpus]
 
@@ -28,6 +29,10 @@ def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(0 < d < 1 for d in retrieval["where"])
     full_ppl, tova_ppl = rows[2]["perplexity"], rows[3]["perplexity"]
     assert full_ppl > 1 and tova_ppl > 1 and full_ppl != tova_ppl
+    ruler = rows[4]
+    assert ruler["task"] == "ruler" and set(ruler["tasks"]) == set(RULER_KINDS)
+    assert all(0 <= t["score"] <= 1 and t["prompt_tokens"] > 256 for t in ruler["tasks"].values())
+    assert ruler["mean"] == pytest.approx(sum(t["score"] for t in ruler["tasks"].values()) / 4)
     capsys.readouterr()
     assert instrument.main(["--quick", "--out", str(out)]) == 0  # nothing left to run
     assert "0 to run" in capsys.readouterr().out
@@ -36,6 +41,7 @@ def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFi
     assert instrument.main(["--quick", "--out", str(out), "--markdown"]) == 0
     table = capsys.readouterr().out
     assert "| 256 | tova | 64 |" in table and "| code | 128 | tova | 32 |" in table
+    assert "| 512 | tova | 128 |" in table and "multikey" in table
 
 
 def test_plan_puts_the_mandatory_cells_first() -> None:
@@ -50,6 +56,15 @@ def test_plan_puts_the_mandatory_cells_first() -> None:
     ]
     assert all(c.task == "ppl_code" and c.length == 4096 for c in cells[5:9])
     assert len({c.key() for c in cells}) == len(cells)
+    keys = [c.key() for c in cells]
+    ruler = [i for i, c in enumerate(cells) if c.task == "ruler"]
+    assert {(cells[i].length, cells[i].method) for i in ruler} == {
+        (n, m) for n in (4096, 8192) for m in (*grid.RETRIEVAL_METHODS, "expected_attention")
+    }
+    # the order: 16k, then the RULER-style tasks, budget context/8, other methods
+    assert keys.index("retrieval/16384/expected_attention/4096") < ruler[0]
+    assert ruler[-1] < keys.index("retrieval/8192/tova/1024")
+    assert keys.index("retrieval/8192/tova/1024") < keys.index("retrieval/8192/morphkv/2048")
     assert grid.estimate_hours(cells[:5], "qwen2.5-coder-1.5b") > 1
 
 

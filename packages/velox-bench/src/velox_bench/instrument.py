@@ -26,6 +26,7 @@ velox_blas.preload_openblas()  # before anything imports mlx
 
 from velox_bench.quality import instrument as grid  # noqa: E402
 from velox_bench.quality.run import environment, repo_root  # noqa: E402
+from velox_bench.quality.ruler import KINDS as RULER_KINDS  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
 RESULTS = Path("benchmarks/results/instrument_qwen2.5-coder-1.5b.jsonl")
@@ -64,13 +65,15 @@ def _load(quick: bool, where: Path) -> tuple[Any, Any, str]:
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """One line per cell: retrieval accuracy by depth, or perplexity."""
-    lines = [f"{'cell':<34} {'10%':>6} {'50%':>6} {'90%':>6} {'ppl':>8} {'min':>6}"]
+    lines = [f"{'cell':<34} {'10%':>6} {'50%':>6} {'90%':>6} {'ppl|ruler':>9} {'min':>6}"]
     for r in rows:
         if r["task"] == "retrieval":
             acc = [r["depths"][str(d)]["accuracy"] for d in grid.DEPTHS]
-            cols = " ".join(f"{a:6.2f}" for a in acc) + f" {'':>8}"
+            cols = " ".join(f"{a:6.2f}" for a in acc) + f" {'':>9}"
+        elif r["task"] == "ruler":
+            cols = f"{'':>6} {'':>6} {'':>6} {r['mean']:9.3f}"
         else:
-            cols = f"{'':>6} {'':>6} {'':>6} {r['perplexity']:8.3f}"
+            cols = f"{'':>6} {'':>6} {'':>6} {r['perplexity']:9.3f}"
         lines.append(f"{r['key']:<34} {cols} {r['seconds'] / 60:6.1f}")
     return "\n".join(lines)
 
@@ -102,7 +105,8 @@ def _run(args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Pat
     env = environment() | {"model": model_name}
     n_per_depth = 2 if args.quick else args.n_per_depth
     for cell in cells:
-        with tqdm(desc=cell.key(), unit="tok", total=cell.length) as bar:
+        total = cell.length * (len(RULER_KINDS) if cell.task == "ruler" else 1)
+        with tqdm(desc=cell.key(), unit="tok", total=total) as bar:
             row = grid.run_cell(
                 model, tokenizer, cell, n_per_depth=n_per_depth, batch=args.batch,
                 step=bar.update,
@@ -140,10 +144,20 @@ def _perplexity_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     )
 
 
+def _ruler_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    scores = " | ".join(f"{row['tasks'][k]['score']:.2f}" for k in RULER_KINDS)
+    share = f"{row['mean'] / ref['mean']:.2f}" if ref and ref["mean"] else ""
+    return (
+        f"| {row['length']} | {row['method']} | {row['budget'] or '-'} | {scores} "
+        f"| {row['mean']:.2f} | {share} | {row['seconds'] / 60:.0f} |"
+    )
+
+
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The measured rows as two Markdown tables: retrieval accuracy by depth (with the share of
-    the full cache's accuracy at the same length), then perplexity (with the ratio to the full
-    cache's on the same text)."""
+    """The measured rows as Markdown tables: retrieval accuracy by depth (with the share of
+    the full cache's accuracy at the same length), the RULER-style tasks (with the mean's
+    share of the full cache's), then perplexity (with the ratio to the full cache's on the
+    same text)."""
     full = {(r["task"], r["length"]): r for r in rows if r["method"] == "full"}
     out = [
         "| length | method | budget | kept | 10% | 50% | 90% | vs full (10 / 50 / 90%) | min |",
@@ -153,6 +167,14 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += [_retrieval_line(r, full.get((r["task"], r["length"]))) for r in found]
     if found:
         out += ["", f"({found[0]['depths'][str(grid.DEPTHS[0])]['n']} questions per depth)"]
+    ruler = [r for r in rows if r["task"] == "ruler"]
+    if ruler:
+        out += [
+            "",
+            f"| length | method | budget | {' | '.join(RULER_KINDS)} | mean | vs full | min |",
+        ]
+        out += ["| ---: | --- | ---: |" + " ---: |" * len(RULER_KINDS) + " ---: | ---: | ---: |"]
+        out += [_ruler_line(r, full.get((r["task"], r["length"]))) for r in ruler]
     out += ["", "| text | length | method | budget | perplexity | vs full | min |"]
     out += ["| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     out += [

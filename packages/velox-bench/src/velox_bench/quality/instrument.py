@@ -8,8 +8,10 @@ Cells, mandatory first (``plan``):
 2. streaming perplexity on real code (:mod:`.code_text`) at 4k for every method without a
    prompt end (SnapKV, Expected Attention and KVzip compress once at a prompt end, and
    streaming text has none);
-3. then, as time allows: retrieval with the other methods, at 16k, at budget context/8; prose
-   perplexity to 8k.
+3. then, as time allows: retrieval with Expected Attention at 8k, every published method
+   (:data:`PUBLISHED`) at 16k, the RULER-style tasks at 4k and 8k (one seeded task of each
+   kind per cell), retrieval at budget context/8, StreamingLLM and MorphKV, and perplexity
+   to 8k.
 
 Every finished cell appends one JSON line to the results file; a rerun skips the cells already
 there, so the grid can be stopped and resumed across sessions (``python -m
@@ -23,14 +25,14 @@ import json
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from velox_bench.quality import corpus, methods, retrieval
+from velox_bench.quality import corpus, methods, retrieval, ruler, ruler_run
 from velox_bench.quality.perplexity import perplexity, token_nll
 from velox_bench.variants import Variant
 
@@ -61,6 +63,8 @@ CITIES = (*retrieval.CITIES, *(
 RATES = {"qwen2.5-coder-1.5b": (8.0, 0.7), "smollm2-135m": (100.0, 12.0)}
 RETRIEVAL_METHODS = ("full", "tova", "h2o", "snapkv", "kvzip")
 MORE_METHODS = ("expected_attention", "streaming_llm", "morphkv")
+PUBLISHED = (*RETRIEVAL_METHODS, "expected_attention")  # the methods the issue publishes
+RULER_LENGTHS = (4096, 8192)  # the RULER-style tasks, one seeded task of each kind per cell
 
 
 class Fact(retrieval.Fact):
@@ -107,7 +111,7 @@ def retrieval_document(n_tokens: int, encode: Callable[[str], list[int]]) -> str
 class Cell:
     """One cell of the grid: a task at a length, one method at one budget (0: full cache)."""
 
-    task: str  # "retrieval", "ppl_code" or "ppl_prose"
+    task: str  # "retrieval", "ruler", "ppl_code" or "ppl_prose"
     length: int  # tokens of context
     method: str
     budget: int
@@ -133,12 +137,17 @@ def plan(quick: bool = False) -> list[Cell]:
             Cell("retrieval", 256, "tova", 64),
             Cell("ppl_code", 128, "full", 0),
             Cell("ppl_code", 128, "tova", 32),
+            Cell("ruler", 512, "tova", 128),
         ]
     cells = [Cell("retrieval", 8192, m, _budget(m, 8192, 4)) for m in RETRIEVAL_METHODS]
     cells += [Cell("ppl_code", 4096, m, _budget(m, 4096, 4)) for m in _ppl_methods()]
-    cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS]
-    cells += [Cell("retrieval", 16384, m, _budget(m, 16384, 4)) for m in RETRIEVAL_METHODS]
+    # the issue's order: its sixth method, 16k, the RULER-style tasks, budget context/8, then
+    # the methods "where time allows"
+    cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS[:1]]
+    cells += [Cell("retrieval", 16384, m, _budget(m, 16384, 4)) for m in PUBLISHED]
+    cells += [Cell("ruler", n, m, _budget(m, n, 4)) for n in RULER_LENGTHS for m in PUBLISHED]
     cells += [Cell("retrieval", 8192, m, 8192 // 8) for m in RETRIEVAL_METHODS[1:]]
+    cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS[1:]]
     cells += [Cell("ppl_prose", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
     cells += [Cell("ppl_code", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
     return cells
@@ -152,6 +161,9 @@ def estimate_hours(cells: Iterable[Cell], model: str, n_per_depth: int = N_PER_D
     for cell in cells:
         passes = 2 if cell.method == "kvzip" else 1
         seconds += passes * cell.length / prefill
+        if cell.task == "ruler":  # one prompt per kind, then its answer's steps
+            seconds += (len(ruler.KINDS) - 1) * cell.length / prefill
+            seconds += sum(ruler_run.MAX_TOKENS.values()) / step
         if cell.task == "retrieval":
             batches = len(DEPTHS) * -(-n_per_depth // 10)
             seconds += batches * (30 / prefill + 6 / step)
@@ -226,6 +238,57 @@ def _retrieval(
     }
 
 
+def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -> dict[str, Any]:
+    """The four RULER-style tasks (seed 0) at the cell's length, each answered greedily from
+    one prefill through the chat template: the context is fed in chunks of 256 (KVzip then
+    compresses it, as for retrieval), the question and primer through ``mlx_lm.generate``."""
+    import mlx_lm
+
+    from velox_mlx_lm import KVCacheBuilder
+
+    config = _variant(cell.method).config(max(cell.budget, 1))
+    tasks = {}
+    for kind in ruler.KINDS:
+        task = ruler.make_task(kind, cell.length, 0, ruler_run.encoder(tokenizer))
+        ids = ruler_run.prompt_ids(tokenizer, task)
+        bare = replace(task, question="", primer="")  # the context alone: its tokens lead ``ids``
+        context = _common_prefix(ids, ruler_run.prompt_ids(tokenizer, bare))
+        context = min(context, len(ids) - 1)
+        caches = KVCacheBuilder.for_model(model, config)
+        head = mx.array([ids[:context]], dtype=mx.int32)
+        for start in range(0, context, 256):
+            model(head[:, start : start + 256], cache=caches)
+            mx.eval([c.state for c in caches])
+            step(min(256, context - start))
+        if retrieval._reconstructs(config):
+            from velox_mlx_lm.kvzip import compress
+
+            compress(model, tokenizer, caches, ids[:context])
+        output = mlx_lm.generate(
+            model,
+            tokenizer,
+            ids[context:],
+            max_tokens=ruler_run.MAX_TOKENS[kind],
+            prompt_cache=caches,
+        )
+        step(len(ids) - context)
+        tasks[kind] = {
+            "score": ruler.score(task, str(output)),
+            "output": str(output),
+            "prompt_tokens": len(ids),
+        }
+    return {"mean": float(np.mean([t["score"] for t in tasks.values()])), "tasks": tasks}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _kept(caches: list[Any]) -> int | None:
     kept = getattr(caches[0], "tokens_kept", None)
     if kept is None:
@@ -267,7 +330,12 @@ def run_cell(
     """Measure one cell; returns its row (the cell's fields, the result, the seconds it took)."""
     began = time.perf_counter()
     if cell.task == "retrieval":
+        # copies of the compressed state per batch: fewer past 8k (a full cache's 16k copies
+        # would hold about 1 GB each on the instrument)
+        batch = max(1, batch * 8192 // max(cell.length, 8192))
         result = _retrieval(model, tokenizer, cell, n_per_depth, batch, step)
+    elif cell.task == "ruler":
+        result = _ruler(model, tokenizer, cell, step)
     elif cell.task in ("ppl_code", "ppl_prose"):
         result = _perplexity(model, tokenizer, cell, step)
     else:

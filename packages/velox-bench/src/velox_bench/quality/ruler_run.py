@@ -19,7 +19,7 @@ from velox_bench.quality.ruler import KINDS, LENGTHS, Task, make_task, score
 from velox_bench.variants import Variant
 from velox_mlx_lm import KVCacheBuilder
 
-__all__ = ["Grid", "answer", "evaluate", "prompt_ids", "row_key"]
+__all__ = ["Grid", "answer", "encoder", "evaluate", "prompt_ids", "row_key"]
 
 MAX_TOKENS = {"multikey": 16, "multivalue": 48, "variable_tracking": 32, "common_words": 64}
 
@@ -95,7 +95,7 @@ def evaluate(
     rows = []
     with tqdm(total=todo, unit="tok", desc="ruler", smoothing=0.05) as bar:
         for seed, length, kind, (name, model, tokenizer) in cells:
-            task = make_task(kind, length, seed, _encoder(tokenizer))
+            task = make_task(kind, length, seed, encoder(tokenizer))
             n_prompt = len(prompt_ids(tokenizer, task))
             for variant, budget in grid.runs:
                 if (name, kind, length, seed, variant.name, budget or None) in done:
@@ -122,7 +122,7 @@ def evaluate(
     return rows
 
 
-def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
