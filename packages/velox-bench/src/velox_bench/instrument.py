@@ -25,8 +25,8 @@ import velox_blas
 velox_blas.preload_openblas()  # before anything imports mlx
 
 from velox_bench.quality import instrument as grid  # noqa: E402
-from velox_bench.quality.run import environment, repo_root  # noqa: E402
 from velox_bench.quality.ruler import KINDS as RULER_KINDS  # noqa: E402
+from velox_bench.quality.run import environment, repo_root  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
 RESULTS = Path("benchmarks/results/instrument_qwen2.5-coder-1.5b.jsonl")
