@@ -31,11 +31,13 @@ from mlx_lm.models import llama, qwen2
 
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 from velox_mlx_lm.distributed import shard_model, tensor_group
+from velox_mlx_lm.pins import pin_span
 
 PROMPT = 40
 STEPS = 64  # greedy decode steps (the first argument after the mode overrides it)
 PREFILL_STEP = 16  # several chunks: sequential scans and oneshot cuts at every chunk
 BUDGET = 16
+PIN = (8, 11)  # a pinned span inside the prompt: 3 tokens, what H2O at budget 16 can pin
 
 # name -> (KVCacheConfig fields, for_model group: "auto" or None = all-reduce disabled;
 # PER_LAYER = "auto" with one all_sum per layer and step instead of for_model's StepSums)
@@ -68,6 +70,10 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
         {"method": "h2o", "h2o_scope": "head", "kv_bits": 8, "kv_group_size": 32},
         "auto",
     ),
+    # pinned spans (issue 49): tokens PIN never evicted, on every rank's heads and stage
+    "tova_pinned": ({"method": "tova", "pin": PIN}, "auto"),
+    "h2o_head_pinned": ({"method": "h2o", "h2o_scope": "head", "pin": PIN}, "auto"),
+    "snapkv_pinned": ({"method": "snapkv", "snapkv_window": 4, "pin": PIN}, "auto"),
     # adaptive allocation (issue 34): each rank shares the rows among the heads it holds
     "tova_head_alloc": ({"method": "tova_adapted", "tova_allocation": "head"}, "auto"),
     "snapkv_global": (
@@ -75,7 +81,15 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
         "auto",
     ),
 }
-PIPELINE_CASES = ("tova", "h2o_layer", "snapkv", "streaming_llm", "tova_q4", "tova_q4_channel")
+PIPELINE_CASES = (
+    "tova",
+    "h2o_layer",
+    "snapkv",
+    "streaming_llm",
+    "tova_q4",
+    "tova_q4_channel",
+    "tova_pinned",
+)
 
 
 def _sharpen(model: Any, factor: float) -> None:
@@ -134,8 +148,12 @@ def embedded() -> Any:
 def run(
     model: Any, prompt: mx.array, fields: dict[str, Any], group: Any, steps: int = STEPS
 ) -> dict[str, Any]:
+    fields = dict(fields)
+    pin = fields.pop("pin", None)
     config = KVCacheConfig(**fields, **_budget(fields["method"]))
     caches = KVCacheBuilder.for_model(model, config, group="auto" if group == PER_LAYER else group)
+    if pin is not None:
+        pin_span(caches, *pin)
     if group == PER_LAYER:
         for cache in caches:
             cache.share_step_sums(None)

@@ -47,7 +47,10 @@ LAYER_SCOPE = {
     "morphkv_max",
     "tova_q4",
     "tova_q4_channel",
+    "tova_pinned",
 }
+# Cases with the worker's pinned span (distributed_worker.PIN): every head keeps it.
+PINNED = {"tova_pinned", "h2o_head_pinned", "snapkv_pinned"}
 TENSOR_CASES = [
     "tova",
     "tova_adapted",
@@ -64,6 +67,9 @@ TENSOR_CASES = [
     "tova_q4",
     "tova_q4_channel",
     "h2o_head_q8",
+    "tova_pinned",
+    "h2o_head_pinned",
+    "snapkv_pinned",
 ]
 NEGATIVE = "tova_no_allreduce"
 # Adaptive allocation: each rank shares its budget among the KV heads it holds (and, with
@@ -236,6 +242,11 @@ def test_tensor_parallel_matches_single_process(
         assert all(sharded["grouped"])
         assert all(sharded["step_sums"]) == (case != "tova_per_layer")
         assert not _mismatch(result, case), "\n".join(_mismatch(result, case))
+    if case in PINNED:
+        _assert_pinned_kept(tensor_run, case)
+        if case == "tova_pinned":  # the test of the test: unpinned TOVA lets the span go
+            with pytest.raises(AssertionError, match="a pinned token went"):
+                _assert_pinned_kept(tensor_run, "tova")
     if case in LAYER_SCOPE:  # one decision per layer: every head of every rank agrees
         for layer in range(len(tensor_run[0]["cases"][case]["sharded"]["kept"])):
             rows = [row for r in tensor_run for row in r["cases"][case]["sharded"]["kept"][layer]]
@@ -291,6 +302,20 @@ def test_pipeline_parallel_matches_single_process(pipeline_run: list[dict[str, A
     for result in pipeline_run:
         for case in result["cases"]:
             assert not _mismatch(result, case), "\n".join(_mismatch(result, case))
+    _assert_pinned_kept(pipeline_run, "tova_pinned")
+
+
+def _assert_pinned_kept(results: list[dict[str, Any]], case: str) -> None:
+    """Every head of every layer, on every rank and in the reference, still holds the pinned
+    span after the prompt (40 tokens) and the decode steps overflowed budget 16."""
+    from distributed_worker import PIN
+
+    span = set(range(*PIN))
+    for result in results:
+        run = result["cases"][case]
+        for kept in (run["sharded"]["kept"], run["reference"]["kept"]):
+            heads = [h for layer in kept if layer is not None for h in layer]
+            assert heads and all(span <= set(h) for h in heads), f"{case}: a pinned token went"
 
 
 @pytest.mark.slow

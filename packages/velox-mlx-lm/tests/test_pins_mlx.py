@@ -120,3 +120,35 @@ def test_generate_pin_prefix(embedded_model_path: Any, capsys: Any) -> None:
         main([*argv, "--pin-prefix", "-1"])
     assert main([*argv, "--pin-prefix", "100000"]) == 1
     assert "longer than the prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "head"])
+def test_kvzip_pass_keeps_the_pinned_span(
+    tiny_model: Any, tiny_tokenizer: Any, allocation: str
+) -> None:
+    """KVzip's model-driven pass (``velox_mlx_lm.kvzip.compress``) scores the context by its
+    reconstruction and cuts it to the budget: a span pinned before the prefill survives the cut
+    in every layer and head, and the same pass without the pin drops part of it (the test of
+    the test)."""
+    from velox_cache_core.policies.kvzip import PAD
+    from velox_mlx_lm.kvzip import compress, prefill
+
+    model = tiny_model("llama")
+    tokens = np.random.default_rng(3).integers(2, 128, size=40).tolist()
+    span = set(range(20, 24))
+
+    def run(pinned: bool) -> list[set[int]]:
+        settings = {"kvzip_budget": 10, "kvzip_n_sink": 2, "kvzip_allocation": allocation}
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvzip", **settings))
+        if pinned:
+            pin_span(caches, 20, 24)
+        prefill(model, caches, tokens, step=16)
+        compress(model, tiny_tokenizer, caches, tokens, chunk_size=16)
+        heads = []
+        for cache in velox_layers(caches):
+            for row in np.array(cache.positions)[0]:
+                heads.append({int(p) for p in row if p != PAD})
+        return heads
+
+    assert all(span <= head for head in run(pinned=True))
+    assert not all(span <= head for head in run(pinned=False))
