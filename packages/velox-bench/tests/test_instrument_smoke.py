@@ -42,6 +42,9 @@ def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFi
     table = capsys.readouterr().out
     assert "| 256 | tova | 64 |" in table and "| code | 128 | tova | 32 |" in table
     assert "| 512 | tova | 128 |" in table and "multikey" in table
+    png = tmp_path / "retrieval.png"
+    assert instrument.main(["--quick", "--out", str(out), "--figure", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plan_puts_the_mandatory_cells_first() -> None:

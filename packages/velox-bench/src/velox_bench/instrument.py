@@ -8,7 +8,9 @@ of every row in the file at the end.
 
     python -m velox_bench.instrument                 # every cell not yet measured
     python -m velox_bench.instrument --only retrieval/8192 --max-cells 2
-    python -m velox_bench.instrument --quick         # a tiny random qwen2 model, 4 small cells
+    python -m velox_bench.instrument --quick         # a tiny random qwen2 model, 5 small cells
+    python -m velox_bench.instrument --markdown      # the measured rows as tables
+    python -m velox_bench.instrument --figure benchmarks/figures/instrument_retrieval.png
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="print the cells and the estimate only")
     p.add_argument(
         "--markdown", action="store_true", help="print the measured rows as Markdown tables only"
+    )
+    p.add_argument(
+        "--figure",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="draw retrieval accuracy by depth (one panel per length) to PNG and exit",
     )
     return p
 
@@ -185,6 +194,42 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Retrieval accuracy by depth, one panel per measured length, one group of bars per
+    method (its budget in the label), the full cache first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [r for r in rows if r["task"] == "retrieval"]
+    lengths = sorted({r["length"] for r in found})
+    if not lengths:
+        raise ValueError("no retrieval rows to draw")
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.2), squeeze=False)
+    width = 0.8 / len(grid.DEPTHS)
+    for ax, length in zip(axes[0], lengths, strict=True):
+        cells = sorted(
+            (r for r in found if r["length"] == length),
+            key=lambda r: (r["method"] != "full", r["budget"] or 0, r["method"]),
+        )
+        for j, depth in enumerate(grid.DEPTHS):
+            acc = [r["depths"][str(depth)]["accuracy"] for r in cells]
+            xs = [i + (j - (len(grid.DEPTHS) - 1) / 2) * width for i in range(len(cells))]
+            ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
+        labels = [f"{r['method']}\n{r['budget'] or 'full'}" for r in cells]
+        ax.set_xticks(range(len(cells)), labels, fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("retrieval accuracy")
+        ax.set_title(f"{MODEL}, {length} tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.n_per_depth < 1 or args.batch < 1 or args.max_cells < 0:
@@ -194,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out or (Path(tmp) / "quick.jsonl" if args.quick else repo_root() / RESULTS)
         if args.markdown:
             print(markdown([r for r in grid.read_rows(out) if r.get("model") == model_name]))
+            return 0
+        if args.figure is not None:
+            rows = [r for r in grid.read_rows(out) if r.get("model") == model_name]
+            print(f"wrote {figure(rows, args.figure)}")
             return 0
         cells = _todo(args, out, model_name)
         if cells and not args.plan:
