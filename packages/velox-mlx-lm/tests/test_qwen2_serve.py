@@ -51,6 +51,11 @@ ANTHROPIC_TOOLS = [
     for t in OPENAI_TOOLS
 ]
 RESULT = '{"city": "Paris", "celsius": 21, "sky": "sunny"}'
+# What an agent sends: without it the 1.5B model answers a tool result by calling the tool again
+SYSTEM = (
+    "You are a helpful assistant with tools. Call a tool when you need its data. When a tool "
+    "result is given, do not call the tool again: answer the user from it in one sentence."
+)
 
 
 def test_generate_answers_with_code() -> None:
@@ -82,7 +87,10 @@ def test_openai_tool_round_trip(server: Server) -> None:
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    messages: list[dict[str, object]] = [{"role": "user", "content": QUESTION}]
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTION},
+    ]
     first = client.chat.completions.create(
         model=MODEL, messages=messages, tools=OPENAI_TOOLS, temperature=0.0, timeout=600
     )
@@ -107,7 +115,7 @@ def test_anthropic_tool_round_trip(server: Server) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     messages: list[dict[str, object]] = [{"role": "user", "content": QUESTION}]
     first = client.messages.create(
-        model=MODEL, max_tokens=64, messages=messages, tools=ANTHROPIC_TOOLS,
+        model=MODEL, max_tokens=64, system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS,
         extra_body={"temperature": 0.0}, timeout=600,
     )  # fmt: skip
     assert first.stop_reason == "tool_use", first
@@ -121,7 +129,7 @@ def test_anthropic_tool_round_trip(server: Server) -> None:
         }
     )
     second = client.messages.create(
-        model=MODEL, max_tokens=64, messages=messages, tools=ANTHROPIC_TOOLS,
+        model=MODEL, max_tokens=64, system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS,
         extra_body={"temperature": 0.0}, timeout=600,
     )  # fmt: skip
     text = "".join(b.text for b in second.content if b.type == "text")
