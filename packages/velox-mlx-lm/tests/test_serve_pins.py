@@ -25,6 +25,7 @@ from velox_mlx_lm.serve.pins import PinTable, common_prefix, system_span
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 BUDGET = 160
+REPLY = 4  # tokens per reply: the turns' prompts overflow the budget, the replies need not
 SYSTEM = (
     "You are a careful coding agent. Rules: answer in one short sentence; the project's "
     "code name is BLUE HERON; never delete files; the test command is nox -s tests."
@@ -75,7 +76,7 @@ sys.exit(serve.main(sys.argv[1:]))
 def server(embedded_model_path: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     record = tmp_path_factory.mktemp("pins") / "record.jsonl"
     os.environ["VELOX_PIN_RECORD"] = str(record)
-    flags = ["--method", "tova", "--budget", str(BUDGET), "--max-tokens", "12"]
+    flags = ["--method", "tova", "--budget", str(BUDGET), "--max-tokens", str(REPLY)]
     srv = Server(*flags, "--max-pinned", "130", code=RECORDING)
     try:
         srv.wait_ready()
@@ -104,7 +105,7 @@ def _check_identical(records: list[dict[str, Any]], turns: int) -> None:
         np.testing.assert_array_equal(np.array(r["rows"]), np.array(first["rows"]))
 
 
-PASSAGE = " ".join(f"Line {i}: build step {i} copies module {i} to the output." for i in range(6))
+PASSAGE = " ".join(f"Line {i}: build step {i} copies module {i} to the output." for i in range(4))
 
 
 def test_openai_route_keeps_the_system_prompt_and_tools(server: Any) -> None:
@@ -117,7 +118,7 @@ def test_openai_route_keeps_the_system_prompt_and_tools(server: Any) -> None:
             srv,
             "POST",
             "/v1/chat/completions",
-            {"model": "default_model", "messages": messages, "tools": TOOLS, "max_tokens": 12},
+            {"model": "default_model", "messages": messages, "tools": TOOLS, "max_tokens": REPLY},
         )
         assert status == 200, body
         assert body["usage"]["velox"]["pinned_tokens"] > 20
@@ -135,7 +136,7 @@ def test_messages_route_keeps_the_system_prompt(server: Any) -> None:
     for turn in range(10):
         messages.append({"role": "user", "content": f"Step {turn}. {PASSAGE} What changed?"})
         reply = client.messages.create(
-            model="default_model", max_tokens=12, system=SYSTEM, messages=messages
+            model="default_model", max_tokens=REPLY, system=SYSTEM, messages=messages
         )
         text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
         messages.append({"role": "assistant", "content": text})

@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_turn = chunk // 3  # about 3 characters per code token
     n_turns = 4 if args.quick else max(1, args.tokens // (per_turn + args.max_tokens + 20))
     turns = script(n_turns, chunk)
-    max_tokens = 8 if args.quick else args.max_tokens
+    max_tokens = 4 if args.quick else args.max_tokens
     name = args.model.removeprefix("embedded:")
     out = args.out or results_dir() / f"agent_conversation_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
