@@ -152,3 +152,31 @@ def test_kvzip_pass_keeps_the_pinned_span(
 
     assert all(span <= head for head in run(pinned=True))
     assert not all(span <= head for head in run(pinned=False))
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o"])
+def test_pins_cost_no_bytes_beyond_the_budget(tiny_model: Any, h: Any, method: str) -> None:
+    """Pinned rows count in the budget: over 1,000 decode steps a pinned cache holds the same
+    bytes as an unpinned one at the same budget, keeps the span, and MLX's active memory does
+    not grow past a fixed slack once it is steady."""
+    model = tiny_model("llama")
+    prompt = h.random_tokens(12, seed=5)[0]
+
+    def run(pinned: bool) -> tuple[list[int], dict[int, int], list[PolicyKVCache]]:
+        caches = KVCacheBuilder.for_model(model, config(method, 32))
+        if pinned:
+            pin_span(caches, 2, 10)
+        memory: dict[int, int] = {}
+        steps = generate_step(prompt, model, prompt_cache=caches, max_tokens=1000)
+        for step, _ in enumerate(steps):
+            if step + 1 in (400, 700, 1000):
+                mx.synchronize()
+                memory[step + 1] = mx.get_active_memory()
+        return [c.nbytes for c in caches], memory, caches
+
+    plain_bytes, _, _ = run(pinned=False)
+    pinned_bytes, memory, caches = run(pinned=True)
+    assert pinned_bytes == plain_bytes
+    assert all(set(range(2, 10)) <= kept(c) for c in caches)
+    assert pinned_tokens(caches) == 8
+    assert max(memory.values()) - memory[400] < 256 * 1024, memory
