@@ -237,18 +237,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_name = "tiny-qwen2" if args.quick else MODEL
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or (Path(tmp) / "quick.jsonl" if args.quick else repo_root() / RESULTS)
-        if args.markdown:
-            print(markdown([r for r in grid.read_rows(out) if r.get("model") == model_name]))
-            return 0
-        if args.figure is not None:
-            rows = [r for r in grid.read_rows(out) if r.get("model") == model_name]
-            print(f"wrote {figure(rows, args.figure)}")
+        if args.markdown or args.figure is not None:
+            _report(args, [r for r in grid.read_rows(out) if r.get("model") == model_name])
             return 0
         cells = _todo(args, out, model_name)
         if cells and not args.plan:
             _run(args, cells, out, Path(tmp))
         print(summary([r for r in grid.read_rows(out) if r.get("model") == model_name]))
     return 0
+
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """``--markdown`` prints the tables, ``--figure`` draws the figure."""
+    if args.markdown:
+        print(markdown(rows))
+    if args.figure is not None:
+        print(f"wrote {figure(rows, args.figure)}")
 
 
 if __name__ == "__main__":

@@ -63,14 +63,25 @@ class AllocationSettings:
     smoke: bool = False
     methods: tuple[str, ...] | None = None  # None: every method with allocation modes
     modes: tuple[str, ...] | None = None  # None: every mode a method accepts
+    # (method, allocation) pairs to run, when not every one of ``methods`` x ``modes``
+    only: tuple[tuple[str, str], ...] | None = None
     model: str = DEFAULT_MODEL  # an embedded model (velox_mlx_lm.embedded)
 
     @classmethod
     def smoke_run(cls) -> AllocationSettings:
-        """CI size: one budget, a 200-token prompt, one retrieval trial; KVzip, SnapKV (its
-        prompt end cuts) and TOVA (its first single token cuts) in every mode."""
+        """CI size: one budget, a 200-token prompt, one retrieval trial; KVzip in every mode,
+        SnapKV's adaptive modes (its prompt end cuts) and TOVA's global one (its first single
+        token cuts across layers)."""
         return cls(
             methods=("kvzip", "snapkv", "tova"),
+            only=(
+                ("kvzip", "uniform"),
+                ("kvzip", "head"),
+                ("kvzip", "global"),
+                ("snapkv", "head"),
+                ("snapkv", "global"),
+                ("tova", "global"),
+            ),
             budgets=(64,),
             prompt_tokens=200,
             continuation=32,
@@ -162,6 +173,7 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
         for r in variants()
         if (settings.methods is None or r[0] in settings.methods)
         and (settings.modes is None or r[1] in settings.modes)
+        and (settings.only is None or r in settings.only)
     ]
     # retrieval asks its questions through the chat template: a base model has none
     chat = retrieval.has_chat_template(tokenizer)
