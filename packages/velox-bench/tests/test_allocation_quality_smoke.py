@@ -34,8 +34,9 @@ def test_allocation_quality_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
         ("kvzip", "uniform"),
         ("kvzip", "head"),
         ("kvzip", "global"),
-        ("snapkv", "head"),
+        ("snapkv", "uniform"),
         ("snapkv", "global"),
+        ("tova", "uniform"),
         ("tova", "global"),
     } <= modes
     rows = {(r["method"], r["allocation"]) for r in out["retrieval"]["rows"]}

@@ -70,16 +70,17 @@ class AllocationSettings:
     @classmethod
     def smoke_run(cls) -> AllocationSettings:
         """CI size: one budget, a 200-token prompt, one retrieval trial; KVzip in every mode,
-        SnapKV's adaptive modes (its prompt end cuts) and TOVA's global one (its first single
-        token cuts across layers)."""
+        SnapKV (its prompt end cuts) and TOVA (its first single token cuts) uniform and
+        ``global`` (the bench checks every mode's bytes against the method's uniform cut)."""
         return cls(
             methods=("kvzip", "snapkv", "tova"),
             only=(
                 ("kvzip", "uniform"),
                 ("kvzip", "head"),
                 ("kvzip", "global"),
-                ("snapkv", "head"),
+                ("snapkv", "uniform"),
                 ("snapkv", "global"),
+                ("tova", "uniform"),
                 ("tova", "global"),
             ),
             budgets=(64,),
@@ -281,8 +282,9 @@ def _perplexity_table(rows: list[dict[str, Any]]) -> list[str]:
         cells = []
         for b in budgets:
             r = by_key[(key[0], key[1], b)]
-            ratio = r["kv_bytes"] / uniform[(key[0], b)]
-            cells.append(f"{r['ppl']:.3f} ({ratio:.2f}x bytes)")
+            base = uniform.get((key[0], b))  # a run without the method's uniform row: no ratio
+            ratio = f" ({r['kv_bytes'] / base:.2f}x bytes)" if base else ""
+            cells.append(f"{r['ppl']:.3f}{ratio}")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     return lines
 
