@@ -252,7 +252,9 @@ def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -
         task = ruler.make_task(kind, cell.length, 0, ruler_run.encoder(tokenizer))
         ids = ruler_run.prompt_ids(tokenizer, task)
         bare = replace(task, question="", primer="")  # the context alone: its tokens lead ``ids``
-        context = _common_prefix(ids, ruler_run.prompt_ids(tokenizer, bare))
+        alone = ruler_run.prompt_ids(tokenizer, bare)
+        same = (i for i, (a, b) in enumerate(zip(ids, alone, strict=False)) if a != b)
+        context = next(same, min(len(ids), len(alone)))
         context = min(context, len(ids) - 1)
         caches = KVCacheBuilder.for_model(model, config)
         head = mx.array([ids[:context]], dtype=mx.int32)
@@ -278,15 +280,6 @@ def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -
             "prompt_tokens": len(ids),
         }
     return {"mean": float(np.mean([t["score"] for t in tasks.values()])), "tasks": tasks}
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _kept(caches: list[Any]) -> int | None:
