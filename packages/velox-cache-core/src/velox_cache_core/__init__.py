@@ -122,7 +122,7 @@ else:
         return value
 
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "KEY_LAYOUTS",
