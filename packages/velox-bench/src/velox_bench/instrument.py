@@ -219,6 +219,7 @@ def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
         labels = [f"{r['method']}\n{r['budget'] or 'full'}" for r in cells]
         ax.set_xticks(range(len(cells)), labels, fontsize=8)
+        ax.set_xlim(-0.6, max(len(cells), 4) - 0.4)  # bars keep their width in a thin panel
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("retrieval accuracy")
         ax.set_title(f"{MODEL}, {length} tokens")
