@@ -963,11 +963,8 @@ class Layer:
                 "never makes one, so the cache would grow without bound; use "
                 "allocation='uniform' with a draft model"
             )
-        pins = self.state.pins
         with summing_over(self.group):
             self.state, self.log = self.policy.trim(self.state, self.log, n)
-        if self.state.pins is not pins:  # a span pinned after the step trimmed back to
-            self.state = replace(self.state, pins=pins)
 
     def restore(self, state: Any, log: UndoLog | None) -> None:
         """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded

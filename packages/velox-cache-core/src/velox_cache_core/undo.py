@@ -10,7 +10,8 @@ so every call records what it destroyed, relative to the slots it leaves behind:
   the slots being overwritten is kept alive and MLX can still write them in place);
 - a chunk: how many live rows came before it, the dead slot it compacted away (with its row),
   and, when it evicted, the evicted candidates' rows and where every candidate went;
-- the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before;
+- the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before (not
+  the pinned spans: a trim keeps the spans pinned now, and a chunk fed again respects them);
 - a token over lanes (heads with different row counts that evict at every step,
   :mod:`velox_cache_core.lanes`): each head's dead row before it, the lanes' running scores
   before it, and the rows it chose to evict (:class:`LaneStep`): undoing it puts the previous
@@ -174,8 +175,10 @@ def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
 @cache
 def _running_names(state_type: Any) -> tuple[str, ...]:
     # the lanes are undone row by row (LaneStep), never kept whole: a copy of them per call
-    # would hold the cache several times over
-    return tuple(name for name in running_fields(state_type) if name not in ("slots", "lanes"))
+    # would hold the cache several times over; the pinned spans are not a call's doing (only
+    # ``pin`` sets them), so undoing calls leaves them as they are
+    skip = ("slots", "lanes", "pins")
+    return tuple(name for name in running_fields(state_type) if name not in skip)
 
 
 def record(
