@@ -30,7 +30,7 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
-from velox_cache_core.selection import sinks
+from velox_cache_core.selection import pinned
 from velox_cache_core.sequential import row_visibility
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
@@ -132,8 +132,8 @@ def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None
     window_rows = mx.broadcast_to(mx.arange(n) >= n - W, (B, H, n))
     full = mx.concatenate([scores, mx.full((B, H, W), mx.inf)], axis=-1)
     if state.pins is not None:
-        pinned = sinks(live.positions, 0, state.pins)
-        full, window_rows = mx.where(pinned, mx.inf, full), window_rows | pinned
+        pins = pinned(live.positions, state.pins)
+        full, window_rows = mx.where(pins, mx.inf, full), window_rows | pins
     return live, full, window_rows
 
 
