@@ -1102,7 +1102,8 @@ class VeloxHandler(mlx_server.APIHandler):
         """Have the conversation's system prompt and tool definitions pinned in its cache
         (serve/pins.py): a 400 naming --max-pinned when they are longer than it."""
         provider = self.provider
-        if provider.config.policy is None:
+        limit = provider.cli_args.max_pinned
+        if provider.config.policy is None or limit == 0:  # --max-pinned 0: nothing pinned
             return
         args = argparse.Namespace(chat_template_kwargs=template_kwargs)
         rg = self.response_generator
@@ -1112,9 +1113,6 @@ class VeloxHandler(mlx_server.APIHandler):
 
         span = system_span(request, prompt, tokenize)
         if not span:
-            return
-        limit = provider.cli_args.max_pinned
-        if limit == 0:  # --max-pinned 0: nothing pinned
             return
         if span > limit:
             raise BadRequest(
