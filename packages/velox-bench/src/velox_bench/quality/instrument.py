@@ -206,19 +206,7 @@ def _retrieval(
     fact_tokens = sum(len(encode(" " + f.sentence())) for f in facts)
     document = retrieval_document(cell.length - fact_tokens - 64, encode)
     prompt = retrieval.build_prompt(tokenizer, document, facts, where(n_per_depth))
-    config = _variant(cell.method).config(max(cell.budget, 1))
-    from velox_mlx_lm import KVCacheBuilder
-
-    caches = KVCacheBuilder.for_model(model, config)
-    ids = mx.array([prompt.document], dtype=mx.int32)
-    for start in range(0, ids.shape[1], 256):
-        model(ids[:, start : start + 256], cache=caches)
-        mx.eval([c.state for c in caches])
-        step(min(256, ids.shape[1] - start))
-    if retrieval._reconstructs(config):
-        from velox_mlx_lm.kvzip import compress
-
-        compress(model, tokenizer, caches, prompt.document)
+    caches = _read_document(model, tokenizer, cell, prompt.document, step)
     answers = _ask_merged(model, caches, prompt, batch)
     nominal = [d for d in DEPTHS for _ in range(n_per_depth)]
     by_depth = {}
@@ -238,34 +226,42 @@ def _retrieval(
     }
 
 
+def _read_document(
+    model: Any, tokenizer: Any, cell: Cell, document: list[int], step: Callable[[int], Any]
+) -> list[Any]:
+    """Fresh caches of the cell's method with ``document`` fed in chunks of 256 (``step`` sees
+    each chunk's tokens), then compressed as the method would in use (KVzip's pass)."""
+    from velox_mlx_lm import KVCacheBuilder
+
+    config = _variant(cell.method).config(max(cell.budget, 1))
+    caches = KVCacheBuilder.for_model(model, config)
+    ids = mx.array([document], dtype=mx.int32)
+    for start in range(0, ids.shape[1], 256):
+        model(ids[:, start : start + 256], cache=caches)
+        mx.eval([c.state for c in caches])
+        step(min(256, ids.shape[1] - start))
+    if retrieval._reconstructs(config):
+        from velox_mlx_lm.kvzip import compress
+
+        compress(model, tokenizer, caches, document)
+    return caches
+
+
 def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -> dict[str, Any]:
     """The four RULER-style tasks (seed 0) at the cell's length, each answered greedily from
     one prefill through the chat template: the context is fed in chunks of 256 (KVzip then
     compresses it, as for retrieval), the question and primer through ``mlx_lm.generate``."""
     import mlx_lm
 
-    from velox_mlx_lm import KVCacheBuilder
+    from velox_mlx_lm.serve.pins import common_prefix
 
-    config = _variant(cell.method).config(max(cell.budget, 1))
     tasks = {}
     for kind in ruler.KINDS:
         task = ruler.make_task(kind, cell.length, 0, ruler_run.encoder(tokenizer))
         ids = ruler_run.prompt_ids(tokenizer, task)
         bare = replace(task, question="", primer="")  # the context alone: its tokens lead ``ids``
-        alone = ruler_run.prompt_ids(tokenizer, bare)
-        same = (i for i, (a, b) in enumerate(zip(ids, alone, strict=False)) if a != b)
-        context = next(same, min(len(ids), len(alone)))
-        context = min(context, len(ids) - 1)
-        caches = KVCacheBuilder.for_model(model, config)
-        head = mx.array([ids[:context]], dtype=mx.int32)
-        for start in range(0, context, 256):
-            model(head[:, start : start + 256], cache=caches)
-            mx.eval([c.state for c in caches])
-            step(min(256, context - start))
-        if retrieval._reconstructs(config):
-            from velox_mlx_lm.kvzip import compress
-
-            compress(model, tokenizer, caches, ids[:context])
+        context = min(common_prefix(ids, ruler_run.prompt_ids(tokenizer, bare)), len(ids) - 1)
+        caches = _read_document(model, tokenizer, cell, ids[:context], step)
         output = mlx_lm.generate(
             model,
             tokenizer,
