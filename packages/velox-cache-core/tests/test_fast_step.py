@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from velox_cache_core import fast_step as FS
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import running_fields
+from velox_cache_core.decode import Hot
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES
 from velox_cache_core.store.slots import KVSlots
@@ -256,12 +257,12 @@ def test_off_switch_and_ineligible_states_take_the_general_path() -> None:
     layer.attend(mx.ones((1, 1, 6, 4)), 0.5)
     with fast(False):
         layer.lay_out(k[:, :, :1], k[:, :, :1])
-        assert layer._fast_next is None
+        assert layer.hot is None
         layer.attend(mx.ones((1, 1, 1, 4)), 0.5)
     with fast(True):
         layer.lay_out(k[:, :, :1], k[:, :, :1])
         layer.attend(mx.ones((1, 1, 1, 4)), 0.5)
-        assert layer._fast_next is not None
+        assert layer.hot is not None and layer.hot.steady
 
 
 def test_streaming_llm_reads_the_row_it_overwrites_one_step_ahead() -> None:
@@ -275,24 +276,27 @@ def test_streaming_llm_reads_the_row_it_overwrites_one_step_ahead() -> None:
     layer.lay_out(k, k)
     layer.attend(mx.ones((1, 2, 7, 4)), 0.5)
     rows = []
-    for _ in range(3):
+    for i in range(4):
         new = mx.array(rng.normal(size=(1, 2, 1, 4)).astype(np.float32))
-        before = layer.state.slots
+        hot = layer.hot
+        before = layer.state.slots.keys if hot is None else hot.keys  # reading state cools it
+        prefetched = hot is not None and hot.ahead is not None
         layer.lay_out(new, new)
         layer.attend(mx.ones((1, 2, 1, 4)), 0.5)
-        entry = layer.log.entries[-1]
-        assert entry.row is not None
-        slot = np.array(entry.written)
-        want = np.take_along_axis(np.array(before.keys), slot[:, :, None, None], axis=2)
-        assert np.array_equal(np.array(entry.row.keys), want)
-        rows.append(layer._fast_next is not None and layer._fast_next[2] is not None)
-    assert rows == [True, True, True]
+        rows.append(prefetched)
+        if i % 2:  # every other step, read the log (its last entry's row) and the store
+            entry = layer.log.entries[-1]
+            assert entry.row is not None
+            slot = np.array(entry.written)
+            want = np.take_along_axis(np.array(before), slot[:, :, None, None], axis=2)
+            assert np.array_equal(np.array(entry.row.keys), want)
+    assert rows == [False, True, False, True]  # the step after a read computes it again
     without = Layer(policy, policy.init(budget=5, n_sink=1), None)
     without.lay_out(k, k)
     without.attend(mx.ones((1, 2, 7, 4)), 0.5)
     without.lay_out(k[:, :, :1], k[:, :, :1])
     without.attend(mx.ones((1, 2, 1, 4)), 0.5)
-    assert without._fast_next is not None and without._fast_next[2] is None  # nothing to keep
+    assert without.hot is not None and without.hot.ahead is None  # nothing to keep
 
 
 def test_bad_queries_on_the_fast_path_change_nothing() -> None:
@@ -305,9 +309,13 @@ def test_bad_queries_on_the_fast_path_change_nothing() -> None:
     layer.attend(mx.ones((1, 2, 1, 4)), 0.5)
     before = layer.state
     layer.lay_out(k[:, :, :1], k[:, :, :1])
+    hot = layer.hot
+    assert hot is not None and hot.flight is not None
+    kept = (hot.keys, hot.values, hot.positions, hot.free, hot.running, hot.offset)
     with pytest.raises(ValueError, match="multiple of keys H_kv"):
         layer.attend(mx.ones((1, 3, 1, 4)), 0.5)
-    assert layer.state is before and layer.pending is not None
+    assert layer.hot is hot and hot.flight is not None  # the token is still in flight
+    assert (hot.keys, hot.values, hot.positions, hot.free, hot.running, hot.offset) == kept
     layer.attend(mx.ones((1, 2, 1, 4)), 0.5)  # the call is still there to settle
     assert layer.state.offset == before.offset + 1
 
@@ -364,20 +372,27 @@ def test_short_chunks_run_as_decode_steps(case: str) -> None:
 def test_a_chunk_whose_trace_leaves_the_steady_state_runs_its_steps_one_by_one(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """run_steps gives up when its trace finds a step leaving the steady state (here: every
-    step's running fields made to look as if they changed kind), marks the chunk key, and the
-    layer runs the chunk's steps one by one, with the same results."""
+    """The chunk's one-call trace gives up when it finds a step leaving the steady state
+    (here: every trace says so), marks the chunk key, and the layer runs the chunk's steps one
+    by one, with the same results."""
     monkeypatch.setattr(FS, "_KERNELS", {})  # no chunk kernel traced by an earlier test
-    monkeypatch.setattr(FS, "_kinds_after", lambda changes: ("changed",))
-    calls: list[bool] = []
-    run_steps = FS.run_steps
 
-    def counted(*args: Any) -> Any:
-        out = run_steps(*args)
+    def leaves(*args: Any) -> Any:
+        def kernel(*inputs: Any) -> Any:
+            raise FS.NotSteady
+
+        return kernel
+
+    monkeypatch.setattr(FS, "steps_kernel", leaves)
+    calls: list[bool] = []
+    run_steps = Hot._run_steps
+
+    def counted(self: Hot, *args: Any) -> Any:
+        out = run_steps(self, *args)
         calls.append(out is None)
         return out
 
-    monkeypatch.setattr(FS, "run_steps", counted)
+    monkeypatch.setattr(Hot, "_run_steps", counted)
     stepped = _drive_chunks(
         case, B=1, H=2, group=2, budget=8, chunks=[4, 4, 3, 5], trims=[3, 0, 2, 1], seed=5
     )
@@ -415,7 +430,7 @@ def test_a_stepped_chunk_the_queries_never_reach_is_settled_by_the_general_path(
         layer.lay_out(k[:, :, 6:7], k[:, :, 6:7])  # a decode step: the store is steady
         layer.attend(k[:, :, 6:7], 0.5)
     a.lay_out(k[:, :, 7:], k[:, :, 7:])
-    assert type(a.pending).__name__ == "SteppedWaiting"
+    assert a.hot is not None and a.hot.chunk is not None  # waiting to run as decode steps
     with fast(False):
         b.lay_out(k[:, :, 7:], k[:, :, 7:])
     with warnings.catch_warnings():  # the no-hook fallback warns once per process

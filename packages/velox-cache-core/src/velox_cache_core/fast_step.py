@@ -43,6 +43,7 @@ from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import fresh, running_fields, setting_fields
 from velox_cache_core.engine import Call, Step
 from velox_cache_core.policy import Policy
+from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
 
@@ -54,23 +55,6 @@ ENABLED = os.environ.get("VELOX_FAST_DECODE", "1") != "0"
 # running fields every state has, and the ones the fast path never sees set
 _COUNTERS = ("offset", "tokens_seen")
 _STORE = ("slots", "lanes")
-
-
-@dataclass(slots=True)
-class Written:
-    """A decode step's token written into its slot, its decision still to come.
-
-    candidates: the store with the token in it (what the step attends over); before: the
-    slots the step found; laid: the slots it wrote into (``before``, or with ``evict_before``'s
-    freed slot); keys/values: the token ``[B, H_kv, 1, D]``."""
-
-    candidates: KVSlots
-    before: KVSlots
-    written: mx.array
-    row: KVSlots | None
-    keys: mx.array
-    values: mx.array
-    start: mx.array  # int32 scalar: the token's position
 
 
 @cache
@@ -179,49 +163,7 @@ def _unflat(kind: str | None, value: Any) -> Any:
     return History(*value) if kind == "history" else value
 
 
-Prefetch = tuple[mx.array, KVSlots]
-"""The slot ``[B, H_kv]`` an ``evict_before`` will free at the next step and the row it holds
-(``[B, H_kv, 1, *]``), read by the step before (:func:`decide`)."""
-
-
-def write(
-    policy: Policy,
-    state: Any,
-    kernels: Kernels,
-    keys: mx.array,
-    values: mx.array,
-    prefetch: Prefetch | None = None,
-) -> Written:
-    """Write the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` into its slot (the dead
-    one, or the one the policy's ``evict_before`` frees), as the general layout does.
-
-    ``prefetch``: that slot and its row, read by the previous step (:func:`decide`) from the
-    same store. Reading the row here, in the graph that overwrites it, would keep the old
-    buffer alive next to the write, so MLX would copy the whole store instead of writing one
-    row in place."""
-    slots = state.slots
-    prefetched = prefetch is not None
-    kernel = kernels.write.get(prefetched)
-    if kernel is None:
-        kernel = kernels.write[prefetched] = mx.compile(
-            _write_kernel(policy, state, prefetched=prefetched)
-        )
-    start = mx.array(state.offset, dtype=mx.int32)
-    free = [] if slots.free is None else [slots.free]
-    if prefetch is not None:
-        free = [prefetch[0]]
-    pins = [] if state.pins is None else [state.pins]
-    k, v, p, written, row = kernel(
-        slots.keys, slots.values, slots.positions, free, keys, values, start, pins
-    )
-    candidates = _slots(k, v, p)
-    row_slots = _slots(*row) if row else None
-    if prefetch is not None:
-        row_slots = prefetch[1]
-    return Written(candidates, slots, written, row_slots, keys, values, start)
-
-
-def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
+def write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
     def kernel(
         keys: mx.array,
         values: mx.array,
@@ -253,218 +195,12 @@ def _write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
     return kernel
 
 
-def decide(
-    policy: Policy,
-    state: Any,
-    kernels: Kernels,
-    written: Written,
-    log: UndoLog | None,
-    queries: mx.array | None,
-    scale: float,
-    attend_here: bool,
-    attend_scale: float | None = None,
-) -> tuple[Step, mx.array | None, Kernels | None, Prefetch | None]:
-    """The step's decision over ``written.candidates`` (with the true ``queries`` or without):
-    the step (state after it, log after it, the query's weights); when ``attend_here`` (the
-    CPU, no attention sinks) and ``queries`` are given, the attention output as
-    :func:`velox_cache_core.attention.attend` computes it: from the decision's weights when it
-    scored with the queries, else :func:`~velox_cache_core.attention.attend_row` at
-    ``attend_scale`` (the model's scale; ``scale`` is then the decision's); the kernel key of the
-    next step (``None`` when the running fields changed kind: ask :func:`eligible`); and, for
-    a policy with an ``evict_before`` and an undo log, the next step's :data:`Prefetch` (read
-    with this step, from the rows the next step overwrites)."""
-    prefetch_next = log is not None and policy.evict_before is not None
-    settings = (scale, attend_here, attend_scale, prefetch_next)
-    outputs = _run_decide(policy, state, kernels, written, queries, settings)
-    return _finish(state, kernels, written, log, outputs)
-
-
-Outputs = tuple[Any, list[mx.array], list[list[Any]], Any, Any, list[mx.array], list[bool]]
-"""A decision kernel's outputs for one step, as :func:`_run_decide` returns them."""
-
-
-def _finish(
-    state: Any, kernels: Kernels, written: Written, log: UndoLog | None, outputs: Outputs
-) -> tuple[Step, mx.array | None, Kernels | None, Prefetch | None]:
-    """The step :func:`decide` returns, from its decision kernel's ``outputs``.
-
-    Built with plain dict updates (:func:`fresh`'s way, inlined): this runs once per layer
-    per token, and each constructor call is a measurable share of a decode step's host time."""
-    free, victim, changes, probs, out, ahead, same = outputs
-    cand = written.candidates
-    shape = cand.positions.shape
-    after = object.__new__(state.__class__)
-    fields = after.__dict__
-    fields.update(state.__dict__)
-    kept = object.__new__(KVSlots)
-    kept.__dict__.update(cand.__dict__)
-    kept.__dict__["free"] = free
-    fields["slots"] = kept
-    fields["offset"] = state.offset + 1
-    fields["tokens_seen"] = state.tokens_seen + shape[0] * shape[1]
-    running = kernels.running
-    if running:
-        for name, kind, c in zip(running, kernels.key[2], changes, strict=True):
-            fields[name] = (History(*c[0]) if kind == "history" else c[0]) if c else None
-    values: Any = cand.values
-    prefetch: Prefetch | None = None
-    if log is not None:
-        log = log.push(_entry(state, kernels, written, victim))
-        # read the victim (and the next step's row) with the attention, before the next step
-        # writes over its slot
-        read = victim if written.row is None else [*victim, *written.row.arrays()]
-        if ahead:
-            prefetch = (ahead[0], _slots(*ahead[1:]))
-            read = [*read, *ahead]
-        if read and out is not None:
-            out = mx.depends([out], read)[0]
-        elif read:
-            values = mx.depends([values], read)[0]
-    if not same:  # first call of this kernel: do its running fields keep their kinds?
-        kinds = tuple(_running_kind(getattr(after, name)) for name in running)
-        same.append(kinds == kernels.key[2])
-    step: Step = object.__new__(Step)
-    step.__dict__.update(_EMPTY_STEP.__dict__)
-    step.__dict__.update(keys=cand.keys, values=values, state=after, log=log, probs=probs)
-    return step, out, kernels if same[0] else None, prefetch
-
-
-def _run_decide(
-    policy: Policy,
-    state: Any,
-    kernels: Kernels,
-    written: Written,
-    queries: mx.array | None,
-    settings: tuple[float, bool, float | None, bool],
-) -> Outputs:
-    """The decision kernel on this step's arrays: (next dead slot or ``None``, victim rows,
-    running fields after (each ``[]`` for ``None`` or ``[flat value]``), the query's weights
-    or ``None``, attention output or ``None``, the next step's ``evict_before`` slot and row
-    when ``prefetch_next`` and it frees one, and the kernel's "keeps the kinds" flag: empty
-    until :func:`decide` has seen its first output).
-    ``settings``: (scale, attend_here, attend_scale, prefetch_next), see :func:`decide`."""
-    running = kernels.running
-    full_key = (*settings, queries is None)
-    found = kernels.decide.get(full_key)
-    if found is None:
-        compiled = mx.compile(_decide_kernel(policy, state, running, kernels.key[2], settings))
-        found = kernels.decide[full_key] = (compiled, [])
-    kernel, same = found
-    cand = written.candidates
-    old = [[] if (v := getattr(state, name)) is None else [_flat(v)] for name in running]
-    free, victim, changes, probs, out, ahead = kernel(
-        cand.keys,
-        cand.values,
-        cand.positions,
-        written.written,
-        written.keys,
-        written.values,
-        [] if queries is None else [queries],
-        written.start,
-        old,
-    )
-    return (
-        free[0] if free else None,
-        victim,
-        changes,
-        probs[0] if probs else None,
-        out[0] if out else None,
-        ahead,
-        same,
-    )
-
-
-class _NotSteady(Exception):
-    """Raised while tracing :func:`_steps_kernel`: a step of the chunk would leave the steady
+class NotSteady(Exception):
+    """Raised while tracing :func:`steps_kernel`: a step of the chunk would leave the steady
     state (no slot to write the next token into, or running fields changing kind)."""
 
 
-def run_steps(
-    policy: Policy,
-    state: Any,
-    kernels: Kernels,
-    keys: mx.array,
-    values: mx.array,
-    queries: mx.array | None,
-    log: UndoLog | None,
-    settings: tuple[float, bool, float | None],
-    prefetch: Prefetch | None,
-) -> list[tuple[Step, mx.array | None, Kernels | None, Prefetch | None]] | None:
-    """The ``L`` tokens of a short chunk (``keys``/``values`` ``[B, H_kv, L, D]``, ``queries``
-    ``[B, H_q, L, D]`` or ``None``) as ``L`` fast decode steps, each what :func:`write` then
-    :func:`decide` give (same kernels, same order, traced into one compiled call instead of
-    ``2 L``): one (step, attention output, next kernels, next prefetch) per token. ``None``
-    when a step of the chunk would leave the steady state: the caller then runs the steps one
-    by one. ``settings``: (scale, attend_here, attend_scale), see :func:`decide`."""
-    L = int(keys.shape[2])
-    prefetch_next = log is not None and policy.evict_before is not None
-    full = (*settings, prefetch_next)
-    chunk_key = ("steps", L, prefetch is not None, *full, queries is None)
-    found = kernels.decide.get(chunk_key)
-    if found is None:
-        traced = _steps_kernel(policy, state, kernels, full, L, prefetch is not None)
-        found = kernels.decide[chunk_key] = (mx.compile(traced), [])
-    kernel, steady = found
-    if steady == [False]:
-        return None
-    slots = state.slots
-    first_free = [] if slots.free is None else [slots.free]
-    if prefetch is not None:
-        first_free = [prefetch[0]]
-    old = [[] if (v := getattr(state, name)) is None else [_flat(v)] for name in kernels.running]
-    try:
-        per_step = kernel(
-            slots.keys,
-            slots.values,
-            slots.positions,
-            first_free,
-            keys,
-            values,
-            [] if queries is None else [queries],
-            mx.array(state.offset, dtype=mx.int32),
-            old,
-        )
-    except _NotSteady:
-        steady.append(False)
-        return None
-    return _steps_taken(state, kernels, keys, values, log, prefetch, per_step)
-
-
-def _steps_taken(
-    state: Any,
-    kernels: Kernels,
-    keys: mx.array,
-    values: mx.array,
-    log: UndoLog | None,
-    prefetch: Prefetch | None,
-    per_step: list[tuple[Any, Any]],
-) -> list[tuple[Step, mx.array | None, Kernels | None, Prefetch | None]]:
-    """:func:`run_steps`'s steps from its kernel's outputs, as :func:`decide` makes them."""
-    out = []
-    row = None if prefetch is None else prefetch[1]
-    for wrote, decided in per_step:
-        k, v, p, written_slot, row_arrays = wrote
-        if row_arrays:
-            row = _slots(*row_arrays)
-        written = Written(_slots(k, v, p), state.slots, written_slot, row, keys, values, _NO_START)
-        free, victim, changes, probs, attn, ahead = decided
-        outputs: Outputs = (
-            free[0] if free else None,
-            victim,
-            changes,
-            probs[0] if probs else None,
-            attn[0] if attn else None,
-            ahead,
-            [True],  # the trace checked it
-        )
-        step, attn_out, follow, fetched = _finish(state, kernels, written, log, outputs)
-        out.append((step, attn_out, follow, fetched))
-        state, log = step.state, step.log
-        row = None if fetched is None else fetched[1]
-    return out
-
-
-def _steps_kernel(
+def steps_kernel(
     policy: Policy,
     template: Any,
     kernels: Kernels,
@@ -474,8 +210,8 @@ def _steps_kernel(
 ) -> Kernel:
     """``L`` write kernels and decision kernels in turn, as :func:`run_steps` takes them."""
     kinds = kernels.key[2]
-    decide_one = _decide_kernel(policy, template, kernels.running, kinds, settings)
-    writes = {flag: _write_kernel(policy, template, prefetched=flag) for flag in (False, True)}
+    decide_one = decide_kernel(policy, template, kernels.running, kinds, settings)
+    writes = {flag: write_kernel(policy, template, prefetched=flag) for flag in (False, True)}
     pins_at = kernels.running.index("pins")  # the pinned spans, an input of every write
 
     def kernel(
@@ -503,19 +239,19 @@ def _steps_kernel(
             per_step.append((wrote, decided))
             if i == L - 1:
                 break
-            if _kinds_after(changes) != kinds:
-                raise _NotSteady  # a running field changes kind: another kernel key
+            if kinds_after(changes) != kinds:
+                raise NotSteady  # a running field changes kind: another kernel key
             prefetched = bool(ahead)
             free = [ahead[0]] if ahead else next_free
             if not free and policy.evict_before is None:
-                raise _NotSteady  # nothing frees a slot for the next token
+                raise NotSteady  # nothing frees a slot for the next token
             old = changes
         return per_step
 
     return kernel
 
 
-def _kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
+def kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
     """The kinds of a decision kernel's running fields (flat: a history is a tuple)."""
     return tuple(
         None if not c else "history" if isinstance(c[0], tuple) else _running_kind(c[0])
@@ -523,22 +259,7 @@ def _kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
     )
 
 
-def _entry(state: Any, kernels: Kernels, written: Written, victim: list[mx.array]) -> Entry:
-    """The undo entry the general path's ``undo.record`` makes for this step."""
-    entry: Entry = object.__new__(Entry)
-    fields = entry.__dict__
-    fields.update(_EMPTY_ENTRY.__dict__)
-    fields["start"] = state.offset
-    names = kernels.undo_names
-    fields["running"] = {name: getattr(state, name) for name in names} if names else {}
-    fields["free"] = written.before.free
-    fields["written"] = written.written
-    fields["row"] = written.row
-    fields["victim"] = _slots(*victim) if victim else None
-    return entry
-
-
-def _decide_kernel(
+def decide_kernel(
     policy: Policy,
     template: Any,
     running: tuple[str, ...],
@@ -607,19 +328,53 @@ def _rows_at(slots: KVSlots, slot: mx.array) -> list[mx.array]:
     return _gather(slots, slot[..., None]).arrays()
 
 
-def _slots(keys: mx.array, values: mx.array, positions: mx.array) -> KVSlots:
-    """A store of these rows with no dead slot (:func:`fresh` of an empty one)."""
-    out: KVSlots = object.__new__(KVSlots)
-    fields = out.__dict__
-    fields.update(_EMPTY_SLOTS.__dict__)
-    fields["keys"] = keys
-    fields["values"] = values
-    fields["positions"] = positions
-    return out
+def slots_of(
+    keys: mx.array, values: mx.array, positions: mx.array, free: mx.array | None = None
+) -> KVSlots:
+    """A store of these rows (dead slot ``free``, or none)."""
+    return KVSlots(keys, values, positions, free)
+
+
+def flat_running(state: Any, names: tuple[str, ...]) -> list[list[Any]]:
+    """``state``'s running fields ``names`` as the kernels take them: each ``[]`` for ``None``
+    or ``[value]``, a history flat (a tuple of arrays)."""
+    return [[] if (v := getattr(state, name)) is None else [_flat(v)] for name in names]
+
+
+def unflat_running(kernels: Kernels, running: list[list[Any]]) -> list[Any]:
+    """The kernels' running fields back as the state holds them."""
+    return [_unflat(k, v[0]) if v else None for k, v in zip(kernels.key[2], running, strict=True)]
+
+
+def state_of(
+    template: Any,
+    kernels: Kernels,
+    slots: KVSlots,
+    offset: int,
+    tokens_seen: int,
+    running: list[list[Any]],
+) -> Any:
+    """A frozen state like ``template`` holding these rows, counters and running fields."""
+    fields = dict(zip(kernels.running, unflat_running(kernels, running), strict=True))
+    return fresh(template, slots=slots, offset=offset, tokens_seen=tokens_seen, **fields)
+
+
+def joined_kernel(
+    keys: Any,
+    values: Any,
+    positions: mx.array,
+    free: mx.array | None,
+    new_keys: Any,
+    new_values: Any,
+) -> tuple[Any, Any]:
+    """``retained + new``: the live rows of a store with a dead slot, then a call's rows."""
+    live = KVSlots(keys, values, positions, free).compact()
+    return R.concat([live.keys, new_keys], axis=2), R.concat([live.values, new_values], axis=2)
+
+
+joined = mx.compile(joined_kernel)
 
 
 _NONE = mx.zeros((1, 1, 0, 1))
-_NO_START = mx.zeros((), dtype=mx.int32)  # a Written's start once its kernels have run
-_EMPTY_SLOTS = KVSlots(_NONE, _NONE, mx.zeros((1, 1, 0), dtype=mx.int32))
 _EMPTY_ENTRY = Entry(start=0, length=1, running={}, slots_none=False)
 _EMPTY_STEP = Step(_NONE, _NONE, None, None)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,6 +40,7 @@ from velox_cache_core import lanes as LN
 from velox_cache_core import pins as PN
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
+from velox_cache_core.decode import Hot
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
@@ -49,7 +49,7 @@ from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
-from velox_cache_core.validation import check_queries, check_scale
+from velox_cache_core.validation import check_scale
 
 # Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
 # sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
@@ -76,29 +76,8 @@ class Waiting:
     values: R.Rows
 
 
-@dataclass(frozen=True)
-class FastWaiting(Waiting):
-    """A decode step on the fast path (:mod:`velox_cache_core.fast_step`): the token is written
-    (``written``), the decision waits for the queries. Anything but :meth:`Layer.attend`
-    settles it as a plain :class:`Waiting` call, through the general path."""
-
-    written: FS.Written
-    key: FS.Kernels
-
-
-@dataclass(frozen=True)
-class SteppedWaiting(Waiting):
-    """A short chunk at the budget (a speculative verify chunk of a few draft tokens) whose
-    :meth:`Layer.attend` runs it as that many fast decode steps: each token written and decided
-    in turn with its own query, what feeding the tokens one by one does (sequential prefill's
-    meaning), with one undo entry per token, so that a trim after it only pops entries.
-    Anything but ``attend`` settles it as a plain :class:`Waiting` call. ``key``: the kernel
-    key of its first step."""
-
-    key: FS.Kernels
-
-
-# A chunk of at most this many tokens, at the budget on the fast path, runs as decode steps.
+# A chunk of at most this many tokens, at the budget on the decode path, runs as decode steps
+# (velox_cache_core.decode: a speculative verify chunk).
 STEPPED_CHUNK = 16
 
 
@@ -130,16 +109,6 @@ class Phase:
 Pending = Waiting | Decided | Deferred | None
 
 
-def _decode_queries(queries: Any, keys: R.Rows) -> bool:
-    """Whether ``queries`` fit a decode token's keys ``[B, H_kv, 1, D]`` (``[B, H_q, 1, D]``,
-    ``H_q`` a multiple of ``H_kv``): the check :func:`check_queries` makes, for the fast path."""
-    if not isinstance(queries, mx.array) or queries.ndim != 4:
-        return False
-    B, H, L, D = keys.shape
-    qB, qH, qL, qD = queries.shape
-    return qB == B and qL == L and qD == D and qH % H == 0
-
-
 def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
     """Whether a decode token ``[B, H_kv, 1, D]`` (or a short chunk ``[B, H_kv, L, D]``)
     matches the store exactly (shapes, dtype)."""
@@ -155,18 +124,6 @@ def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
         and keys.dtype == held_k.dtype
         and values.dtype == held_v.dtype
     )
-
-
-def _joined_kernel(
-    keys: Any, values: Any, positions: mx.array, free: mx.array, new_keys: Any, new_values: Any
-) -> tuple[R.Rows, R.Rows]:
-    """``retained + new``: the live rows of a store with a dead slot, then a call's rows
-    (full-precision arrays: ``mx.compile`` takes nothing else)."""
-    live = KVSlots(keys, values, positions, free).compact()
-    return R.concat([live.keys, new_keys], axis=2), R.concat([live.values, new_values], axis=2)
-
-
-_joined = mx.compile(_joined_kernel)
 
 
 class Layer:
@@ -201,14 +158,17 @@ class Layer:
             fix = "needs signal='key'" if "signal" in state.settings else "needs them"
             raise ValueError(f"mode AT_ONCE decides without the queries: {policy.name} {fix}")
         self.policy = policy
-        self.state = state
-        self.log = log
+        # decoding: the rows live in the decode path's mutable store, and state, log and
+        # pending are built from it when read (velox_cache_core.decode)
+        self.hot: Hot | None = None
+        self._state = state
+        self._log = log
+        self._pending: Pending = None
         self.mode: Mode = mode
         self.group = group
         self.quant = quant
         self.sums: StepSums | None = None
         self.index = 0
-        self.pending: Pending = None
         self.phase: Phase | None = None
         # what the last lay_out returned, and the step its attention used: a layer sharing
         # this one's keys and values (KV sharing) attends over them again
@@ -221,16 +181,14 @@ class Layer:
         self.must_attend = False
         # the model's layers sharing a global allocation (velox_cache_core.model_shares)
         self.shares: Any = None
-        # (state, kernel key, prefetch): the state the last fast decode step left, whose next
-        # step takes the same kernels (velox_cache_core.fast_step), and the row its
-        # evict_before will free, read already; any other state is checked again
-        self._fast_next: tuple[Any, FS.Kernels, FS.Prefetch | None] | None = None
-        # the last call was a short chunk run as decode steps (SteppedWaiting): the query rows
-        # [a, b) of each step, for a layer sharing this one's keys and values
-        self.stepped: list[tuple[int, int, Step]] = []
+        # the last call was a short chunk run as decode steps: the query rows [a, b) of each
+        # step, for a layer sharing this one's keys and values
+        self._stepped: list[tuple[int, int, Step]] = []
 
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
+        if self.hot is not None:  # a copy shares no mutable store
+            self._cool()
         out = Layer.__new__(Layer)
         out.__dict__.update(self.__dict__)
         out.phase = None if self.phase is None else copy.copy(self.phase)
@@ -242,7 +200,7 @@ class Layer:
     def __deepcopy__(self, memo: dict[int, Any]) -> Layer:
         out = copy.copy(self)
         memo[id(self)] = out  # the shares' copy links this copy, not this layer
-        for name in ("state", "log", "pending", "phase", "shares"):
+        for name in ("_state", "_log", "_pending", "phase", "shares"):
             setattr(out, name, copy.deepcopy(getattr(self, name), memo))
         return out
 
@@ -272,13 +230,70 @@ class Layer:
         self.sums, self.index = sums, index
         self.mode = Mode.QUERIES if sums is None else Mode.STEP_SUMS
 
+    # -- the state, its undo log and the call in flight (built from the decode path's rows) ---
+    @property
+    def state(self) -> Any:
+        """The policy's frozen state (the decode path's rows, frozen, when decoding)."""
+        if self.hot is not None:
+            self._cool()
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if self.hot is not None:
+            self._cool()
+        self._state = value
+
+    @property
+    def log(self) -> UndoLog | None:
+        """The undo log (``None``: the layer keeps none)."""
+        if self.hot is not None:
+            self._cool()
+        return self._log
+
+    @log.setter
+    def log(self, value: UndoLog | None) -> None:
+        if self.hot is not None:
+            self._cool()
+        self._log = value
+
+    @property
+    def pending(self) -> Pending:
+        """The call in flight, if any."""
+        hot = self.hot
+        if hot is not None and not hot.idle:
+            self._cool()
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: Pending) -> None:
+        if value is not None and self.hot is not None:
+            self._cool()
+        self._pending = value
+
+    @property
+    def stepped(self) -> list[tuple[int, int, Step]]:
+        """The last call was a short chunk run as decode steps: the query rows ``[a, b)`` of
+        each step and the step (empty otherwise)."""
+        return self._stepped if self.hot is None else self.hot.stepped
+
+    @stepped.setter
+    def stepped(self, value: list[tuple[int, int, Step]]) -> None:
+        if self.hot is not None:
+            self.hot.stepped = value
+        else:
+            self._stepped = value
+
     # -- reading ---------------------------------------------------------------------------------
     @property
     def offset(self) -> int:
         """True absolute position of the next token (tokens seen, not tokens kept)."""
-        pending = self.pending
-        if pending is None:  # between calls (every layer reads it at every decode step)
-            return int(self.state.offset)
+        hot = self.hot
+        if hot is not None:
+            return hot.offset + hot.in_flight
+        pending = self._pending
+        if pending is None:  # between calls
+            return int(self._state.offset)
         extra = 0
         if isinstance(pending, Waiting):
             extra = int(pending.keys.shape[2])
@@ -309,222 +324,150 @@ class Layer:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.store.token_rows.QRows`) when the layer has a ``quant``."""
+        L = int(keys.shape[2])
+        if self.hot is not None:  # decoding: the decode path's rows (velox_cache_core.decode)
+            fetched = self._lay_out_hot(keys, values)
+            if fetched is not None:
+                return fetched
         if self.stepped:
             self.stepped = []
-        idle = self.pending is None and self.phase is None and self.quant is None
-        if idle and keys.shape[2] == 1:  # a decode step with nothing in flight: maybe fast
+        if L <= STEPPED_CHUNK and self._may_go_fast():
             self.last = None
-            fast = self._lay_out_fast(keys, values) if self._may_go_fast() else None
-            if fast is not None:
-                return fast
-        short = idle and 1 < keys.shape[2] <= STEPPED_CHUNK
-        first = self._steps_chunk(keys, values) if short else None
-        if first is not None:  # _steps_chunk found them the store's exact shape and dtype
-            self.last = None
-            self.fetched = self._with_new(keys, values)
-            self.pending = SteppedWaiting(keys, values, first)
-            return self.fetched
+            state = self._state
+            if L == 1 and FS.appends(self.policy, state) and _fits(state.slots, keys, values):
+                return self._decided(FS.append(state, keys, values, self._log))
+            if self._warm(L):
+                fetched = self._lay_out_hot(keys, values)
+                if fetched is not None:
+                    return fetched
         if self.phase is not None:
             return self._lay_out_phase(keys, values)
         keys, values = self.stored(keys, values)
         self.settle()
         self.last = None
-        if int(keys.shape[2]) == 1:
+        if L == 1:
             self._cut_globally("first_token")
-        if self._waits(int(keys.shape[2])):
+        if self._waits(L):
             self.fetched = self._wait(keys, values)
             return self.fetched
         step = self._feed(self.state, keys=keys, values=values)
-        self.pending = Decided(step, int(keys.shape[2]))
+        self.pending = Decided(step, L)
         self.state = step.state
         self.fetched = (step.keys, step.values)
         return self.fetched
 
+    def _lay_out_hot(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows] | None:
+        """A decode token or a short chunk on the decode path; ``None`` (and the path left)
+        when it does not take it."""
+        hot = self.hot
+        assert hot is not None
+        L = keys.shape[2]
+        if L == 1:
+            fetched = hot.write(keys, values)
+        else:
+            fetched = hot.lay_out_chunk(keys, values) if L <= STEPPED_CHUNK else None
+        if fetched is None:
+            self._cool()
+            return None
+        self.fetched = fetched
+        return fetched
+
     def _may_go_fast(self) -> bool:
-        """The fast path is on and this layer decides alone (no group, no shared sums)."""
-        return FS.ENABLED and self.mode is not Mode.STEP_SUMS and self.group is None
+        """The decode path is on, nothing is in flight, and this layer decides alone (no
+        group, no shared sums), over full-precision rows."""
+        return (
+            FS.ENABLED
+            and self._pending is None
+            and self.phase is None
+            and self.quant is None
+            and self.mode is not Mode.STEP_SUMS
+            and self.group is None
+        )
+
+    def _warm(self, length: int) -> bool:
+        """Take the decode path (:class:`~velox_cache_core.decode.Hot`) from the state now
+        when its next call of ``length`` tokens is one the path takes: a decode step of an
+        eligible state (:func:`velox_cache_core.fast_step.eligible`) or, waiting for the true
+        queries, a short chunk of them."""
+        state = self._state
+        if state.slots is None or self.policy.prompt_end is not None:
+            return False
+        if length > 1 and self.mode is not Mode.QUERIES:
+            return False
+        key = FS.eligible(self.policy, state, queries_needed=self._waits_fast())
+        if key is None:
+            return False
+        self.hot = Hot(self.policy, state, self._log, key, self.mode is Mode.AT_ONCE)
+        return True
+
+    def _cool(self) -> None:
+        """Leave the decode path: the rows become a frozen state again, the undo entries the
+        log's, and a token or chunk still waiting for its queries a plain :class:`Waiting`."""
+        hot = self.hot
+        assert hot is not None
+        self.hot = None
+        state, log, waiting, decided = hot.cool()
+        self._state, self._log = state, log
+        if waiting is not None:
+            self._pending = Waiting(*waiting)
+        elif decided is not None:
+            self._pending = Decided(decided, 1)
+        if hot.shared is not None:
+            self.last = Step(hot.shared[0], hot.shared[1], None, state)
+        if hot.stepped:
+            self.stepped = hot.stepped
 
     @property
     def fast_path(self) -> bool:
         """Whether this layer's next decode step (a token of the store's shape, nothing in
-        flight) takes the decode fast path (:mod:`velox_cache_core.fast_step`)."""
-        if not self._may_go_fast() or self.phase is not None or self.quant is not None:
+        flight) takes the decode path (:mod:`velox_cache_core.decode`)."""
+        if self.hot is not None:
+            return self.hot.steady
+        if not FS.ENABLED or self.mode is Mode.STEP_SUMS or self.group is not None:
+            return False
+        if self.phase is not None or self.quant is not None:
             return False
         state = self.view()
         if FS.appends(self.policy, state):
             return True
+        if self.policy.prompt_end is not None:
+            return False
         return FS.eligible(self.policy, state, queries_needed=self._waits_fast()) is not None
 
-    def _lay_out_fast(self, keys: Any, values: Any) -> tuple[R.Rows, R.Rows] | None:
-        """A steady decode step through :mod:`velox_cache_core.fast_step`, or ``None`` when the
-        step is not one it takes (the general path then runs, and raises on bad input). The
-        caller has checked :meth:`_may_go_fast`."""
-        state, policy, follows = self.state, self.policy, self._fast_next
-        if policy.appends_now is not None and FS.appends(policy, state):
-            if not _fits(state.slots, keys, values):
-                return None
-            return self._decided(FS.append(state, keys, values, self.log))
-        key: FS.Kernels | None
-        if follows is not None and follows[0] is state:  # the state the last fast step left
-            key, ahead = follows[1], follows[2]
-        else:
-            key, ahead = FS.eligible(policy, state, queries_needed=self._waits_fast()), None
-        if key is None or not _fits(state.slots, keys, values):
-            return None
-        written = FS.write(policy, state, key, keys, values, ahead)
-        if key.waits:  # waits for the queries
-            waiting = object.__new__(FastWaiting)  # state.fresh, inlined (every token)
-            waiting.__dict__.update(keys=keys, values=values, written=written, key=key)
-            self.pending = waiting
-            cand = written.candidates
-            self.fetched = (cand.keys, cand.values)
-            return self.fetched
-        scale = check_scale(None, int(keys.shape[3]))
-        step, _, follow, ahead = FS.decide(
-            self.policy, state, key, written, self.log, None, scale, False
-        )
-        self._fast_next = None if follow is None else (step.state, follow, ahead)
-        return self._decided(step)
-
-    def _fast_key(self, state: Any) -> FS.Kernels | None:
-        """The kernel key of ``state``'s next decode step on the fast path (``None``: not one
-        it takes); the state the last fast step left is not checked again."""
-        follows = self._fast_next
-        if follows is not None and follows[0] is state:
-            return follows[1]
-        return FS.eligible(self.policy, state, queries_needed=self._waits_fast())
-
     def _waits_fast(self) -> bool:
-        """Whether a fast decode step waits for its queries: a query-signal decision, or, on
+        """Whether a decode-path step waits for its queries: a query-signal decision, or, on
         the CPU with the hook's queries to come, a decision without them whose compiled kernel
         attends too (attend once: one kernel instead of the kernel plus the attention's ops)."""
         if self._waits(1):
             return True
         return self.mode is Mode.QUERIES and mx.default_device() == mx.cpu
 
-    def _prefetched(self, state: Any) -> FS.Prefetch | None:
-        """The row ``state``'s next fast step frees, read by the step that left ``state``."""
-        follows = self._fast_next
-        return follows[2] if follows is not None and follows[0] is state else None
-
-    def _decide_fast(
-        self,
-        key: FS.Kernels,
-        written: FS.Written,
-        queries: mx.array,
-        scale: float,
-        sinks: mx.array | None,
-    ) -> tuple[Step, mx.array | None, FS.Kernels | None, FS.Prefetch | None]:
-        """A fast step's decision once its queries ``[B, H_q, 1, D]`` are at hand: a
-        query-signal rule takes them and the model's ``scale`` (attending on the CPU from its
-        weights); any other decides with the default scale, as at lay-out time, and on the
-        CPU its kernel attends with the queries at ``scale``."""
-        given, settings = self._decide_args(key, queries, scale, sinks)
-        return FS.decide(self.policy, self.state, key, written, self.log, given, *settings)
-
-    def _decide_args(
-        self, key: FS.Kernels, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> tuple[mx.array | None, tuple[float, bool, float | None]]:
-        """What a fast step's decision takes: (the queries or ``None``, (decision scale,
-        attend here, attention scale)); see :meth:`_decide_fast`."""
-        here = sinks is None and mx.default_device() == mx.cpu
-        if key.query_signal and self.mode is not Mode.AT_ONCE:  # self._waits(1), known by key
-            return queries, (scale, here, None)
-        own = check_scale(None, int(queries.shape[3]))
-        return (queries if here else None), (own, here, scale)
-
-    def _steps_chunk(self, keys: Any, values: Any) -> FS.Kernels | None:
-        """The kernel key of a short chunk's first step when it runs as fast decode steps
-        (:class:`SteppedWaiting`): the layer waits for the true queries, its policy ends no
-        prompt, and its next step is one the fast path takes; else ``None``."""
-        if not self._may_go_fast() or self.mode is not Mode.QUERIES:
-            return None
-        state = self.state
-        if self.policy.prompt_end is not None or state.slots is None:
-            return None
-        if not _fits(state.slots, keys, values):
-            return None
-        return self._fast_key(state)
-
-    def _attend_stepped(
-        self, pending: SteppedWaiting, queries: mx.array, scale: float, sinks: mx.array | None
+    def _attend_chunk(
+        self, hot: Hot, queries: mx.array, scale: float, sinks: mx.array | None
     ) -> mx.array:
-        """``[B, H_q, L, D]``: the chunk's tokens written, decided and attended one at a time
-        through the fast path; from a token whose step it does not take, the rest of the chunk
-        goes through the general path (sequential prefill, the same meaning)."""
-        keys, values = pending.keys, pending.values
-        assert isinstance(keys, mx.array) and isinstance(values, mx.array)  # no quant: unquantized
-        try:
-            check_queries(queries, keys)
-            scale = check_scale(scale, int(keys.shape[3]))
-        except (TypeError, ValueError):
-            self.pending = pending  # nothing changed
-            raise
-        needs = self._waits(1)
-        waits = self._waits_fast()
-        outs: list[mx.array] = []
-        steps: list[tuple[int, int, Step]] = []
+        """``[B, H_q, L, D]``: a short chunk's tokens written, decided and attended one at a
+        time on the decode path; from a token whose step it does not take, the rest of the
+        chunk goes through the general path (sequential prefill, the same meaning)."""
+        assert hot.chunk is not None
+        keys, values = hot.chunk
+        outs, taken = hot.attend_chunk(queries, scale, sinks)
         L = int(keys.shape[2])
-        key: FS.Kernels | None = pending.key
-        ahead = self._prefetched(self.state)
-        if key is not None:  # every step in one compiled call, when the chunk stays steady
-            given, settings = self._decide_args(key, queries, scale, sinks)
-            run = FS.run_steps(
-                self.policy, self.state, key, keys, values, given, self.log, settings, ahead
-            )
-            if run is not None:
-                return self._took_steps(run, queries, scale, sinks)
-        for i in range(L):
-            key = key or FS.eligible(self.policy, self.state, queries_needed=waits)
-            q = mx.contiguous(queries[:, :, i : i + 1])
-            if key is None:  # not a steady step any more
-                rest = slice(i, L)
-                step = self._feed(
-                    self.state,
-                    keys=keys[:, :, rest],
-                    values=values[:, :, rest],
-                    queries=queries[:, :, rest] if needs else None,
-                    scale=scale if needs else None,
-                )
-                self.state = step.state
-                steps.append((i, L, step))
-                outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
-                break
-            written = FS.write(
-                self.policy,
-                self.state,
-                key,
-                mx.contiguous(keys[:, :, i : i + 1]),
-                mx.contiguous(values[:, :, i : i + 1]),
-                ahead,
-            )
-            step, out, key, ahead = self._decide_fast(key, written, q, scale, sinks)
-            self.log, self.state = step.log, step.state
-            steps.append((i, i + 1, step))
-            outs.append(out if out is not None else attend_step(q, step, scale, sinks))
-        self._fast_next = None if key is None else (self.state, key, ahead)
-        self.stepped = steps
-        return mx.concatenate(outs, axis=2)
-
-    def _took_steps(
-        self,
-        run: list[tuple[Step, mx.array | None, FS.Kernels | None, FS.Prefetch | None]],
-        queries: mx.array,
-        scale: float,
-        sinks: mx.array | None,
-    ) -> mx.array:
-        """Take a short chunk's steps from :func:`FS.run_steps`; ``[B, H_q, L, D]`` out."""
-        outs: list[mx.array] = []
-        steps: list[tuple[int, int, Step]] = []
-        for i, (step, out, _, _) in enumerate(run):
-            steps.append((i, i + 1, step))
-            if out is None:
-                out = attend_step(mx.contiguous(queries[:, :, i : i + 1]), step, scale, sinks)
-            outs.append(out)
-        last, _, key, ahead = run[-1]
-        self.log, self.state = last.log, last.state
-        self._fast_next = None if key is None else (self.state, key, ahead)
-        self.stepped = steps
+        if taken == L:
+            return mx.concatenate(outs, axis=2)
+        self._cool()
+        stepped = self.stepped
+        needs = self._waits(1)
+        rest = slice(taken, L)
+        step = self._feed(
+            self.state,
+            keys=keys[:, :, rest],
+            values=values[:, :, rest],
+            queries=queries[:, :, rest] if needs else None,
+            scale=check_scale(scale, int(keys.shape[3])) if needs else None,
+        )
+        self.state = step.state
+        self.stepped = [*stepped, (taken, L, step)]
+        outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
         return mx.concatenate(outs, axis=2)
 
     def _decided(self, step: Step) -> tuple[R.Rows, R.Rows]:
@@ -570,18 +513,23 @@ class Layer:
         if slots.free is not None and all(
             isinstance(a, mx.array) for a in (slots.keys, slots.values, keys, values)
         ):  # a verify chunk at the budget: the same ops, one compiled call
-            return _joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
+            return FS.joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
         live = slots.compact()
         return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """``[B, H_q, L, D]``: the call's queries over its candidates, the policy's mask."""
+        hot = self.hot
+        if hot is not None:  # decoding (velox_cache_core.decode)
+            if hot.chunk is not None:
+                return self._attend_chunk(hot, queries, scale, sinks)
+            out = hot.attend(queries, scale, sinks)
+            if out is not None:
+                return out
         if self.phase is not None:
             return self._attend_phase(queries, scale, sinks)
         pending, self.pending = self.pending, None
-        if pending.__class__ is FastWaiting and self.mode is not Mode.STEP_SUMS:  # the common one
-            return self._attend_fast(pending, queries, scale, sinks)
         if isinstance(pending, Waiting):
             return self._decide_waiting(pending, queries, scale, sinks)
         if isinstance(pending, Decided):
@@ -677,10 +625,6 @@ class Layer:
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
     ) -> mx.array:
-        if isinstance(pending, FastWaiting) and self.mode is not Mode.STEP_SUMS:
-            return self._attend_fast(pending, queries, scale, sinks)
-        if isinstance(pending, SteppedWaiting):
-            return self._attend_stepped(pending, queries, scale, sinks)
         keys, values = pending.keys, pending.values
         L = int(keys.shape[2])
         if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
@@ -691,26 +635,6 @@ class Layer:
         self.state = self._after_call(step.state, L)
         self.last = step
         return attend_step(queries, step, scale, sinks)
-
-    def _attend_fast(
-        self, pending: FastWaiting, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
-        try:
-            if not _decode_queries(queries, pending.keys):
-                check_queries(queries, pending.keys)  # raises, naming what differs
-            if scale.__class__ is not float or not 0.0 < scale < math.inf:  # else: as it is
-                scale = check_scale(scale, int(pending.keys.shape[3]))
-        except (TypeError, ValueError):
-            self.pending = pending  # nothing changed
-            raise
-        step, out, follow, ahead = self._decide_fast(
-            pending.key, pending.written, queries, scale, sinks
-        )
-        self.log = step.log
-        self.state = self._after_call(step.state, 1)
-        self.last = step
-        self._fast_next = None if follow is None else (self.state, follow, ahead)
-        return out if out is not None else attend_step(queries, step, scale, sinks)
 
     def _attend_subchunks(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -945,7 +869,6 @@ class Layer:
         (:mod:`velox_cache_core.pins`)."""
         self.settle()
         self.state = PN.pin(self.policy, self.state, start, stop)
-        self._fast_next = None
 
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo

@@ -44,6 +44,18 @@ from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
 TRIM_WINDOW = 16
 
 
+class _Offset:
+    """:attr:`PolicyKVCache.offset`: computed by ``PolicyKVCache._offset``, except while the
+    layer decodes on the core's decode path, which keeps the value in the instance's dict (a
+    descriptor without ``__set__`` lets that win), so the model's two reads a layer a step
+    cost no Python call; the path drops it when it leaves (``velox_cache_core.decode``)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return obj._offset()
+
+
 class PolicyKVCache(VeloxKVCache):
     """A core policy (``velox_cache_core.POLICIES[policy_name]``) as an mlx-lm layer cache.
 
@@ -166,15 +178,20 @@ class PolicyKVCache(VeloxKVCache):
     def settings(self) -> dict[str, Any]:
         return dict(self._layer.state.settings)
 
-    @property
-    def offset(self) -> int:
+    offset = _Offset()
+
+    def _offset(self) -> int:
         """The position the model rotates the next token at: its token index (tokens seen,
         not tokens kept) with ``positions="absolute"``; with ``"compact"``, the token index
         less the gaps closed by the shifts so far (:attr:`token_offset` is the index)."""
         comp = self._compaction
-        if comp is None:
-            return self._layer.offset
-        return self._layer.offset - comp.lag
+        offset = self._layer.offset
+        return offset if comp is None else offset - comp.lag
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out.pop("offset", None)  # the decode path's mirror of it belongs to this object
+        return out
 
     @property
     def token_offset(self) -> int:
@@ -379,8 +396,19 @@ class PolicyKVCache(VeloxKVCache):
                     return keys, values
                 self._query_shift = self._shift(length)
                 keys = rotate(keys, self._query_shift, comp.rope)
-        laid_out = self._layer.lay_out(keys, values)
-        if self._layer.quant is not None:
+        layer = self._layer
+        hot = layer.hot
+        if hot is not None and keys.shape[2] == 1:  # decoding: the decode path's own step
+            fetched = hot.write(keys, values)
+            if fetched is not None:
+                self._returned = fetched
+                return fetched
+        laid_out = layer.lay_out(keys, values)
+        hot = layer.hot
+        if hot is not None and comp is None:  # decoding now: it keeps the offset here
+            hot.mirror = self.__dict__
+            self.__dict__["offset"] = layer.offset
+        if layer.quant is not None:
             laid_out = (for_mlx(laid_out[0]), for_mlx(laid_out[1]))
         self._returned = laid_out
         return laid_out
@@ -410,8 +438,17 @@ class PolicyKVCache(VeloxKVCache):
             assert comp is not None
             queries = rotate(queries, self._query_shift, comp.rope)
             self._query_shift = 0
-        if fetched_as_is(self._returned, keys, values, mask):
-            out = self._layer.attend(queries, scale, sinks)
+        returned = self._returned
+        if keys is None or (
+            returned is not None
+            and keys is returned[0]
+            and values is returned[1]
+            and (mask is None or not additive(mask))
+        ):  # over exactly what update_and_fetch returned (fetched_as_is, inlined: every step)
+            hot = self._layer.hot
+            out = None if hot is None else hot.attend(queries, scale, sinks)
+            if out is None:
+                out = self._layer.attend(queries, scale, sinks)
         else:
             assert keys is not None and values is not None
             scores = mask if additive(mask) else None

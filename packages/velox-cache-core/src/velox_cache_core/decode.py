@@ -1,0 +1,476 @@
+"""The decode path: a layer's rows while it decodes, held in plain mutable fields.
+
+Between prefill and whatever comes next (a trim, a pin, a save, a batch), a layer of an
+evicting policy does the same thing every token: the new token goes into the slot the last
+step freed (or the one ``evict_before`` frees), the rule scores the candidates and picks the next
+dead slot, and the undo log records what the step destroyed. :class:`Hot` holds that layer's
+rows (keys, values, positions, the dead slot, the running fields) as mutable attributes that a
+step replaces in place, and runs every step through the same two compiled kernels
+(:mod:`velox_cache_core.fast_step`: the write, then the decision and, on the CPU, the attention).
+A short chunk (a speculative verify chunk) is a loop of the same step, traced into one call.
+
+No frozen state, step record or undo entry is built per token: the undo entries are kept as
+the kernels' raw outputs and become :class:`~velox_cache_core.undo.Entry` objects, and the rows
+a frozen state, only when something other than a decode step reads the layer
+(:meth:`Hot.cool`). The kernels are the general path's code traced once, so the rows, the
+decisions and the undo log are the general path's bit for bit (``tests/test_fast_step.py``).
+
+Which states a layer takes this path from: :func:`velox_cache_core.fast_step.eligible`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core import fast_step as FS
+from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.engine import Step
+from velox_cache_core.undo import Entry, UndoLog
+from velox_cache_core.validation import check_queries, check_scale
+
+# A raw undo entry: (offset, tokens_seen, running fields before, dead slot before, slot
+# written, the row it overwrote as arrays or None, the victim's rows as arrays)
+Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array]]
+
+
+class Hot:
+    """One layer's rows between decode steps (see the module doc).
+
+    keys/values ``[B, H_kv, S, D]``, positions int32 ``[B, H_kv, S]``, free int32 ``[B, H_kv]``
+    (or ``None``) and running (the rule's running fields, flat, each ``[]`` for ``None`` or
+    ``[value]``): the store as the last step left it. ``flight``: the token written and waiting
+    for its queries (or a short chunk, ``chunk``); ``shared``: what the last step attended over
+    (a layer sharing this one's keys and values attends over it again)."""
+
+    __slots__ = (
+        "ahead",
+        "base_log",
+        "chunk",
+        "decided",
+        "entries",
+        "flight",
+        "free",
+        "heads",
+        "here",
+        "kernels",
+        "keys",
+        "mirror",
+        "offset",
+        "pins_at",
+        "policy",
+        "positions",
+        "prefetch_next",
+        "queries_rule",
+        "running",
+        "shared",
+        "steady",
+        "stepped",
+        "template",
+        "token",
+        "tokens_seen",
+        "values",
+    )
+
+    def __init__(
+        self, policy: Any, state: Any, log: UndoLog | None, kernels: FS.Kernels, at_once: bool
+    ) -> None:
+        slots = state.slots
+        self.policy = policy
+        self.kernels = kernels
+        self.template = state
+        self.keys, self.values = slots.keys, slots.values
+        self.positions, self.free = slots.positions, slots.free
+        self.running = FS.flat_running(state, kernels.running)
+        self.pins_at = kernels.running.index("pins")  # the pinned spans, an input of every write
+        self.offset = int(state.offset)
+        self.tokens_seen = int(state.tokens_seen)
+        shape = slots.positions.shape
+        self.heads = shape[0] * shape[1]
+        keys, values = slots.keys, slots.values
+        # a decode token's keys and values: shapes and dtypes
+        self.token = (
+            (shape[0], shape[1], 1, keys.shape[3]),
+            (shape[0], shape[1], 1, values.shape[3]),
+            keys.dtype,
+            values.dtype,
+        )
+        self.base_log = log
+        self.entries: deque[Raw] | None = None if log is None else deque(maxlen=log.window)
+        self.prefetch_next = log is not None and policy.evict_before is not None
+        self.ahead: list[mx.array] | None = None  # [slot, keys, values, positions]
+        # the rule scores with the true queries (unless decided at once); on the CPU without
+        # sinks the decision kernel attends too
+        self.queries_rule = kernels.query_signal and not at_once
+        self.here = mx.default_device() == mx.cpu
+        self.flight: tuple[Any, ...] | None = None
+        self.chunk: tuple[mx.array, mx.array] | None = None
+        self.decided: Step | None = None
+        self.shared: tuple[Any, Any] | None = None
+        self.stepped: list[tuple[int, int, Step]] = []
+        self.steady = True
+        # a dict whose "offset" this path keeps equal to the layer's offset while it decodes
+        # (the mlx-lm cache's, so that the model's reads of it cost no call); dropped on cool
+        self.mirror: dict[str, Any] | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no token or chunk waiting, no step decided whose attention may
+        still come."""
+        return self.flight is None and self.chunk is None and self.decided is None
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens laid out whose decision has not been taken (they count in the offset)."""
+        if self.flight is not None:
+            return 1
+        return 0 if self.chunk is None else int(self.chunk[0].shape[2])
+
+    # -- a decode token ---------------------------------------------------------------------------
+    def fits(self, keys: Any, values: Any) -> bool:
+        """Whether ``keys``/``values`` match the store exactly (shapes but the row count,
+        dtypes), full-precision arrays."""
+        if keys.__class__ is not mx.array or values.__class__ is not mx.array:
+            return False
+        held_k, held_v = self.keys, self.values
+        ks, vs, hk = keys.shape, values.shape, held_k.shape
+        return (
+            ks[:2] == hk[:2]
+            and ks[3] == hk[3]
+            and vs[:3] == ks[:3]
+            and vs[3] == held_v.shape[3]
+            and keys.dtype == held_k.dtype
+            and values.dtype == held_v.dtype
+        )
+
+    def write(self, keys: Any, values: Any, decide: bool = True) -> tuple[Any, Any] | None:
+        """Write the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` into its slot (the
+        one the last step freed, or the one ``evict_before`` frees) as :attr:`flight`, the
+        store unchanged until the decision; what the model attends over (the store with it,
+        in slot order) out, or ``None`` when the step is not one this path takes (nothing
+        changed). A step that does not wait for its queries is decided now (``decide``)."""
+        token = self.token
+        if not (
+            self.steady
+            and keys.__class__ is mx.array
+            and values.__class__ is mx.array
+            and keys.shape == token[0]
+            and values.shape == token[1]
+            and keys.dtype == token[2]
+            and values.dtype == token[3]
+        ):  # not a token of the store's shape and dtype (self.fits, inlined: every step)
+            return None
+        kernels = self.kernels
+        ahead = self.ahead
+        prefetched = ahead is not None
+        kernel = kernels.write.get(prefetched)
+        if kernel is None:
+            made = FS.write_kernel(self.policy, self.template, prefetched=prefetched)
+            kernel = kernels.write[prefetched] = mx.compile(made)
+        free = [] if self.free is None else [self.free]
+        if ahead is not None:  # evict_before's slot and its row, read by the step before
+            free = [ahead[0]]
+        start = mx.array(self.offset, dtype=mx.int32)
+        pins = self.running[self.pins_at]
+        k, v, p, written, row = kernel(
+            self.keys, self.values, self.positions, free, keys, values, start, pins
+        )
+        if ahead is not None:
+            row = ahead[1:]
+        self.flight = (keys, values, k, v, p, written, row or None, start)
+        self.ahead = self.shared = self.decided = None
+        mirror = self.mirror
+        if mirror is not None:
+            mirror["offset"] = self.offset + 1
+        if decide:  # a decode token, not one of a chunk's
+            self.stepped = []
+        if kernels.waits or not decide:
+            return k, v
+        own = 1.0 / math.sqrt(int(keys.shape[3]))
+        values_out, _, probs = self._decide(None, (own, False, None))
+        self.decided = Step(k, values_out, None, None, probs=probs)
+        return k, values_out
+
+    def attend(self, queries: Any, scale: Any, sinks: mx.array | None) -> mx.array | None:
+        """``[B, H_q, 1, D]``: the token in flight decided with ``queries`` and attended (or,
+        decided at lay-out, attended); ``None`` when nothing of this path is in flight.
+        ``TypeError``/``ValueError`` on bad queries or scale, nothing changed."""
+        flight = self.flight
+        if flight is None:
+            decided = self.decided
+            if decided is not None:
+                self.decided = None
+                self.shared = (decided.keys, decided.values)
+                return attend_step(queries, decided, scale, sinks)
+            return self._attend_again(queries, scale, sinks)
+        keys = flight[0]
+        if queries.__class__ is not mx.array or queries.ndim != 4:
+            check_queries(queries, keys)
+        B, H, L, D = keys.shape
+        qB, qH, qL, qD = queries.shape
+        if not (qB == B and qL == L and qD == D and qH % H == 0):
+            check_queries(queries, keys)  # raises, naming what differs
+        if scale.__class__ is not float or not 0.0 < scale < math.inf:
+            scale = check_scale(scale, int(D))
+        here = sinks is None and self.here
+        if self.queries_rule:
+            given, settings = queries, (scale, here, None)
+        else:
+            own = 1.0 / math.sqrt(int(D))
+            given, settings = (queries if here else None), (own, here, scale)
+        values, out, probs = self._decide(given, settings)
+        self.shared = (self.keys, values)
+        if out is not None:
+            return out
+        return attend_step(queries, Step(self.keys, values, None, None, probs=probs), scale, sinks)
+
+    def _attend_again(self, queries: Any, scale: Any, sinks: mx.array | None) -> mx.array | None:
+        """A layer sharing this one's keys and values attends over what the last step (or
+        each step of the last chunk) attended over; ``None`` when nothing was."""
+        shared = self.shared
+        if shared is not None:
+            return attend_step(queries, Step(shared[0], shared[1], None, None), scale, sinks)
+        if self.stepped:
+            outs = [
+                attend_step(queries[:, :, a:b], step, scale, sinks) for a, b, step in self.stepped
+            ]
+            return mx.concatenate(outs, axis=2)
+        return None
+
+    def _decide(
+        self,
+        queries: mx.array | None,
+        settings: tuple[float, bool, float | None] | None,
+        outputs: Any = None,
+        same: list[bool] | None = None,
+    ) -> tuple[Any, mx.array | None, mx.array | None]:
+        """Decide the token in flight (the decision kernel with ``settings``, or its
+        ``outputs`` when a chunk's trace ran it) and take the decision: the store becomes the
+        candidates less the new dead slot, the undo entry is kept raw, and the rows the log
+        and the next write read are tied to the step's output (read before the next step
+        overwrites them). Returns (the values to attend over, the attention output when the
+        kernel attended, the query's weights when the rule computed them)."""
+        kernels = self.kernels
+        flight = self.flight
+        assert flight is not None
+        keys, values, k, v, p, written, row, start = flight
+        if outputs is None:
+            assert settings is not None
+            full = (*settings, self.prefetch_next, queries is None)
+            found = kernels.decide.get(full)
+            if found is None:
+                made = FS.decide_kernel(
+                    self.policy, self.template, kernels.running, kernels.key[2], full[:4]
+                )
+                found = kernels.decide[full] = (mx.compile(made), [])
+            kernel, same = found
+            query = [] if queries is None else [queries]
+            outputs = kernel(k, v, p, written, keys, values, query, start, self.running)
+        assert same is not None
+        self.flight = self.ahead = None
+        free, victim, changes, probs, out, ahead = outputs
+        entries = self.entries
+        values = v
+        if entries is not None:
+            raw: Raw = (
+                self.offset,
+                self.tokens_seen,
+                self.running,
+                self.free,
+                written,
+                row,
+                victim,
+            )
+            entries.append(raw)
+            if len(entries) == entries.maxlen and self.base_log is not None:
+                self.base_log = self.base_log.cleared()  # the log now holds only these
+            read = victim if row is None else [*victim, *row]
+            if ahead:
+                self.ahead = ahead
+                read = [*read, *ahead]
+            if read and out:
+                out = [mx.depends(out, read)[0]]
+            elif read:
+                values = mx.depends([v], read)[0]
+        self.keys, self.values, self.positions = k, v, p
+        self.free = free[0] if free else None
+        self.running = changes
+        self.offset += 1
+        self.tokens_seen += self.heads
+        if not same:  # first call of this kernel: do its running fields keep their kinds?
+            same.append(FS.kinds_after(changes) == kernels.key[2])
+        if not same[0] or (self.free is None and self.policy.evict_before is None):
+            self.steady = False  # the next step is checked again on the general side
+        return values, (out[0] if out else None), (probs[0] if probs else None)
+
+    # -- a short chunk, as that many decode steps ---------------------------------------------
+    def lay_out_chunk(self, keys: Any, values: Any) -> tuple[Any, Any] | None:
+        """A short chunk ``[B, H_kv, L, D]`` that waits for its queries to run as ``L`` decode
+        steps: ``retained + new`` out, or ``None`` when this path does not take it."""
+        if not self.steady or not self.fits(keys, values):
+            return None
+        self.chunk = (keys, values)
+        self.shared = self.decided = None
+        if self.mirror is not None:
+            self.mirror["offset"] = self.offset + int(keys.shape[2])
+        self.stepped = []
+        free = self.free
+        if free is None:
+            return FS.joined_kernel(self.keys, self.values, self.positions, None, keys, values)
+        return FS.joined(self.keys, self.values, self.positions, free, keys, values)
+
+    def attend_chunk(
+        self, queries: Any, scale: Any, sinks: mx.array | None
+    ) -> tuple[list[mx.array], int]:
+        """The chunk's tokens written, decided and attended one at a time with their own
+        queries (one compiled call when the whole chunk stays steady): the outputs
+        ``[B, H_q, 1, D]`` of the tokens taken and how many were taken (the rest is the
+        general path's, from a token whose step this path does not take)."""
+        chunk = self.chunk
+        assert chunk is not None
+        keys, values = chunk
+        check_queries(queries, keys)
+        scale = check_scale(scale, int(keys.shape[3]))
+        self.chunk = None
+        L = int(keys.shape[2])
+        here = sinks is None and self.here
+        D = int(keys.shape[3])
+        if self.queries_rule:
+            given, settings = queries, (scale, here, None)
+        else:
+            given, settings = (queries if here else None), (1.0 / math.sqrt(D), here, scale)
+        outs = self._run_steps(keys, values, given, settings)
+        if outs is not None:
+            return self._attended(outs, queries, scale, sinks), L
+        taken: list[mx.array | None] = []
+        for i in range(L):
+            k_i = mx.contiguous(keys[:, :, i : i + 1])
+            v_i = mx.contiguous(values[:, :, i : i + 1])
+            if self.write(k_i, v_i, decide=False) is None:
+                break
+            q_i = mx.contiguous(queries[:, :, i : i + 1])
+            step_given = None if given is None else q_i
+            taken.append(self._step_out(self._decide(step_given, settings)))
+        return self._attended(taken, queries, scale, sinks), len(taken)
+
+    def _step_out(self, decided: tuple[Any, Any, Any]) -> Any:
+        values, out, probs = decided
+        self.stepped.append((0, 0, Step(self.keys, values, None, None, probs=probs)))
+        return out
+
+    def _attended(
+        self, outs: list[mx.array | None], queries: mx.array, scale: float, sinks: Any
+    ) -> list[mx.array]:
+        """Each taken step's output (attending those whose kernel did not), and the query
+        rows ``[i, i + 1)`` of each step in :attr:`stepped`."""
+        done = []
+        stepped = []
+        for i, (out, (_, _, step)) in enumerate(zip(outs, self.stepped, strict=True)):
+            if out is None:
+                q = mx.contiguous(queries[:, :, i : i + 1])
+                out = attend_step(q, step, scale, sinks)
+            done.append(out)
+            stepped.append((i, i + 1, Step(step.keys, step.values, None, None)))
+        self.stepped = stepped
+        return done
+
+    def _run_steps(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        queries: mx.array | None,
+        settings: tuple[float, bool, float | None],
+    ) -> list[mx.array | None] | None:
+        """The chunk's steps traced into one compiled call: each step's output, or ``None``
+        when a step of the chunk would leave the steady state (nothing changed)."""
+        kernels = self.kernels
+        L = int(keys.shape[2])
+        full = (*settings, self.prefetch_next)
+        prefetched = self.ahead is not None
+        chunk_key = ("steps", L, prefetched, *full, queries is None)
+        found = kernels.decide.get(chunk_key)
+        if found is None:
+            traced = FS.steps_kernel(self.policy, self.template, kernels, full, L, prefetched)
+            found = kernels.decide[chunk_key] = (mx.compile(traced), [])
+        kernel, steady = found
+        if steady == [False]:
+            return None
+        ahead = self.ahead
+        first_free = [] if self.free is None else [self.free]
+        if ahead is not None:  # evict_before's slot, read by the step before
+            first_free = [ahead[0]]
+        try:
+            per_step = kernel(
+                self.keys,
+                self.values,
+                self.positions,
+                first_free,
+                keys,
+                values,
+                [] if queries is None else [queries],
+                mx.array(self.offset, dtype=mx.int32),
+                self.running,
+            )
+        except FS.NotSteady:
+            steady.append(False)
+            return None
+        outs = []
+        row = None if ahead is None else ahead[1:]
+        self.ahead = None
+        for wrote, decided in per_step:
+            k, v, p, written_slot, row_arrays = wrote
+            self.flight = (None, None, k, v, p, written_slot, row_arrays or row, None)
+            outs.append(self._step_out(self._decide(None, None, decided, [True])))
+            row = None if self.ahead is None else self.ahead[1:]
+        return outs
+
+    # -- back to a frozen state ---------------------------------------------------------------
+    def cool(self) -> tuple[Any, UndoLog | None, tuple[Any, Any] | None, Step | None]:
+        """(the frozen state, the undo log, the token or chunk laid out and still waiting for
+        its queries (keys, values) or ``None``, the step decided at lay-out whose attention
+        has not come or ``None``): what the general path holds for this layer now."""
+        if self.mirror is not None:
+            self.mirror.pop("offset", None)
+            self.mirror = None
+        kernels = self.kernels
+        state = FS.state_of(
+            self.template,
+            kernels,
+            FS.slots_of(self.keys, self.values, self.positions, self.free),
+            self.offset,
+            self.tokens_seen,
+            self.running,
+        )
+        log = self.base_log
+        if log is not None and self.entries:
+            for raw in self.entries:
+                log = log.push(_entry(kernels, raw))
+        waiting = None
+        if self.flight is not None:
+            waiting = (self.flight[0], self.flight[1])
+        elif self.chunk is not None:
+            waiting = self.chunk
+        decided = self.decided
+        if decided is not None:
+            decided = Step(decided.keys, decided.values, None, state, log, probs=decided.probs)
+        return state, log, waiting, decided
+
+
+def _entry(kernels: FS.Kernels, raw: Raw) -> Entry:
+    """The undo entry the general path's ``undo.record`` makes for a decode step."""
+    offset, tokens_seen, running, free, written, row, victim = raw
+    before = dict(zip(kernels.running, FS.unflat_running(kernels, running), strict=True))
+    before["offset"], before["tokens_seen"] = offset, tokens_seen
+    return Entry(
+        start=offset,
+        length=1,
+        running={name: before[name] for name in kernels.undo_names},
+        slots_none=False,
+        free=free,
+        written=written,
+        row=None if row is None else FS.slots_of(*row),
+        victim=FS.slots_of(*victim) if victim else None,
+    )
