@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from velox_cache_core import fast_step as FS
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import running_fields
-from velox_cache_core.decode import Hot
+from velox_cache_core.decode import Evicting as Hot
 from velox_cache_core.layer import Layer, Mode
 from velox_cache_core.registry import POLICIES
 from velox_cache_core.store.slots import KVSlots

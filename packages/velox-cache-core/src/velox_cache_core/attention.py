@@ -41,9 +41,9 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     mask = step.mask
     if _row_on_cpu(queries, step, sinks):
         keys, values = step.keys, step.values
-        if keys.shape[2] < 2:  # a shapeless trace is unsafe at one row (see _compiled_row)
+        if keys.shape[2] < 2:  # a shapeless trace is unsafe at one row (see compiled_row)
             return attend_row(queries, keys, values, scale)  # type: ignore[arg-type]
-        return _compiled_row(queries, keys, values, scale)(queries, keys, values)  # type: ignore[arg-type]
+        return compiled_row(queries, keys, values, scale)(queries, keys, values)  # type: ignore[arg-type]
     if mask is not None and mask.shape[1] not in (1, queries.shape[1]):
         mask = mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
     if isinstance(step.keys, QUANTIZED) and isinstance(step.values, QRows) and sinks is None:
@@ -77,7 +77,7 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, scale: float
 _ROWS: dict[tuple[Any, ...], Callable[[mx.array, mx.array, mx.array], mx.array]] = {}
 
 
-def _compiled_row(
+def compiled_row(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float
 ) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     """:func:`attend_row` compiled once per (batch, heads, widths, dtypes, scale) and
@@ -103,7 +103,7 @@ def weights_times_values(
     """One query row's attention weights (``[B, H_q, 1, n]``, or grouped per KV head
     ``[B, H_kv, G, 1, n]``) times each KV head's ``values [B, H_kv, n, D]``: the attention
     output ``[B, H_q, 1, D]`` in ``dtype`` (the queries'). The row count ``n`` is left for the
-    reshape to infer, so a ``shapeless`` trace of this (:func:`_compiled_row`) fits every ``n``."""
+    reshape to infer, so a ``shapeless`` trace of this (:func:`compiled_row`) fits every ``n``."""
     B, H_kv, _, D = values.shape
     group = math.prod(probs.shape[1:-2]) // H_kv  # the query heads per KV head
     weights = probs.reshape(B, H_kv, group, 1, -1).astype(values.dtype)

@@ -41,11 +41,11 @@ import mlx.core as mx
 from velox_cache_core.attention import attend_row, weights_times_values
 from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import fresh, running_fields, setting_fields
-from velox_cache_core.engine import Call, Step
+from velox_cache_core.engine import Call
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
-from velox_cache_core.undo import Entry, UndoLog, _gather, _running_names
+from velox_cache_core.undo import _gather, running_names
 
 Kernel = Callable[..., Any]
 
@@ -119,7 +119,7 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | N
     key = (policy.name, values, kinds, queries_needed)
     found = _KERNELS.get(key)
     if found is None:
-        names = _running_names(_type_of(state))
+        names = running_names(_type_of(state))
         query = policy.traits.signal(state) == "query"
         found = _KERNELS[key] = Kernels(key, queries_needed, query, running, names, {}, {})
     return found
@@ -133,26 +133,6 @@ def appends(policy: Policy, state: Any) -> bool:
     if check is None or slots is None or state.lanes is not None or slots.free is not None:
         return False
     return slots.has_room(1) and bool(check(state))
-
-
-def append(state: Any, keys: mx.array, values: mx.array, log: UndoLog | None) -> Step:
-    """The decode step of an appending state (:func:`appends`): the token written into the
-    next reserved row, the state and undo entry the general path makes for it."""
-    slots = state.slots
-    position = mx.array([state.offset], dtype=mx.int32)
-    laid = slots.append(keys, values, position)
-    B, H = slots.positions.shape[:2]
-    after = fresh(state, slots=laid, offset=state.offset + 1, tokens_seen=state.tokens_seen + B * H)
-    if log is not None:
-        entry: Entry = fresh(
-            _EMPTY_ENTRY,
-            start=state.offset,
-            running={name: getattr(state, name) for name in _running_names(_type_of(state))},
-            n_live=slots.n_kept,
-        )
-        log = log.push(entry)
-    step: Step = fresh(_EMPTY_STEP, keys=laid.keys, values=laid.values, state=after, log=log)
-    return step
 
 
 def _flat(value: Any) -> Any:
@@ -373,8 +353,3 @@ def joined_kernel(
 
 
 joined = mx.compile(joined_kernel)
-
-
-_NONE = mx.zeros((1, 1, 0, 1))
-_EMPTY_ENTRY = Entry(start=0, length=1, running={}, slots_none=False)
-_EMPTY_STEP = Step(_NONE, _NONE, None, None)

@@ -40,7 +40,7 @@ from velox_cache_core import lanes as LN
 from velox_cache_core import pins as PN
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
-from velox_cache_core.decode import Hot
+from velox_cache_core.decode import Appending, Evicting, Hot
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
 from velox_cache_core.masks import chunk_causal
@@ -107,23 +107,6 @@ class Phase:
 
 
 Pending = Waiting | Decided | Deferred | None
-
-
-def _fits(slots: KVSlots, keys: Any, values: Any) -> bool:
-    """Whether a decode token ``[B, H_kv, 1, D]`` (or a short chunk ``[B, H_kv, L, D]``)
-    matches the store exactly (shapes, dtype)."""
-    held_k, held_v = slots.keys, slots.values
-    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-        return False
-    ks, vs, hk = keys.shape, values.shape, held_k.shape  # each .shape builds a tuple
-    return (
-        ks[:2] == hk[:2]
-        and ks[3] == hk[3]
-        and vs[:3] == ks[:3]
-        and vs[3] == held_v.shape[3]
-        and keys.dtype == held_k.dtype
-        and values.dtype == held_v.dtype
-    )
 
 
 class Layer:
@@ -333,9 +316,6 @@ class Layer:
             self.stepped = []
         if L <= STEPPED_CHUNK and self._may_go_fast():
             self.last = None
-            state = self._state
-            if L == 1 and FS.appends(self.policy, state) and _fits(state.slots, keys, values):
-                return self._decided(FS.append(state, keys, values, self._log))
             if self._warm(L):
                 fetched = self._lay_out_hot(keys, values)
                 if fetched is not None:
@@ -389,15 +369,22 @@ class Layer:
         when its next call of ``length`` tokens is one the path takes: a decode step of an
         eligible state (:func:`velox_cache_core.fast_step.eligible`) or, waiting for the true
         queries, a short chunk of them."""
-        state = self._state
-        if state.slots is None or self.policy.prompt_end is not None:
+        state, policy = self._state, self.policy
+        if state.slots is None:
+            return False
+        if length == 1 and FS.appends(policy, state):  # SnapKV after its cut
+            if policy.prompt_end is not None and policy.end_prompt(state) is not state:
+                return False  # the prompt has not ended yet
+            self.hot = Appending(state, self._log)
+            return True
+        if policy.prompt_end is not None:
             return False
         if length > 1 and self.mode is not Mode.QUERIES:
             return False
         key = FS.eligible(self.policy, state, queries_needed=self._waits_fast())
         if key is None:
             return False
-        self.hot = Hot(self.policy, state, self._log, key, self.mode is Mode.AT_ONCE)
+        self.hot = Evicting(self.policy, state, self._log, key, self.mode is Mode.AT_ONCE)
         return True
 
     def _cool(self) -> None:
@@ -443,7 +430,7 @@ class Layer:
         return self.mode is Mode.QUERIES and mx.default_device() == mx.cpu
 
     def _attend_chunk(
-        self, hot: Hot, queries: mx.array, scale: float, sinks: mx.array | None
+        self, hot: Evicting, queries: mx.array, scale: float, sinks: mx.array | None
     ) -> mx.array:
         """``[B, H_q, L, D]``: a short chunk's tokens written, decided and attended one at a
         time on the decode path; from a token whose step it does not take, the rest of the
@@ -469,14 +456,6 @@ class Layer:
         self.stepped = [*stepped, (taken, L, step)]
         outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
         return mx.concatenate(outs, axis=2)
-
-    def _decided(self, step: Step) -> tuple[R.Rows, R.Rows]:
-        """Take a decode step decided as it was laid out; its attention may still come."""
-        self.log = step.log
-        self.pending = Decided(step, 1)
-        self.state = step.state
-        self.fetched = (step.keys, step.values)
-        return self.fetched
 
     def stored(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """A call's keys and values as the store holds them: quantized with :attr:`quant`

@@ -173,7 +173,7 @@ def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
 
 
 @cache
-def _running_names(state_type: Any) -> tuple[str, ...]:
+def running_names(state_type: Any) -> tuple[str, ...]:
     # the lanes are undone row by row (LaneStep), never kept whole: a copy of them per call
     # would hold the cache several times over; the pinned spans are not a call's doing (only
     # ``pin`` sets them), so undoing calls leaves them as they are
@@ -221,7 +221,7 @@ def record(
     return Entry(
         start=state.offset,
         length=L,
-        running={name: getattr(state, name) for name in _running_names(state_type)},
+        running={name: getattr(state, name) for name in running_names(state_type)},
         slots_none=state.slots is None,
         free=before.free,
         written=written,
@@ -244,7 +244,7 @@ def record_lanes(
     return Entry(
         start=call_start,
         length=length,
-        running={name: getattr(state, name) for name in _running_names(state_type)},
+        running={name: getattr(state, name) for name in running_names(state_type)},
         slots_none=state.slots is None,
         free=None if state.slots is None else state.slots.free,
         lane_steps=tuple(steps),

@@ -183,6 +183,12 @@ class KVSlots:
         )
         return _view(room, n)
 
+    @classmethod
+    def in_reserve(cls, keys: Rows, values: Rows, positions: mx.array, n: int) -> KVSlots:
+        """The store of the first ``n`` rows of these buffers (``[B, H_kv, R, *]``), owning
+        them: appends write into the rows after them in place."""
+        return _view(Reserve(keys, values, positions, keys), n)
+
     def write_free(self, keys: Rows, values: Rows, position: int | mx.array) -> KVSlots:
         """Write one new token (keys ``[B, H_kv, 1, D]``, values ``[B, H_kv, 1, D_v]``) into the
         dead slot, in place; ``position``: its position (an int or a 0-d array), or int ``[B]``

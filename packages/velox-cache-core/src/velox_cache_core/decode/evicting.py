@@ -1,21 +1,10 @@
-"""The decode path: a layer's rows while it decodes, held in plain mutable fields.
+"""The decode path's store for an evicting policy at its budget (:class:`Evicting`).
 
-Between prefill and whatever comes next (a trim, a pin, a save, a batch), a layer of an
-evicting policy does the same thing every token: the new token goes into the slot the last
-step freed (or the one ``evict_before`` frees), the rule scores the candidates and picks the next
-dead slot, and the undo log records what the step destroyed. :class:`Hot` holds that layer's
-rows (keys, values, positions, the dead slot, the running fields) as mutable attributes that a
-step replaces in place, and runs every step through the same two compiled kernels
-(:mod:`velox_cache_core.fast_step`: the write, then the decision and, on the CPU, the attention).
-A short chunk (a speculative verify chunk) is a loop of the same step, traced into one call.
-
-No frozen state, step record or undo entry is built per token: the undo entries are kept as
-the kernels' raw outputs and become :class:`~velox_cache_core.undo.Entry` objects, and the rows
-a frozen state, only when something other than a decode step reads the layer
-(:meth:`Hot.cool`). The kernels are the general path's code traced once, so the rows, the
-decisions and the undo log are the general path's bit for bit (``tests/test_fast_step.py``).
-
-Which states a layer takes this path from: :func:`velox_cache_core.fast_step.eligible`.
+Each step writes the new token into the slot the last step freed (or the one ``evict_before``
+frees), then the rule scores the candidates and picks the next dead slot, through the same two
+compiled kernels every step (:mod:`velox_cache_core.fast_step`: the write, then the decision
+and, on the CPU, the attention). A short chunk (a speculative verify chunk) is a loop of the
+same step, traced into one call when the whole chunk stays steady.
 """
 
 from __future__ import annotations
@@ -37,8 +26,8 @@ from velox_cache_core.validation import check_queries, check_scale
 Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array]]
 
 
-class Hot:
-    """One layer's rows between decode steps (see the module doc).
+class Evicting:
+    """One layer's rows between decode steps of an evicting policy (see the module doc).
 
     keys/values ``[B, H_kv, S, D]``, positions int32 ``[B, H_kv, S]``, free int32 ``[B, H_kv]``
     (or ``None``) and running (the rule's running fields, flat, each ``[]`` for ``None`` or
@@ -155,6 +144,9 @@ class Hot:
         token = self.token
         if not (
             self.steady
+            and self.flight is None
+            and self.decided is None
+            and self.chunk is None
             and keys.__class__ is mx.array
             and values.__class__ is mx.array
             and keys.shape == token[0]
@@ -310,7 +302,7 @@ class Hot:
     def lay_out_chunk(self, keys: Any, values: Any) -> tuple[Any, Any] | None:
         """A short chunk ``[B, H_kv, L, D]`` that waits for its queries to run as ``L`` decode
         steps: ``retained + new`` out, or ``None`` when this path does not take it."""
-        if not self.steady or not self.fits(keys, values):
+        if not self.steady or self.decided is not None or not self.fits(keys, values):
             return None
         self.chunk = (keys, values)
         self.shared = self.decided = None
