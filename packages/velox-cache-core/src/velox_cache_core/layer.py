@@ -28,85 +28,38 @@ phase (:class:`velox_cache_core.declarations.Compressor`) runs through :meth:`La
 from __future__ import annotations
 
 import copy
-import enum
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
+from velox_cache_core import in_flight as IF
 from velox_cache_core import lanes as LN
 from velox_cache_core import pins as PN
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
-from velox_cache_core.decode import Appending, Evicting, Hot
+from velox_cache_core.decode import Hot
+from velox_cache_core.decode import switch as DS
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
-from velox_cache_core.engine import Laid, Step, check_fits, decide, prepare
-from velox_cache_core.masks import chunk_causal
+from velox_cache_core.engine import Step, check_fits, decide, prepare
+from velox_cache_core.in_flight import (
+    SUBCHUNK,
+    Decided,
+    Deferred,
+    Mode,
+    Pending,
+    Waiting,
+)
+from velox_cache_core.phase import Phase, compressor_of
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
-from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
-from velox_cache_core.validation import check_scale
-
-# Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
-# sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
-# attention on ``retained + SUBCHUNK`` keys, not ``retained + L``.
-SUBCHUNK = 256
 
 _warned_no_hook: set[str] = set()
 _warned_rows: set[str] = set()
-
-
-class Mode(enum.Enum):
-    """Where a layer's decisions are taken (see the module docstring)."""
-
-    AT_ONCE = "at_once"
-    QUERIES = "queries"
-    STEP_SUMS = "step_sums"
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A call laid out and waiting for its queries. keys/values ``[B, H_kv, L, D]``."""
-
-    keys: R.Rows
-    values: R.Rows
-
-
-# A chunk of at most this many tokens, at the budget on the decode path, runs as decode steps
-# (velox_cache_core.decode: a speculative verify chunk).
-STEPPED_CHUNK = 16
-
-
-@dataclass(frozen=True)
-class Decided:
-    """A call decided at once; ``attend`` may still come for its masks and weights."""
-
-    step: Step
-    length: int
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A decode step attended; its decision waits for the pass's layer-wide sums."""
-
-    laid: Laid
-
-
-@dataclass
-class Phase:
-    """A model-driven phase in progress: each pass chunk scores context rows ``chunk``; its
-    keys and values (``recon``) are attended to but never stored."""
-
-    scores: list[mx.array] = field(default_factory=list)
-    chunk: tuple[int, int] | None = None
-    recon: tuple[mx.array, mx.array] | None = None
-
-
-Pending = Waiting | Decided | Deferred | None
 
 
 class Layer:
@@ -171,7 +124,7 @@ class Layer:
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
         if self.hot is not None:  # a copy shares no mutable store
-            self._cool()
+            DS.cool(self)
         out = Layer.__new__(Layer)
         out.__dict__.update(self.__dict__)
         out.phase = None if self.phase is None else copy.copy(self.phase)
@@ -218,26 +171,26 @@ class Layer:
     def state(self) -> Any:
         """The policy's frozen state (the decode path's rows, frozen, when decoding)."""
         if self.hot is not None:
-            self._cool()
+            DS.cool(self)
         return self._state
 
     @state.setter
     def state(self, value: Any) -> None:
         if self.hot is not None:
-            self._cool()
+            DS.cool(self)
         self._state = value
 
     @property
     def log(self) -> UndoLog | None:
         """The undo log (``None``: the layer keeps none)."""
         if self.hot is not None:
-            self._cool()
+            DS.cool(self)
         return self._log
 
     @log.setter
     def log(self, value: UndoLog | None) -> None:
         if self.hot is not None:
-            self._cool()
+            DS.cool(self)
         self._log = value
 
     @property
@@ -245,14 +198,20 @@ class Layer:
         """The call in flight, if any."""
         hot = self.hot
         if hot is not None and not hot.idle:
-            self._cool()
+            DS.cool(self)
         return self._pending
 
     @pending.setter
     def pending(self, value: Pending) -> None:
         if value is not None and self.hot is not None:
-            self._cool()
+            DS.cool(self)
         self._pending = value
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether this layer's next decode step (a token of the store's shape, nothing in
+        flight) takes the decode path (:mod:`velox_cache_core.decode`)."""
+        return DS.fast_path(self)
 
     @property
     def stepped(self) -> list[tuple[int, int, Step]]:
@@ -309,19 +268,20 @@ class Layer:
         (:class:`~velox_cache_core.store.token_rows.QRows`) when the layer has a ``quant``."""
         L = int(keys.shape[2])
         if self.hot is not None:  # decoding: the decode path's rows (velox_cache_core.decode)
-            fetched = self._lay_out_hot(keys, values)
+            fetched = DS.lay_out_hot(self, keys, values)
             if fetched is not None:
                 return fetched
         if self.stepped:
             self.stepped = []
-        if L <= STEPPED_CHUNK and self._may_go_fast():
+        if L <= IF.STEPPED_CHUNK and DS.may_go_fast(self):
             self.last = None
-            if self._warm(L):
-                fetched = self._lay_out_hot(keys, values)
+            if DS.warm(self, L):
+                fetched = DS.lay_out_hot(self, keys, values)
                 if fetched is not None:
                     return fetched
         if self.phase is not None:
-            return self._lay_out_phase(keys, values)
+            self.fetched = self.phase.lay_out(self.state, self.policy.name, keys, values)
+            return self.fetched
         keys, values = self.stored(keys, values)
         self.settle()
         self.last = None
@@ -335,127 +295,6 @@ class Layer:
         self.state = step.state
         self.fetched = (step.keys, step.values)
         return self.fetched
-
-    def _lay_out_hot(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows] | None:
-        """A decode token or a short chunk on the decode path; ``None`` (and the path left)
-        when it does not take it."""
-        hot = self.hot
-        assert hot is not None
-        L = keys.shape[2]
-        if L == 1:
-            fetched = hot.write(keys, values)
-        else:
-            fetched = hot.lay_out_chunk(keys, values) if L <= STEPPED_CHUNK else None
-        if fetched is None:
-            self._cool()
-            return None
-        self.fetched = fetched
-        return fetched
-
-    def _may_go_fast(self) -> bool:
-        """The decode path is on, nothing is in flight, and this layer decides alone (no
-        group, no shared sums), over full-precision rows."""
-        return (
-            FS.ENABLED
-            and self._pending is None
-            and self.phase is None
-            and self.quant is None
-            and self.mode is not Mode.STEP_SUMS
-            and self.group is None
-        )
-
-    def _warm(self, length: int) -> bool:
-        """Take the decode path (:class:`~velox_cache_core.decode.Hot`) from the state now
-        when its next call of ``length`` tokens is one the path takes: a decode step of an
-        eligible state (:func:`velox_cache_core.fast_step.eligible`) or, waiting for the true
-        queries, a short chunk of them."""
-        state, policy = self._state, self.policy
-        if state.slots is None:
-            return False
-        if length == 1 and FS.appends(policy, state):  # SnapKV after its cut
-            if policy.prompt_end is not None and policy.end_prompt(state) is not state:
-                return False  # the prompt has not ended yet
-            self.hot = Appending(state, self._log)
-            return True
-        if policy.prompt_end is not None:
-            return False
-        if length > 1 and self.mode is not Mode.QUERIES:
-            return False
-        key = FS.eligible(self.policy, state, queries_needed=self._waits_fast())
-        if key is None:
-            return False
-        self.hot = Evicting(self.policy, state, self._log, key, self.mode is Mode.AT_ONCE)
-        return True
-
-    def _cool(self) -> None:
-        """Leave the decode path: the rows become a frozen state again, the undo entries the
-        log's, and a token or chunk still waiting for its queries a plain :class:`Waiting`."""
-        hot = self.hot
-        assert hot is not None
-        self.hot = None
-        state, log, waiting, decided = hot.cool()
-        self._state, self._log = state, log
-        if waiting is not None:
-            self._pending = Waiting(*waiting)
-        elif decided is not None:
-            self._pending = Decided(decided, 1)
-        if hot.shared is not None:
-            self.last = Step(hot.shared[0], hot.shared[1], None, state)
-        if hot.stepped:
-            self.stepped = hot.stepped
-
-    @property
-    def fast_path(self) -> bool:
-        """Whether this layer's next decode step (a token of the store's shape, nothing in
-        flight) takes the decode path (:mod:`velox_cache_core.decode`)."""
-        if self.hot is not None:
-            return self.hot.steady
-        if not FS.ENABLED or self.mode is Mode.STEP_SUMS or self.group is not None:
-            return False
-        if self.phase is not None or self.quant is not None:
-            return False
-        state = self.view()
-        if FS.appends(self.policy, state):
-            return True
-        if self.policy.prompt_end is not None:
-            return False
-        return FS.eligible(self.policy, state, queries_needed=self._waits_fast()) is not None
-
-    def _waits_fast(self) -> bool:
-        """Whether a decode-path step waits for its queries: a query-signal decision, or, on
-        the CPU with the hook's queries to come, a decision without them whose compiled kernel
-        attends too (attend once: one kernel instead of the kernel plus the attention's ops)."""
-        if self._waits(1):
-            return True
-        return self.mode is Mode.QUERIES and mx.default_device() == mx.cpu
-
-    def _attend_chunk(
-        self, hot: Evicting, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
-        """``[B, H_q, L, D]``: a short chunk's tokens written, decided and attended one at a
-        time on the decode path; from a token whose step it does not take, the rest of the
-        chunk goes through the general path (sequential prefill, the same meaning)."""
-        assert hot.chunk is not None
-        keys, values = hot.chunk
-        outs, taken = hot.attend_chunk(queries, scale, sinks)
-        L = int(keys.shape[2])
-        if taken == L:
-            return mx.concatenate(outs, axis=2)
-        self._cool()
-        stepped = self.stepped
-        needs = self._waits(1)
-        rest = slice(taken, L)
-        step = self._feed(
-            self.state,
-            keys=keys[:, :, rest],
-            values=values[:, :, rest],
-            queries=queries[:, :, rest] if needs else None,
-            scale=check_scale(scale, int(keys.shape[3])) if needs else None,
-        )
-        self.state = step.state
-        self.stepped = [*stepped, (taken, L, step)]
-        outs.append(attend_step(queries[:, :, rest], step, scale, sinks))
-        return mx.concatenate(outs, axis=2)
 
     def stored(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """A call's keys and values as the store holds them: quantized with :attr:`quant`
@@ -502,12 +341,12 @@ class Layer:
         hot = self.hot
         if hot is not None:  # decoding (velox_cache_core.decode)
             if hot.chunk is not None:
-                return self._attend_chunk(hot, queries, scale, sinks)
+                return DS.attend_chunk(self, hot, queries, scale, sinks)
             out = hot.attend(queries, scale, sinks)
             if out is not None:
                 return out
         if self.phase is not None:
-            return self._attend_phase(queries, scale, sinks)
+            return self.phase.attend(self.state, self.policy, queries, scale, sinks)
         pending, self.pending = self.pending, None
         if isinstance(pending, Waiting):
             return self._decide_waiting(pending, queries, scale, sinks)
@@ -886,13 +725,10 @@ class Layer:
         tied = R.tie(slots.keys, [value])
         self.state = replace(self.state, slots=replace(slots, keys=tied))
 
-    # -- the model-driven phase -----------------------------------------------------------------
+    # -- the model-driven phase (velox_cache_core.phase) -------------------------------------
     @property
     def compressor(self) -> Compressor:
-        compressor = self.policy.compressor
-        if compressor is None:
-            raise ValueError(f"policy {self.policy.name!r} declares no model-driven phase")
-        return compressor
+        return compressor_of(self.policy)
 
     def start_phase(self) -> None:
         """Enter the phase (the context must be whole: not compressed yet)."""
@@ -903,22 +739,18 @@ class Layer:
 
     def score_chunk(self, start: int, end: int) -> None:
         """The next forward pass scores context rows ``start..end-1``."""
-        if self.phase is None:
-            raise RuntimeError("score_chunk() outside the scoring phase (call start_phase())")
-        self.phase.chunk = (start, end)
+        self._in_phase("score_chunk").chunk = (start, end)
 
     def phase_scores(self) -> mx.array:
         """float32 ``[B, H_kv, n]``: every context row's score so far (the chunks, in order)."""
-        if self.phase is None or not self.phase.scores:
+        if self.phase is None:
             raise ValueError("no chunk of the scoring pass was scored")
-        return mx.concatenate(self.phase.scores, axis=-1)
+        return self.phase.all_scores()
 
     def finish_phase(self, budget: int | None = None, total: int | None = None) -> None:
         """Leave the phase: cut the context by every chunk's scores (to ``budget`` if given;
         ``total``: the layer's share of a model-wide row total)."""
-        if self.phase is None:
-            raise RuntimeError("finish_phase() outside the scoring phase")
-        scores = self.phase_scores()
+        scores = self._in_phase("finish_phase").all_scores()
         state = self.policy.rebudget(self.state, budget)
         state = self.compressor.cut(state, scores, total)  # raises: unchanged
         self.phase = None
@@ -928,38 +760,7 @@ class Layer:
         """Leave the phase uncompressed (after an error in the pass)."""
         self.phase = None
 
-    def _live(self) -> KVSlots:
-        if self.state.slots is None:
-            raise ValueError(f"the {self.policy.name} cache holds no context to score")
-        return self.state.slots.compact()
-
-    def _lay_out_phase(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        assert self.phase is not None
-        live = self._live()
-        check_fits(live, keys, values, stored=False)  # attended over, never stored
-        self.phase.recon = (keys, values)
-        # The scoring pass's own rows are not stored: they attend at full precision over the
-        # (dequantized) context.
-        self.fetched = (
-            mx.concatenate([R.dense(live.keys), keys.astype(live.keys.dtype)], axis=2),
-            mx.concatenate([R.dense(live.values), values.astype(live.values.dtype)], axis=2),
-        )
-        return self.fetched
-
-    def _attend_phase(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
-        phase = self.phase
-        assert phase is not None
-        if phase.recon is None or phase.chunk is None:
-            raise RuntimeError("attend() in the scoring phase needs score_chunk() and a call")
-        (keys, values), phase.recon = phase.recon, None
-        start, end = phase.chunk
-        phase.scores.append(self.compressor.score(self.state, queries, keys, start, end, scale))
-        live = self._live()
-        dtype = live.keys.dtype
-        all_keys = mx.concatenate([R.dense(live.keys), keys.astype(dtype)], axis=2)
-        all_values = mx.concatenate([R.dense(live.values), values.astype(dtype)], axis=2)
-        L = int(keys.shape[2])
-        causal = None if L == 1 else chunk_causal(live.n_slots, L)[None, None]
-        return mx.fast.scaled_dot_product_attention(
-            queries, all_keys, all_values, scale=scale, mask=causal, sinks=sinks
-        ).astype(queries.dtype)
+    def _in_phase(self, what: str) -> Phase:
+        if self.phase is None:
+            raise RuntimeError(f"{what}() outside the scoring phase (call start_phase())")
+        return self.phase

@@ -6,7 +6,7 @@ The embedded model holds a 600-token prompt and one decode step. Each round then
 chunk of 4 tokens (3 draft tokens and the last accepted one, as mlx-lm's speculative decoding
 does) and trims 3 of them (every draft rejected), ``--steps`` times; rounds alternate between
 the full cache, TOVA at ``--budget`` with short chunks run as decode steps (the default), and
-TOVA with them through the general chunk path (``velox_cache_core.layer.STEPPED_CHUNK = 1``).
+TOVA with them through the general chunk path (``velox_cache_core.in_flight.STEPPED_CHUNK = 1``).
 Prints the median time per verify-and-trim and its ratio to the full cache's.
 """
 
@@ -24,7 +24,7 @@ BLAS = preload_openblas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
-import velox_cache_core.layer as layer_module  # noqa: E402
+import velox_cache_core.in_flight as layer_module  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import load_default  # noqa: E402
 

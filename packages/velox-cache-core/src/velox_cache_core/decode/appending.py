@@ -116,8 +116,8 @@ class Appending:
         self.buffers = (buf_k, buf_v, buf_p)
         if self.entries is not None:
             self.entries.append((self.offset, self.tokens_seen, n))
-            if len(self.entries) == self.entries.maxlen and self.base_log is not None:
-                self.base_log = self.base_log.cleared()  # the log now holds only these
+            if len(self.entries) == self.entries.maxlen:
+                self.base_log = None  # the log now holds only these (see cool)
         self.n = n = n + 1
         self.offset += 1
         self.tokens_seen += self.heads
@@ -163,6 +163,8 @@ class Appending:
         slots = KVSlots.in_reserve(buf_k, buf_v, buf_p, self.n)
         state = fresh(self.template, slots=slots, offset=self.offset, tokens_seen=self.tokens_seen)
         log = self.base_log
+        if log is None and self.entries is not None:  # the entries cover the whole window
+            log = UndoLog(self.entries.maxlen or 0)
         if log is not None and self.entries:
             for offset, tokens_seen, n_live in self.entries:
                 running = {**self.running, "offset": offset, "tokens_seen": tokens_seen}

@@ -141,27 +141,16 @@ class Evicting:
         store unchanged until the decision; what the model attends over (the store with it,
         in slot order) out, or ``None`` when the step is not one this path takes (nothing
         changed). A step that does not wait for its queries is decided now (``decide``)."""
-        token = self.token
-        if not (
-            self.steady
-            and self.flight is None
-            and self.decided is None
-            and self.chunk is None
-            and keys.__class__ is mx.array
-            and values.__class__ is mx.array
-            and keys.shape == token[0]
-            and values.shape == token[1]
-            and keys.dtype == token[2]
-            and values.dtype == token[3]
-        ):  # not a token of the store's shape and dtype (self.fits, inlined: every step)
+        if not self.steady or not (self.flight is self.decided is self.chunk is None):
+            return None  # not steady, or a call in flight
+        if keys.__class__ is not mx.array or values.__class__ is not mx.array:
             return None
+        if (keys.shape, values.shape, keys.dtype, values.dtype) != self.token:
+            return None  # not a token of the store's shape and dtype (self.fits, inlined)
         kernels = self.kernels
         ahead = self.ahead
         prefetched = ahead is not None
-        kernel = kernels.write.get(prefetched)
-        if kernel is None:
-            made = FS.write_kernel(self.policy, self.template, prefetched=prefetched)
-            kernel = kernels.write[prefetched] = mx.compile(made)
+        kernel = kernels.write.get(prefetched) or self._compile_write(prefetched)
         free = [] if self.free is None else [self.free]
         if ahead is not None:  # evict_before's slot and its row, read by the step before
             free = [ahead[0]]
@@ -185,6 +174,11 @@ class Evicting:
         values_out, _, probs = self._decide(None, (own, False, None))
         self.decided = Step(k, values_out, None, None, probs=probs)
         return k, values_out
+
+    def _compile_write(self, prefetched: bool) -> Any:
+        made = FS.write_kernel(self.policy, self.template, prefetched=prefetched)
+        kernel = self.kernels.write[prefetched] = mx.compile(made)
+        return kernel
 
     def attend(self, queries: Any, scale: Any, sinks: mx.array | None) -> mx.array | None:
         """``[B, H_q, 1, D]``: the token in flight decided with ``queries`` and attended (or,
@@ -233,35 +227,37 @@ class Evicting:
         return None
 
     def _decide(
-        self,
-        queries: mx.array | None,
-        settings: tuple[float, bool, float | None] | None,
-        outputs: Any = None,
-        same: list[bool] | None = None,
+        self, queries: mx.array | None, settings: tuple[float, bool, float | None]
     ) -> tuple[Any, mx.array | None, mx.array | None]:
-        """Decide the token in flight (the decision kernel with ``settings``, or its
-        ``outputs`` when a chunk's trace ran it) and take the decision: the store becomes the
-        candidates less the new dead slot, the undo entry is kept raw, and the rows the log
-        and the next write read are tied to the step's output (read before the next step
-        overwrites them). Returns (the values to attend over, the attention output when the
-        kernel attended, the query's weights when the rule computed them)."""
-        kernels = self.kernels
+        """Decide the token in flight with the decision kernel of ``settings`` and take the
+        decision (:meth:`_take`). Returns (the values to attend over, the attention output when
+        the kernel attended, the query's weights when the rule computed them)."""
         flight = self.flight
         assert flight is not None
-        keys, values, k, v, p, written, row, start = flight
-        if outputs is None:
-            assert settings is not None
-            full = (*settings, self.prefetch_next, queries is None)
-            found = kernels.decide.get(full)
-            if found is None:
-                made = FS.decide_kernel(
-                    self.policy, self.template, kernels.running, kernels.key[2], full[:4]
-                )
-                found = kernels.decide[full] = (mx.compile(made), [])
-            kernel, same = found
-            query = [] if queries is None else [queries]
-            outputs = kernel(k, v, p, written, keys, values, query, start, self.running)
-        assert same is not None
+        keys, values, k, v, p, written, _, start = flight
+        full = (*settings, self.prefetch_next, queries is None)
+        kernel, same = self.kernels.decide.get(full) or self._compile_decide(full)
+        query = [] if queries is None else [queries]
+        outputs = kernel(k, v, p, written, keys, values, query, start, self.running)
+        return self._take(flight, outputs, same)
+
+    def _compile_decide(self, full: tuple[Any, ...]) -> tuple[Any, list[bool]]:
+        kernels = self.kernels
+        made = FS.decide_kernel(
+            self.policy, self.template, kernels.running, kernels.key[2], full[:4]
+        )
+        found = kernels.decide[full] = (mx.compile(made), [])
+        return found
+
+    def _take(
+        self, flight: tuple[Any, ...], outputs: Any, same: list[bool]
+    ) -> tuple[Any, mx.array | None, mx.array | None]:
+        """Take a step's decision (``outputs``: the decision kernel's): the store becomes the
+        candidates less the new dead slot, the undo entry is kept raw, and the rows the log
+        and the next write read are tied to the step's output (read before the next step
+        overwrites them)."""
+        _, _, k, v, p, written, row, _ = flight
+        kernels = self.kernels
         self.flight = self.ahead = None
         free, victim, changes, probs, out, ahead = outputs
         entries = self.entries
@@ -277,8 +273,8 @@ class Evicting:
                 victim,
             )
             entries.append(raw)
-            if len(entries) == entries.maxlen and self.base_log is not None:
-                self.base_log = self.base_log.cleared()  # the log now holds only these
+            if len(entries) == entries.maxlen:
+                self.base_log = None  # the log now holds only these (see cool)
             read = victim if row is None else [*victim, *row]
             if ahead:
                 self.ahead = ahead
@@ -415,7 +411,7 @@ class Evicting:
         for wrote, decided in per_step:
             k, v, p, written_slot, row_arrays = wrote
             self.flight = (None, None, k, v, p, written_slot, row_arrays or row, None)
-            outs.append(self._step_out(self._decide(None, None, decided, [True])))
+            outs.append(self._step_out(self._take(self.flight, decided, [True])))
             row = None if self.ahead is None else self.ahead[1:]
         return outs
 
@@ -437,6 +433,8 @@ class Evicting:
             self.running,
         )
         log = self.base_log
+        if log is None and self.entries is not None:  # the entries cover the whole window
+            log = UndoLog(self.entries.maxlen or 0)
         if log is not None and self.entries:
             for raw in self.entries:
                 log = log.push(_entry(kernels, raw))
