@@ -29,7 +29,7 @@ method alike; per method, the medians are over every timed step of every round.
 
 Per method: median host ms, eval ms and total (host + eval) ms, their ratios to ``full`` and
 the total's to ``rotating``, and for Velox caches the fraction of layers whose next decode step
-takes the decode fast path (``velox_cache_core.fast_step``, ``Layer.fast_path``).
+takes the decode path (``velox_cache_core.decode``, ``Layer.fast_path``).
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, float32, dequantized) and
 ``real-shape`` (a random 12-layer llama, hidden 768, 12 query / 4 KV heads, vocabulary 1024:

@@ -1,31 +1,28 @@
-"""The decode fast path: a steady decode step as two ``mx.compile``d kernels, not ~40 ops.
+"""The decode path's compiled kernels: a steady decode step as two ``mx.compile``d kernels.
 
 At the budget, a decode step of an evicting policy does the same thing every token: the new
 token goes into the slot the last step freed (or, for StreamingLLM, the oldest one), the rule
 scores the candidates and picks the next dead slot, and the undo log records the row that will
-be overwritten. Built op by op from Python, that is about 40 MLX calls and as many Python
-frames per layer per token: twice mlx-lm's own cache's host time on a small model, which sets
-the token rate on a GPU where ``async_eval`` overlaps host and device.
+be overwritten. Built op by op from Python, that is about 40 MLX calls per layer per token.
 
 Here the step is traced once per (policy settings, shapes, scale) through the *same* code the
-slow path runs (:func:`velox_cache_core.store.slots.KVSlots.write_free`, the policy's
+general path runs (:func:`velox_cache_core.store.slots.KVSlots.write_free`, the policy's
 ``evict_before`` and ``rule``, the victim gather of :mod:`velox_cache_core.undo`) and replayed
-by ``mx.compile``: the decisions, the stored rows and the undo entries are the slow path's, bit
-for bit (``tests/test_fast_step.py`` checks it per policy). The Python bookkeeping is done once
-per step with plain constructors.
+by ``mx.compile``: :func:`write_kernel` (the token into its slot), :func:`decide_kernel` (the
+rule's decision and, on the CPU, the attention) and :func:`steps_kernel` (a short chunk's steps
+traced in turn into one graph). The decisions, the stored rows and the undo entries are the
+general path's, bit for bit (``tests/test_fast_step.py`` checks it per policy). The store
+that runs them, step after step, is :mod:`velox_cache_core.decode`.
 
 A policy opts in with ``Policy.compiled_decode``: its decode rule and ``evict_before`` read the
 state only through settings and array running fields (never an int counter, which a trace would
 freeze), and positions only through ``Call.positions``/``Call.newest``.
 
-Which steps take it (:func:`eligible`): one token, a single process (no tensor parallelism),
-full-precision rows held as one uniform store (no lanes: ``allocation="uniform"``), after the
-prompt (no held prompt, no prompt-end step), with a dead slot to write into or an
-``evict_before`` that frees one. A short chunk whose steps all stay steady (a speculative
-verify chunk) runs as those steps, traced into one compiled call (:func:`run_steps`).
-Everything else (longer chunks, the first steps below the budget, SnapKV and KVzip's growing
-decode, Expected Attention, lanes, quantized rows, packed batches, ``STEP_SUMS``) takes the
-general path, which stays the reference.
+Which states the kernels take (:func:`eligible`): full-precision rows held as one uniform store
+(no lanes: ``allocation="uniform"``), after the prompt (no held prompt), with a dead slot to
+write into or an ``evict_before`` that frees one. :func:`appends` names the states whose steps
+only append (SnapKV after its cut). Everything else takes the general path, which stays the
+reference.
 """
 
 from __future__ import annotations

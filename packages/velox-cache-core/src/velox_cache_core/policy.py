@@ -86,16 +86,16 @@ class Policy:
     allocation (:class:`~velox_cache_core.lanes.GlobalRule`, driven by
     :class:`~velox_cache_core.model_shares.ModelShares`), or ``None``."""
     compiled_decode: bool = False
-    """Whether a steady decode step may run as compiled kernels
-    (:mod:`velox_cache_core.fast_step`): the decode rule and ``evict_before`` read the state
-    only through its settings and its array running fields (a trace would freeze an int
-    counter), positions only through the slots and ``Call.positions``/``Call.newest``, and
+    """Whether a steady decode step may run on the decode path (:mod:`velox_cache_core.decode`,
+    kernels in :mod:`velox_cache_core.fast_step`): the decode rule and ``evict_before`` read
+    the state only through its settings and its array running fields (a trace would freeze an
+    int counter), positions only through the slots and ``Call.positions``/``Call.newest``, and
     ``evict_before`` frees a slot exactly when the store holds ``budget`` rows."""
     appends_now: Callable[[Any], bool] | None = None
     """For a policy that :attr:`grows_after_prompt_end`: ``appends_now(state)`` says that the
     state is past its prompt end, where a decode step keeps every token and reads neither its
-    queries nor its running fields; the fast path then appends the token into the store's
-    reserved rows with no decision at all."""
+    queries nor its running fields; the decode path then appends the token into the store's
+    reserved rows with no decision at all (:class:`velox_cache_core.decode.Appending`)."""
 
     @property
     def prompt_end_needs_model(self) -> bool:
