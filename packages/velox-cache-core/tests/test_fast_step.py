@@ -464,3 +464,26 @@ def test_a_layer_sharing_a_stepped_chunk_attends_each_row_over_its_step(case: st
             np.array(attend_step(other[:, :, a:b], replace(step, probs=None), 0.5, None)),
             rtol=1e-6,
         )
+
+
+def test_arrays_reads_the_decode_path_store_without_leaving_it() -> None:
+    """``Layer.arrays()`` evaluates the rows as the decode path holds them; reading the state
+    afterwards gives the same rows (the store cooled into the frozen state)."""
+    tova = POLICIES["tova"]
+    layer = Layer(tova, tova.init(budget=4, n_sink=1), new_log(4))
+    rng = np.random.default_rng(7)
+    k = mx.array(rng.standard_normal((1, 2, 9, 4)).astype(np.float32))
+    layer.lay_out(k[:, :, :6], k[:, :, :6])
+    layer.attend(mx.ones((1, 2, 6, 4)), 0.5)
+    for i in range(6, 9):
+        layer.lay_out(k[:, :, i : i + 1], k[:, :, i : i + 1])
+        layer.attend(mx.ones((1, 2, 1, 4)), 0.5)
+    hot = layer.hot
+    assert hot is not None
+    held = layer.arrays()
+    mx.eval(held)
+    assert layer.hot is hot  # still decoding
+    slots = layer.state.slots  # leaves the decode path
+    assert layer.hot is None
+    pairs = zip(held, slots.arrays(), strict=True)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in pairs)

@@ -249,6 +249,14 @@ class Layer:
         other rows' (``velox_cache_core.batch``)."""
         return self.pending is None and self.phase is None and self.mode is not Mode.STEP_SUMS
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays the layer's rows are held in now (the decode path's store while it
+        decodes, which this leaves as it is; else the state's slots), to evaluate them."""
+        if self.hot is not None:
+            return self.hot.arrays()
+        slots = self._state.slots
+        return [] if slots is None else slots.arrays()
+
     def empty(self) -> bool:
         pending = isinstance(self.pending, (Waiting, Deferred))
         return self.state.slots is None and not pending

@@ -89,6 +89,10 @@ class Appending:
 
     in_flight = 0  # an appended token is decided as it is laid out
 
+    def arrays(self) -> list[mx.array]:
+        """The buffers, to evaluate them in place."""
+        return list(self.buffers)
+
     def write(self, keys: Any, values: Any, decide: bool = True) -> tuple[Any, Any] | None:
         """Append the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` in place; the
         store with it out, or ``None`` when it is not a token of the store's shape and dtype

@@ -118,6 +118,11 @@ class Evicting:
             return 1
         return 0 if self.chunk is None else int(self.chunk[0].shape[2])
 
+    def arrays(self) -> list[mx.array]:
+        """The store's arrays (rows, positions, dead slot), to evaluate them in place."""
+        out = [self.keys, self.values, self.positions]
+        return out if self.free is None else [*out, self.free]
+
     # -- a decode token ---------------------------------------------------------------------------
     def fits(self, keys: Any, values: Any) -> bool:
         """Whether ``keys``/``values`` match the store exactly (shapes but the row count,
