@@ -37,13 +37,15 @@ import mlx.core as mx
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
 from velox_cache_core import lanes as LN
+from velox_cache_core import own_rows as OR
 from velox_cache_core import pins as PN
+from velox_cache_core import step_sums as SS
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.decode import Hot
 from velox_cache_core.decode import switch as DS
-from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
-from velox_cache_core.engine import Step, check_fits, decide, prepare
+from velox_cache_core.distributed import Group, Replay, StepSums, summing_over
+from velox_cache_core.engine import Step, check_fits
 from velox_cache_core.in_flight import (
     SUBCHUNK,
     Decided,
@@ -59,7 +61,6 @@ from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
 
 _warned_no_hook: set[str] = set()
-_warned_rows: set[str] = set()
 
 
 class Layer:
@@ -383,70 +384,9 @@ class Layer:
         scores: mx.array | None = None,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        """Attention of ``queries [B, H_q, L, D_q]`` over the model's own ``keys``/``values``
-        ``[B, H, n, *]``, derived row by row from what :meth:`lay_out` returned (the same
-        ``n`` rows in the same order, e.g. latent attention's up-projections), plus the
-        model's additive ``scores`` ``[B?, H?, L, n]`` (latent attention's RoPE part). The
-        call is decided with signal ``key`` (the policy's scoring cannot read these queries),
-        with a warning once; the policy's mask hides what it evicted."""
-        step = self._decide_for_rows()
-        n = int(step.keys.shape[2])
-        if keys.shape[2] != n or values.shape[2] != n:
-            raise ValueError(
-                f"{self.serves or 'the model'} attends over {keys.shape[2]} rows, but this "
-                f"cache returned {n}: Velox cannot tell which rows it evicted there"
-            )
-        visible = step.mask
-        if visible is not None and visible.shape[1] not in (1, queries.shape[1]):
-            if keys.shape[1] != step.keys.shape[1]:
-                raise ValueError(
-                    f"{self.serves or 'the model'} regroups the cache's {step.keys.shape[1]} KV "
-                    f"heads into {keys.shape[1]} before attention, and this "
-                    f"{self.policy.name} cache evicts per head: use scope='layer'"
-                )
-            visible = mx.repeat(visible, queries.shape[1] // visible.shape[1], axis=1)
-        mask = scores
-        if visible is not None:
-            floor = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
-            mask = mx.where(visible, 0.0 if mask is None else mask, floor)
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
-        )
-
-    def _decide_for_rows(self) -> Step:
-        """Settle the call in flight for :meth:`attend_rows` (signal ``key`` for ``query``)."""
-        pending, self.pending = self.pending, None
-        if isinstance(pending, Decided):
-            self.state = self._after_call(pending.step.state, pending.length)
-            self.last = pending.step
-            return pending.step
-        if not isinstance(pending, Waiting):
-            self.pending = pending
-            if self.last is not None:  # a layer sharing this one's keys and values
-                return self.last
-            raise RuntimeError("attend() called before update_and_fetch()")
-        state = self.state
-        query = self.policy.traits.signal(state) == "query"
-        if query:
-            who = self.serves or self.policy.name
-            self._refuse_without_queries(
-                pending, f"{who} attends over keys, values or scores of its own, not the cache's"
-            )
-            if who not in _warned_rows:
-                _warned_rows.add(who)
-                warnings.warn(
-                    f"{who} attends over keys, values or scores of its own, not the cache's: "
-                    f"the {self.policy.name} cache scores with signal 'key' there.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            state = replace(state, signal="key")
-        L = int(pending.keys.shape[2])
-        step = self._feed(state, keys=pending.keys, values=pending.values)
-        after = replace(step.state, signal="query") if query else step.state
-        self.state = self._after_call(after, L)
-        self.last = replace(step, state=self.state)
-        return step
+        """Attention over the model's own keys and values derived from what :meth:`lay_out`
+        returned (:func:`velox_cache_core.own_rows.attend_rows`)."""
+        return OR.attend_rows(self, queries, keys, values, scale=scale, scores=scores, sinks=sinks)
 
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -456,7 +396,7 @@ class Layer:
         if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
             return self._attend_subchunks(pending, queries, scale, sinks)
         if L == 1 and self.mode is Mode.STEP_SUMS:
-            return self._attend_deferring(pending, queries, scale, sinks)
+            return SS.attend_deferring(self, pending, queries, scale, sinks)
         step = self._feed(self.state, keys=keys, values=values, queries=queries, scale=scale)
         self.state = self._after_call(step.state, L)
         self.last = step
@@ -482,49 +422,11 @@ class Layer:
         self.state = self._after_call(self.state, L)
         return mx.concatenate(outs, axis=2)
 
-    def _attend_deferring(
-        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
-        """Attend now; decide when the pass's last layer has arrived (:meth:`finish`)."""
-        sums = self.sums
-        assert sums is not None
-        recorder = Recorder(self.group)
-        laid = prepare(
-            self.policy,
-            self.state,
-            keys=pending.keys,
-            values=pending.values,
-            queries=queries,
-            scale=scale,
-            check_finite=False,
-        )
-        with summing_over(recorder):
-            step = decide(self.policy, laid, self.log)
-        if recorder.sums:  # the decision waits for the sums; the attention does not
-            self.pending = Deferred(laid)
-            sums.defer(recorder.sums, self.finish)
-            step = replace(step, values=laid.candidates.values)
-        else:  # nothing was summed over the group: this is the decision
-            self.log = step.log
-            self.state = self._after_call(step.state, 1)
-        out = attend_step(queries, step, scale, sinks)
-        tied = sums.arrive(self.index)
-        return mx.depends([out], tied)[0] if tied else out
-
     # -- 3. settle with the group's sums, or without the queries -------------------------------
     def finish(self, replay: Replay) -> list[mx.array]:
-        """Decide the deferred step with the group's sums; its new arrays, to evaluate with
-        the forward pass (the log's rows then hold no lazy read of slots written in place)."""
-        pending, self.pending = self.pending, None
-        assert isinstance(pending, Deferred)
-        with summing_over(replay):
-            step = decide(self.policy, pending.laid, self.log)
-        self.log = step.log
-        self.state = self._after_call(step.state, 1)
-        tied = self.state.slots.arrays()
-        if step.log is not None and step.log.entries:
-            tied += step.log.entries[-1].arrays()
-        return tied
+        """Decide the deferred step with the group's sums (:func:`velox_cache_core.
+        step_sums.finish`); its new arrays, to evaluate with the forward pass."""
+        return SS.finish(self, replay)
 
     def settle(self) -> None:
         """Settle whatever is pending: a deferred step's sums are sent now (a collective:

@@ -1,0 +1,97 @@
+"""Attention over the model's own keys and values (absorbed latent attention): the call is
+decided with signal ``key`` and the policy's mask hides what it evicted.
+
+Some models attend over keys and values derived row by row from what the cache returned
+(DeepSeek's absorbed latent attention up-projects them), plus scores of their own; the policy's
+scoring cannot read those queries, so the call is decided without them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.engine import Step
+from velox_cache_core.in_flight import Decided, Waiting
+
+_warned_rows: set[str] = set()
+
+
+def attend_rows(
+    layer: Any,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    scores: mx.array | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of ``queries [B, H_q, L, D_q]`` over the model's own ``keys``/``values``
+    ``[B, H, n, *]``, derived row by row from what :meth:`lay_out` returned (the same
+    ``n`` rows in the same order, e.g. latent attention's up-projections), plus the
+    model's additive ``scores`` ``[B?, H?, L, n]`` (latent attention's RoPE part). The
+    call is decided with signal ``key`` (the policy's scoring cannot read these queries),
+    with a warning once; the policy's mask hides what it evicted."""
+    step = decide_for_rows(layer)
+    n = int(step.keys.shape[2])
+    if keys.shape[2] != n or values.shape[2] != n:
+        raise ValueError(
+            f"{layer.serves or 'the model'} attends over {keys.shape[2]} rows, but this "
+            f"cache returned {n}: Velox cannot tell which rows it evicted there"
+        )
+    visible = step.mask
+    if visible is not None and visible.shape[1] not in (1, queries.shape[1]):
+        if keys.shape[1] != step.keys.shape[1]:
+            raise ValueError(
+                f"{layer.serves or 'the model'} regroups the cache's {step.keys.shape[1]} KV "
+                f"heads into {keys.shape[1]} before attention, and this "
+                f"{layer.policy.name} cache evicts per head: use scope='layer'"
+            )
+        visible = mx.repeat(visible, queries.shape[1] // visible.shape[1], axis=1)
+    mask = scores
+    if visible is not None:
+        floor = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
+        mask = mx.where(visible, 0.0 if mask is None else mask, floor)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def decide_for_rows(layer: Any) -> Step:
+    """Settle the call in flight for :meth:`attend_rows` (signal ``key`` for ``query``)."""
+    pending, layer.pending = layer.pending, None
+    if isinstance(pending, Decided):
+        layer.state = layer._after_call(pending.step.state, pending.length)
+        layer.last = pending.step
+        return pending.step
+    if not isinstance(pending, Waiting):
+        layer.pending = pending
+        if layer.last is not None:  # a layer sharing this one's keys and values
+            return layer.last
+        raise RuntimeError("attend() called before update_and_fetch()")
+    state = layer.state
+    query = layer.policy.traits.signal(state) == "query"
+    if query:
+        who = layer.serves or layer.policy.name
+        layer._refuse_without_queries(
+            pending, f"{who} attends over keys, values or scores of its own, not the cache's"
+        )
+        if who not in _warned_rows:
+            _warned_rows.add(who)
+            warnings.warn(
+                f"{who} attends over keys, values or scores of its own, not the cache's: "
+                f"the {layer.policy.name} cache scores with signal 'key' there.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        state = replace(state, signal="key")
+    L = int(pending.keys.shape[2])
+    step = layer._feed(state, keys=pending.keys, values=pending.values)
+    after = replace(step.state, signal="query") if query else step.state
+    layer.state = layer._after_call(after, L)
+    layer.last = replace(step, state=layer.state)
+    return step
