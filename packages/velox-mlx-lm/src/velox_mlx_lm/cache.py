@@ -269,7 +269,7 @@ class PolicyKVCache(VeloxKVCache):
         layer = self._layer
         if comp is None or layer.pending is not None or layer.mode is Mode.STEP_SUMS:
             return
-        if comp.needs_shift(int(layer.state.offset), 1):
+        if comp.needs_shift(layer.offset, 1):  # nothing pending: the state's offset
             self._shift(1)
 
     @property
