@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-import velox_cache_core.layer as vcache
+import velox_cache_core.without_queries as vcache  # the warn-once sets
 from velox_mlx_lm import (
     KVCacheBuilder,
     KVCacheConfig,

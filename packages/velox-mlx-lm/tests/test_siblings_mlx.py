@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, save_prompt_cache
 from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
 
-import velox_cache_core.layer as vcache
+import velox_cache_core.without_queries as vcache  # the warn-once sets
 import velox_mlx_lm
 from velox_mlx_lm import (
     H2OKVCache,

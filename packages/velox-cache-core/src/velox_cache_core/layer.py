@@ -28,7 +28,6 @@ phase (:class:`velox_cache_core.declarations.Compressor`) runs through :meth:`La
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -37,9 +36,9 @@ import mlx.core as mx
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
 from velox_cache_core import lanes as LN
-from velox_cache_core import own_rows as OR
 from velox_cache_core import pins as PN
 from velox_cache_core import step_sums as SS
+from velox_cache_core import without_queries as WQ
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.decode import Hot
@@ -59,8 +58,6 @@ from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
-
-_warned_no_hook: set[str] = set()
 
 
 class Layer:
@@ -385,8 +382,8 @@ class Layer:
         sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention over the model's own keys and values derived from what :meth:`lay_out`
-        returned (:func:`velox_cache_core.own_rows.attend_rows`)."""
-        return OR.attend_rows(self, queries, keys, values, scale=scale, scores=scores, sinks=sinks)
+        returned (:func:`velox_cache_core.without_queries.attend_rows`)."""
+        return WQ.attend_rows(self, queries, keys, values, scale=scale, scores=scores, sinks=sinks)
 
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -460,44 +457,7 @@ class Layer:
             self.state = self._after_call(self.state, pending.length)
             return
         assert isinstance(pending, Waiting)
-        self._decide_unseen(pending)
-
-    def _decide_unseen(self, pending: Waiting) -> None:
-        L = int(pending.keys.shape[2])
-        if self.policy.traits.signal(self.state) != "query":  # decided as the hook would have
-            step = self._feed(self.state, keys=pending.keys, values=pending.values)
-            self.state = self._after_call(step.state, L)
-            return
-        self._refuse_without_queries(
-            pending,
-            f"a call of {self.serves or 'this layer'} came without them: the attention hook "
-            "never saw it "
-            "(KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
-            "attention by hand)",
-        )
-        if self.policy.name not in _warned_no_hook:
-            _warned_no_hook.add(self.policy.name)
-            warnings.warn(
-                f"a {self.policy.name} cache was used without the attention hook "
-                "(KVCacheBuilder.for_model installs it): eviction fell back to signal 'key'.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        keyed = replace(self.state, signal="key")
-        step = self._feed(keyed, keys=pending.keys, values=pending.values)
-        self.state = self._after_call(replace(step.state, signal="query"), L)
-
-    def _refuse_without_queries(self, pending: Waiting, why: str) -> None:
-        """A policy scoring by the true queries without a ``signal`` setting has no key
-        stand-in (Expected Attention's statistics are the queries'): ``ValueError`` saying
-        ``why`` the queries are missing; the call stays pending."""
-        if "signal" in self.state.settings:
-            return
-        self.pending = pending
-        raise ValueError(
-            f"{self.policy.name} needs the true queries (it has no signal='key' stand-in), "
-            f"but {why}; serve this model with another method"
-        )
+        WQ.decide_unseen(self, pending)
 
     def keys_and_values(self) -> tuple[R.Rows, R.Rows]:
         """What the last call attended over (``retained + new``; the retained rows between

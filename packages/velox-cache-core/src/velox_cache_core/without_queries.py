@@ -1,9 +1,15 @@
-"""Attention over the model's own keys and values (absorbed latent attention): the call is
-decided with signal ``key`` and the policy's mask hides what it evicted.
+"""Calls decided without their true queries.
 
-Some models attend over keys and values derived row by row from what the cache returned
-(DeepSeek's absorbed latent attention up-projects them), plus scores of their own; the policy's
-scoring cannot read those queries, so the call is decided without them.
+- A call the queries never reached (the attention hook did not see it: a model that computes
+  attention by hand, or no hook installed): :func:`decide_unseen` decides it as the hook would
+  have, with signal ``key`` standing in for ``query`` (a warning once per policy).
+- Attention over the model's own keys and values derived row by row from what the cache
+  returned (absorbed latent attention), plus scores of its own: :func:`attend_rows` decides the
+  call with signal ``key`` (the policy's scoring cannot read those queries) and the policy's mask
+  hides what it evicted.
+
+A policy scoring by the true queries without a ``signal`` setting (Expected Attention) has no
+stand-in: :func:`refuse_without_queries` raises instead.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import Decided, Waiting
 
 _warned_rows: set[str] = set()
+_warned_no_hook: set[str] = set()
 
 
 def attend_rows(
@@ -77,8 +84,8 @@ def decide_for_rows(layer: Any) -> Step:
     query = layer.policy.traits.signal(state) == "query"
     if query:
         who = layer.serves or layer.policy.name
-        layer._refuse_without_queries(
-            pending, f"{who} attends over keys, values or scores of its own, not the cache's"
+        refuse_without_queries(
+            layer, pending, f"{who} attends over keys, values or scores of its own, not the cache's"
         )
         if who not in _warned_rows:
             _warned_rows.add(who)
@@ -95,3 +102,43 @@ def decide_for_rows(layer: Any) -> Step:
     layer.state = layer._after_call(after, L)
     layer.last = replace(step, state=layer.state)
     return step
+
+
+def decide_unseen(layer: Any, pending: Waiting) -> None:
+    L = int(pending.keys.shape[2])
+    if layer.policy.traits.signal(layer.state) != "query":  # decided as the hook would have
+        step = layer._feed(layer.state, keys=pending.keys, values=pending.values)
+        layer.state = layer._after_call(step.state, L)
+        return
+    refuse_without_queries(
+        layer,
+        pending,
+        f"a call of {layer.serves or 'this layer'} came without them: the attention hook "
+        "never saw it "
+        "(KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
+        "attention by hand)",
+    )
+    if layer.policy.name not in _warned_no_hook:
+        _warned_no_hook.add(layer.policy.name)
+        warnings.warn(
+            f"a {layer.policy.name} cache was used without the attention hook "
+            "(KVCacheBuilder.for_model installs it): eviction fell back to signal 'key'.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    keyed = replace(layer.state, signal="key")
+    step = layer._feed(keyed, keys=pending.keys, values=pending.values)
+    layer.state = layer._after_call(replace(step.state, signal="query"), L)
+
+
+def refuse_without_queries(layer: Any, pending: Waiting, why: str) -> None:
+    """A policy scoring by the true queries without a ``signal`` setting has no key
+    stand-in (Expected Attention's statistics are the queries'): ``ValueError`` saying
+    ``why`` the queries are missing; the call stays pending."""
+    if "signal" in layer.state.settings:
+        return
+    layer.pending = pending
+    raise ValueError(
+        f"{layer.policy.name} needs the true queries (it has no signal='key' stand-in), "
+        f"but {why}; serve this model with another method"
+    )
