@@ -55,10 +55,10 @@ _STORE = ("slots", "lanes")
 
 
 @cache
-def _state_fields(state_type: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _state_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(settings, running fields the rule may read) of a state type."""
-    running = tuple(n for n in running_fields(state_type) if n not in _COUNTERS + _STORE)
-    return setting_fields(state_type), running
+    running = tuple(n for n in running_fields(cls) if n not in _COUNTERS + _STORE)
+    return setting_fields(cls), running
 
 
 def _running_kind(value: Any) -> str | None:
@@ -108,7 +108,7 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | N
             return None
     if not isinstance(slots.keys, mx.array) or not isinstance(slots.values, mx.array):
         return None
-    settings, running = _state_fields(_type_of(state))
+    settings, running = _state_fields(state_type(state))
     kinds = tuple(_running_kind(getattr(state, name)) for name in running)
     if "other" in kinds:
         return None
@@ -116,7 +116,7 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | N
     key = (policy.name, values, kinds, queries_needed)
     found = _KERNELS.get(key)
     if found is None:
-        names = running_names(_type_of(state))
+        names = running_names(state_type(state))
         query = policy.traits.signal(state) == "query"
         found = _KERNELS[key] = Kernels(key, queries_needed, query, running, names, {}, {})
     return found
@@ -295,7 +295,8 @@ def decide_kernel(
     return kernel
 
 
-def _type_of(state: Any) -> Any:
+def state_type(state: Any) -> Any:
+    """``type(state)``, typed as ``Any`` (a cache key for the ``functools.cache``d lookups)."""
     return type(state)
 
 
@@ -336,7 +337,7 @@ def state_of(
     return fresh(template, slots=slots, offset=offset, tokens_seen=tokens_seen, **fields)
 
 
-def joined_kernel(
+def _joined_kernel(
     keys: Any,
     values: Any,
     positions: mx.array,
@@ -349,4 +350,16 @@ def joined_kernel(
     return R.concat([live.keys, new_keys], axis=2), R.concat([live.values, new_values], axis=2)
 
 
-joined = mx.compile(joined_kernel)
+_joined = mx.compile(_joined_kernel)
+
+
+def retained_plus_new(slots: KVSlots, keys: Any, values: Any) -> tuple[Any, Any]:
+    """``retained + new``: ``slots``' live rows, then a call's ``keys``/``values``
+    ``[B, H_kv, L, D]`` (what a call that waits for its queries hands the model). With a dead
+    slot and full-precision rows (a verify chunk at the budget), one compiled call."""
+    if slots.free is not None and all(
+        isinstance(a, mx.array) for a in (slots.keys, slots.values, keys, values)
+    ):
+        return _joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
+    live = slots.compact()
+    return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)

@@ -43,7 +43,7 @@ from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.decode import Hot
 from velox_cache_core.decode import switch as DS
-from velox_cache_core.distributed import Group, Replay, StepSums, summing_over
+from velox_cache_core.distributed import Group, StepSums, summing_over
 from velox_cache_core.engine import Step, check_fits
 from velox_cache_core.in_flight import (
     SUBCHUNK,
@@ -334,12 +334,7 @@ class Layer:
             # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
             laid_out = slots.write_free(keys, values, self.state.offset)
             return laid_out.keys, laid_out.values
-        if slots.free is not None and all(
-            isinstance(a, mx.array) for a in (slots.keys, slots.values, keys, values)
-        ):  # a verify chunk at the budget: the same ops, one compiled call
-            return FS.joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
-        live = slots.compact()
-        return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)
+        return FS.retained_plus_new(slots, keys, values)
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -347,7 +342,7 @@ class Layer:
         hot = self.hot
         if hot is not None:  # decoding (velox_cache_core.decode)
             if hot.chunk is not None:
-                return DS.attend_chunk(self, hot, queries, scale, sinks)
+                return DS.attend_chunk(self, queries, scale, sinks)
             out = hot.attend(queries, scale, sinks)
             if out is not None:
                 return out
@@ -371,19 +366,8 @@ class Layer:
             return mx.concatenate(outs, axis=2)
         raise RuntimeError("attend() called before update_and_fetch()")
 
-    def attend_rows(
-        self,
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        *,
-        scale: float,
-        scores: mx.array | None = None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        """Attention over the model's own keys and values derived from what :meth:`lay_out`
-        returned (:func:`velox_cache_core.without_queries.attend_rows`)."""
-        return WQ.attend_rows(self, queries, keys, values, scale=scale, scores=scores, sinks=sinks)
+    # attention over the model's own derived rows (velox_cache_core.without_queries)
+    attend_rows = WQ.attend_rows
 
     def _decide_waiting(
         self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
@@ -420,10 +404,8 @@ class Layer:
         return mx.concatenate(outs, axis=2)
 
     # -- 3. settle with the group's sums, or without the queries -------------------------------
-    def finish(self, replay: Replay) -> list[mx.array]:
-        """Decide the deferred step with the group's sums (:func:`velox_cache_core.
-        step_sums.finish`); its new arrays, to evaluate with the forward pass."""
-        return SS.finish(self, replay)
+    # a deferred decode step decided with the group's sums (velox_cache_core.step_sums)
+    finish = SS.finish
 
     def settle(self) -> None:
         """Settle whatever is pending: a deferred step's sums are sent now (a collective:

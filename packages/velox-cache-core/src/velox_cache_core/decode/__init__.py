@@ -19,10 +19,10 @@ layer (``cool``: :class:`velox_cache_core.layer.Layer` does it whenever its ``st
 ``log`` or ``pending`` is read). What a store computes is what the general path computes (the
 kernels are its code traced once), bit for bit: ``tests/test_fast_step.py``.
 
-Both stores answer the same calls: ``write`` (a decode token), ``lay_out_chunk`` and
-``attend_chunk`` (a short chunk as decode steps), ``attend``, ``cool``, and the fields
-``offset``, ``flight``, ``chunk``, ``decided``, ``steady``, ``stepped``, ``shared``,
-``mirror``.
+Both stores answer the same calls (``write`` a decode token, ``lay_out_chunk``, ``attend``,
+``cool``, ``arrays``) and share their counters, the call in flight and the raw undo entries
+(:class:`~velox_cache_core.decode.store.Store`); only an evicting store lays out a short chunk
+and runs it as decode steps (``attend_chunk``).
 """
 
 from velox_cache_core.decode.appending import Appending

@@ -9,7 +9,6 @@ buffers here instead of a new frozen store, state and entry per token.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import mlx.core as mx
@@ -17,70 +16,28 @@ import mlx.core as mx
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.attention import compiled_row
 from velox_cache_core.declarations import fresh
+from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
+from velox_cache_core.fast_step import state_type
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog, running_names
 
 
-class Appending:
+class Appending(Store):
     """One layer's rows between decode steps of an appending state: the buffers ``[B, H_kv,
     R, D]`` (positions ``[B, H_kv, R]``) whose first ``n`` rows are the store."""
 
-    __slots__ = (
-        "base_log",
-        "buffers",
-        "chunk",
-        "decided",
-        "entries",
-        "flight",
-        "heads",
-        "here",
-        "keys",
-        "mirror",
-        "n",
-        "offset",
-        "running",
-        "shared",
-        "steady",
-        "stepped",
-        "template",
-        "token",
-        "tokens_seen",
-        "values",
-    )
+    __slots__ = ("buffers", "n", "running")
 
     def __init__(self, state: Any, log: UndoLog | None) -> None:
+        super().__init__(state, log)
         slots = state.slots
         room = slots.reserve
         assert room is not None and slots.has_room(1)
-        self.template = state
         self.buffers = (room.keys, room.values, room.positions)
-        self.keys, self.values = slots.keys, slots.values
         self.n = slots.n_slots
-        self.offset = int(state.offset)
-        self.tokens_seen = int(state.tokens_seen)
-        shape = slots.positions.shape
-        self.heads = shape[0] * shape[1]
         # the running fields an appended token leaves as they were (undo keeps them per entry)
-        names = running_names(_type_of(state))
-        self.running = {name: getattr(state, name) for name in names}
-        self.token = (
-            (shape[0], shape[1], 1, slots.keys.shape[3]),
-            (shape[0], shape[1], 1, slots.values.shape[3]),
-            slots.keys.dtype,
-            slots.values.dtype,
-        )
-        self.base_log = log
-        self.entries: deque[tuple[int, int, int]] | None = (
-            None if log is None else deque(maxlen=log.window)
-        )
-        self.flight = self.chunk = None
-        self.shared: tuple[Any, Any] | None = None
-        self.decided: tuple[Any, Any] | None = None
-        self.stepped: list[tuple[int, int, Step]] = []
-        self.steady = True
-        self.mirror: dict[str, Any] | None = None
-        self.here = mx.default_device() == mx.cpu
+        self.running = {name: getattr(state, name) for name in running_names(state_type(state))}
 
     @property
     def idle(self) -> bool:
@@ -138,9 +95,6 @@ class Appending:
         """Chunks take the general path."""
         return None
 
-    def attend_chunk(self, queries: Any, scale: Any, sinks: Any) -> tuple[list[mx.array], int]:
-        raise AssertionError("an appending store lays out no chunk")
-
     def attend(self, queries: Any, scale: Any, sinks: mx.array | None) -> mx.array | None:
         """``[B, H_q, 1, D]``: the appended token's queries (or a layer sharing this one's
         keys and values) over the store; ``None`` when nothing was laid out."""
@@ -160,27 +114,18 @@ class Appending:
     def cool(self) -> tuple[Any, UndoLog | None, tuple[Any, Any] | None, Step | None]:
         """(the frozen state, the undo log, ``None`` (no token waits for its queries), the
         step laid out whose attention has not come or ``None``)."""
-        if self.mirror is not None:
-            self.mirror.pop("offset", None)
-            self.mirror = None
+        log = self.leave(self._entry)
         buf_k, buf_v, buf_p = self.buffers
         slots = KVSlots.in_reserve(buf_k, buf_v, buf_p, self.n)
         state = fresh(self.template, slots=slots, offset=self.offset, tokens_seen=self.tokens_seen)
-        log = self.base_log
-        if log is None and self.entries is not None:  # the entries cover the whole window
-            log = UndoLog(self.entries.maxlen or 0)
-        if log is not None and self.entries:
-            for offset, tokens_seen, n_live in self.entries:
-                running = {**self.running, "offset": offset, "tokens_seen": tokens_seen}
-                entry = Entry(
-                    start=offset, length=1, running=running, slots_none=False, n_live=n_live
-                )
-                log = log.push(entry)
         decided = None
         if self.decided is not None:
             decided = Step(slots.keys, slots.values, None, state, log)
         return state, log, None, decided
 
-
-def _type_of(state: Any) -> Any:
-    return type(state)
+    def _entry(self, raw: tuple[int, int, int]) -> Entry:
+        """The undo entry the general path makes for an appended token: (offset, tokens seen,
+        the rows it came after)."""
+        offset, tokens_seen, n_live = raw
+        running = {**self.running, "offset": offset, "tokens_seen": tokens_seen}
+        return Entry(start=offset, length=1, running=running, slots_none=False, n_live=n_live)

@@ -9,14 +9,16 @@ same step, traced into one call when the whole chunk stays steady.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
 from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
 from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_queries, check_scale
@@ -26,7 +28,7 @@ from velox_cache_core.validation import check_queries, check_scale
 Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array]]
 
 
-class Evicting:
+class Evicting(Store):
     """One layer's rows between decode steps of an evicting policy (see the module doc).
 
     keys/values ``[B, H_kv, S, D]``, positions int32 ``[B, H_kv, S]``, free int32 ``[B, H_kv]``
@@ -37,73 +39,31 @@ class Evicting:
 
     __slots__ = (
         "ahead",
-        "base_log",
-        "chunk",
-        "decided",
-        "entries",
-        "flight",
         "free",
-        "heads",
-        "here",
         "kernels",
-        "keys",
-        "mirror",
-        "offset",
         "pins_at",
         "policy",
         "positions",
         "prefetch_next",
         "queries_rule",
         "running",
-        "shared",
-        "steady",
-        "stepped",
-        "template",
-        "token",
-        "tokens_seen",
-        "values",
     )
 
     def __init__(
         self, policy: Any, state: Any, log: UndoLog | None, kernels: FS.Kernels, at_once: bool
     ) -> None:
+        super().__init__(state, log)
         slots = state.slots
         self.policy = policy
         self.kernels = kernels
-        self.template = state
-        self.keys, self.values = slots.keys, slots.values
         self.positions, self.free = slots.positions, slots.free
         self.running = FS.flat_running(state, kernels.running)
         self.pins_at = kernels.running.index("pins")  # the pinned spans, an input of every write
-        self.offset = int(state.offset)
-        self.tokens_seen = int(state.tokens_seen)
-        shape = slots.positions.shape
-        self.heads = shape[0] * shape[1]
-        keys, values = slots.keys, slots.values
-        # a decode token's keys and values: shapes and dtypes
-        self.token = (
-            (shape[0], shape[1], 1, keys.shape[3]),
-            (shape[0], shape[1], 1, values.shape[3]),
-            keys.dtype,
-            values.dtype,
-        )
-        self.base_log = log
-        self.entries: deque[Raw] | None = None if log is None else deque(maxlen=log.window)
         self.prefetch_next = log is not None and policy.evict_before is not None
         self.ahead: list[mx.array] | None = None  # [slot, keys, values, positions]
         # the rule scores with the true queries (unless decided at once); on the CPU without
         # sinks the decision kernel attends too
         self.queries_rule = kernels.query_signal and not at_once
-        self.here = mx.default_device() == mx.cpu
-        self.flight: tuple[Any, ...] | None = None
-        self.chunk: tuple[mx.array, mx.array] | None = None
-        self.decided: Step | None = None
-        self.shared: tuple[Any, Any] | None = None
-        self.stepped: list[tuple[int, int, Step]] = []
-        self.steady = True
-        # a dict whose "offset" this path keeps equal to the layer's offset while it decodes
-        # (the mlx-lm cache's, so that the model's reads of it cost no call); dropped on cool
-        self.mirror: dict[str, Any] | None = None
 
     @property
     def idle(self) -> bool:
@@ -125,19 +85,17 @@ class Evicting:
 
     # -- a decode token ---------------------------------------------------------------------------
     def fits(self, keys: Any, values: Any) -> bool:
-        """Whether ``keys``/``values`` match the store exactly (shapes but the row count,
-        dtypes), full-precision arrays."""
+        """Whether ``keys``/``values`` ``[B, H_kv, L, D]`` are full-precision arrays of a
+        decode token's shapes but the row count ``L``, and dtypes (:attr:`token`)."""
         if keys.__class__ is not mx.array or values.__class__ is not mx.array:
             return False
-        held_k, held_v = self.keys, self.values
-        ks, vs, hk = keys.shape, values.shape, held_k.shape
-        return (
-            ks[:2] == hk[:2]
-            and ks[3] == hk[3]
-            and vs[:3] == ks[:3]
-            and vs[3] == held_v.shape[3]
-            and keys.dtype == held_k.dtype
-            and values.dtype == held_v.dtype
+        k_shape, v_shape, k_dtype, v_dtype = self.token
+        L = keys.shape[2]
+        return (keys.shape, values.shape, keys.dtype, values.dtype) == (
+            (*k_shape[:2], L, k_shape[3]),
+            (*v_shape[:2], L, v_shape[3]),
+            k_dtype,
+            v_dtype,
         )
 
     def write(self, keys: Any, values: Any, decide: bool = True) -> tuple[Any, Any] | None:
@@ -226,7 +184,8 @@ class Evicting:
             return attend_step(queries, Step(shared[0], shared[1], None, None), scale, sinks)
         if self.stepped:
             outs = [
-                attend_step(queries[:, :, a:b], step, scale, sinks) for a, b, step in self.stepped
+                attend_step(queries[:, :, a:b], replace(step, probs=None), scale, sinks)
+                for a, b, step in self.stepped
             ]
             return mx.concatenate(outs, axis=2)
         return None
@@ -310,10 +269,8 @@ class Evicting:
         if self.mirror is not None:
             self.mirror["offset"] = self.offset + int(keys.shape[2])
         self.stepped = []
-        free = self.free
-        if free is None:
-            return FS.joined_kernel(self.keys, self.values, self.positions, None, keys, values)
-        return FS.joined(self.keys, self.values, self.positions, free, keys, values)
+        store = FS.slots_of(self.keys, self.values, self.positions, self.free)
+        return FS.retained_plus_new(store, keys, values)
 
     def attend_chunk(
         self, queries: Any, scale: Any, sinks: mx.array | None
@@ -350,25 +307,23 @@ class Evicting:
         return self._attended(taken, queries, scale, sinks), len(taken)
 
     def _step_out(self, decided: tuple[Any, Any, Any]) -> Any:
+        """Keep a chunk's step (the store it attended over, for query row ``i``, its ``i``-th)
+        in :attr:`stepped`; its output."""
         values, out, probs = decided
-        self.stepped.append((0, 0, Step(self.keys, values, None, None, probs=probs)))
+        i = len(self.stepped)
+        self.stepped.append((i, i + 1, Step(self.keys, values, None, None, probs=probs)))
         return out
 
     def _attended(
         self, outs: list[mx.array | None], queries: mx.array, scale: float, sinks: Any
     ) -> list[mx.array]:
-        """Each taken step's output (attending those whose kernel did not), and the query
-        rows ``[i, i + 1)`` of each step in :attr:`stepped`."""
-        done = []
-        stepped = []
-        for i, (out, (_, _, step)) in enumerate(zip(outs, self.stepped, strict=True)):
-            if out is None:
-                q = mx.contiguous(queries[:, :, i : i + 1])
-                out = attend_step(q, step, scale, sinks)
-            done.append(out)
-            stepped.append((i, i + 1, Step(step.keys, step.values, None, None)))
-        self.stepped = stepped
-        return done
+        """Each taken step's output, attending those whose kernel did not."""
+        return [
+            attend_step(mx.contiguous(queries[:, :, a:b]), step, scale, sinks)
+            if out is None
+            else out
+            for out, (a, b, step) in zip(outs, self.stepped, strict=True)
+        ]
 
     def _run_steps(
         self,
@@ -425,10 +380,8 @@ class Evicting:
         """(the frozen state, the undo log, the token or chunk laid out and still waiting for
         its queries (keys, values) or ``None``, the step decided at lay-out whose attention
         has not come or ``None``): what the general path holds for this layer now."""
-        if self.mirror is not None:
-            self.mirror.pop("offset", None)
-            self.mirror = None
         kernels = self.kernels
+        log = self.leave(functools.partial(_entry, kernels))
         state = FS.state_of(
             self.template,
             kernels,
@@ -437,12 +390,6 @@ class Evicting:
             self.tokens_seen,
             self.running,
         )
-        log = self.base_log
-        if log is None and self.entries is not None:  # the entries cover the whole window
-            log = UndoLog(self.entries.maxlen or 0)
-        if log is not None and self.entries:
-            for raw in self.entries:
-                log = log.push(_entry(kernels, raw))
         waiting = None
         if self.flight is not None:
             waiting = (self.flight[0], self.flight[1])

@@ -123,13 +123,13 @@ def waits_fast(layer: Any) -> bool:
     return layer.mode is Mode.QUERIES and mx.default_device() == mx.cpu
 
 
-def attend_chunk(
-    layer: Any, hot: Evicting, queries: mx.array, scale: float, sinks: mx.array | None
-) -> mx.array:
-    """``[B, H_q, L, D]``: a short chunk's tokens written, decided and attended one at a
-    time on the decode path; from a token whose step it does not take, the rest of the
-    chunk goes through the general path (sequential prefill, the same meaning)."""
-    assert hot.chunk is not None
+def attend_chunk(layer: Any, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+    """``[B, H_q, L, D]``: the short chunk in flight (only an evicting store lays one out)
+    written, decided and attended one token at a time on the decode path; from a token whose
+    step it does not take, the rest of the chunk goes through the general path (sequential
+    prefill, the same meaning)."""
+    hot = layer.hot
+    assert isinstance(hot, Evicting) and hot.chunk is not None
     keys, values = hot.chunk
     outs, taken = hot.attend_chunk(queries, scale, sinks)
     L = int(keys.shape[2])
