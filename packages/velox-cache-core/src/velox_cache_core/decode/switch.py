@@ -43,11 +43,15 @@ def lay_out_hot(layer: Any, keys: mx.array, values: mx.array) -> tuple[R.Rows, R
 
 
 def may_go_fast(layer: Any) -> bool:
-    """The decode path is on, nothing is in flight, and this layer decides alone (no
-    group, no shared sums), over full-precision rows."""
+    """Nothing is in flight and the layer's calls may take the decode path (:func:`_alone`)."""
+    return layer._pending is None and _alone(layer)
+
+
+def _alone(layer: Any) -> bool:
+    """The decode path is on, and this layer decides alone (no group, no shared sums, no
+    phase) over full-precision rows."""
     return (
         FS.ENABLED
-        and layer._pending is None
         and layer.phase is None
         and layer.quant is None
         and layer.mode is not Mode.STEP_SUMS
@@ -55,27 +59,34 @@ def may_go_fast(layer: Any) -> bool:
     )
 
 
+def _takes(layer: Any, state: Any, length: int) -> FS.Kernels | bool | None:
+    """Which store the decode path holds ``state`` in for its next call of ``length`` tokens:
+    ``True`` for an appending one (SnapKV after its cut, its prompt ended), the kernels of an
+    evicting one (:func:`velox_cache_core.fast_step.eligible`; a chunk only when it waits for
+    its queries, mode ``QUERIES``), or ``None`` when the path does not take the call."""
+    policy = layer.policy
+    if state.slots is None:
+        return None
+    if length == 1 and FS.appends(policy, state):
+        ended = policy.prompt_end is None or policy.end_prompt(state) is state
+        return True if ended else None
+    if policy.prompt_end is not None or (length > 1 and layer.mode is not Mode.QUERIES):
+        return None
+    return FS.eligible(policy, state, queries_needed=waits_fast(layer))
+
+
 def warm(layer: Any, length: int) -> bool:
     """Take the decode path (:class:`~velox_cache_core.decode.Hot`) from the state now
-    when its next call of ``length`` tokens is one the path takes: a decode step of an
-    eligible state (:func:`velox_cache_core.fast_step.eligible`) or, waiting for the true
-    queries, a short chunk of them."""
-    state, policy = layer._state, layer.policy
-    if state.slots is None:
+    when its next call of ``length`` tokens is one the path takes (:func:`_takes`)."""
+    state = layer._state
+    taken = _takes(layer, state, length)
+    if taken is None:
         return False
-    if length == 1 and FS.appends(policy, state):  # SnapKV after its cut
-        if policy.prompt_end is not None and policy.end_prompt(state) is not state:
-            return False  # the prompt has not ended yet
+    if taken is True:
         layer.hot = Appending(state, layer._log)
-        return True
-    if policy.prompt_end is not None:
-        return False
-    if length > 1 and layer.mode is not Mode.QUERIES:
-        return False
-    key = FS.eligible(layer.policy, state, queries_needed=waits_fast(layer))
-    if key is None:
-        return False
-    layer.hot = Evicting(layer.policy, state, layer._log, key, layer.mode is Mode.AT_ONCE)
+    else:
+        assert isinstance(taken, FS.Kernels)
+        layer.hot = Evicting(layer.policy, state, layer._log, taken, layer.mode is Mode.AT_ONCE)
     return True
 
 
@@ -101,17 +112,8 @@ def fast_path(layer: Any) -> bool:
     """Whether this layer's next decode step (a token of the store's shape, nothing in
     flight) takes the decode path (:mod:`velox_cache_core.decode`)."""
     if layer.hot is not None:
-        return layer.hot.steady
-    if not FS.ENABLED or layer.mode is Mode.STEP_SUMS or layer.group is not None:
-        return False
-    if layer.phase is not None or layer.quant is not None:
-        return False
-    state = layer.view()
-    if FS.appends(layer.policy, state):
-        return True
-    if layer.policy.prompt_end is not None:
-        return False
-    return FS.eligible(layer.policy, state, queries_needed=waits_fast(layer)) is not None
+        return bool(layer.hot.steady)
+    return _alone(layer) and _takes(layer, layer.view(), 1) is not None
 
 
 def waits_fast(layer: Any) -> bool:
