@@ -89,6 +89,7 @@ from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.rope_shift import Compaction, Rope, rotate
 from velox_cache_core.store.rows import quant_of
 from velox_cache_core.store.slots import KVSlots, stored_fields
+from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import KEY_LAYOUTS, QRows, Quant
 from velox_cache_core.undo import Entry, LaneStep, UndoLog, new_log
 from velox_cache_core.validation import check_choice, check_int
@@ -159,6 +160,8 @@ __all__ = [
     "Step",
     "StepSums",
     "StreamingLLMState",
+    "Tier",
+    "TierSpec",
     "TovaState",
     "TovaStep",
     "Traits",

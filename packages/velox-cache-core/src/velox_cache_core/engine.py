@@ -55,6 +55,9 @@ class Step:
     # [B, H_q, L, D_v]: the call's attention output, when the decision computed it (a step over
     # lanes that evict, velox_cache_core.lanes), so the caller does not attend again
     out: mx.array | None = None
+    # int32 [B, H_kv, n]: the positions of ``keys`` (the general engine's steps; a demoted
+    # tier scores the rows a call evicts by them, velox_cache_core.demoted)
+    positions: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -386,8 +389,26 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
         values = R.tie(candidates.values, entry.arrays())
-        return Step(candidates.keys, values, mask, after, log, decision.probs, state.lanes)
-    return Step(candidates.keys, candidates.values, mask, after, log, decision.probs, state.lanes)
+        return Step(
+            candidates.keys,
+            values,
+            mask,
+            after,
+            log,
+            decision.probs,
+            state.lanes,
+            positions=candidates.positions,
+        )
+    return Step(
+        candidates.keys,
+        candidates.values,
+        mask,
+        after,
+        log,
+        decision.probs,
+        state.lanes,
+        positions=candidates.positions,
+    )
 
 
 def _lane_token(

@@ -33,6 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import demoted as DM
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
 from velox_cache_core import lanes as LN
@@ -56,6 +57,7 @@ from velox_cache_core.in_flight import (
 from velox_cache_core.phase import Phase, compressor_of
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
+from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
 
@@ -69,7 +71,8 @@ class Layer:
     (mode ``STEP_SUMS``). ``quant``: store the rows quantized
     (:class:`~velox_cache_core.store.token_rows.Quant`): each call's keys and values are
     quantized as they arrive, so what the queries attend over and what the policy scores are
-    the same quantized rows.
+    the same quantized rows. ``demote``: keep the rows the policy evicts in a tier at fewer
+    bits (:class:`~velox_cache_core.store.tier.TierSpec`, :mod:`velox_cache_core.demoted`).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Layer:
         mode: Mode = Mode.QUERIES,
         group: Any = None,
         quant: Quant | None = None,
+        demote: TierSpec | None = None,
     ) -> None:
         if quant is not None and not isinstance(quant, Quant):
             raise TypeError(f"quant must be a Quant or None, got {type(quant).__name__}")
@@ -101,6 +105,9 @@ class Layer:
         self.mode: Mode = mode
         self.group = group
         self.quant = quant
+        self.demote = DM.check(policy, state, mode, demote)
+        self.tier: Tier | None = None  # the demoted rows (velox_cache_core.demoted)
+        self.shared_tier: Tier | None = None  # the tier the last call attended
         self.sums: StepSums | None = None
         self.index = 0
         self.phase: Phase | None = None
@@ -145,6 +152,8 @@ class Layer:
         if group is not None and not isinstance(group, Group):
             raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
         self.settle()
+        if self.demote is not None and group is not None and group.size() > 1:
+            raise ValueError(DM.NO_GROUP)
         self.group = None if group is None or group.size() == 1 else group
         self.sums = None
         if self.mode is Mode.STEP_SUMS:
@@ -154,6 +163,8 @@ class Layer:
         """Mode ``STEP_SUMS`` through ``sums`` (over this layer's group) as layer ``index``
         (``None``: back to ``QUERIES``)."""
         if sums is not None:
+            if self.demote is not None:
+                raise ValueError(DM.NO_GROUP)
             if not isinstance(sums, StepSums):
                 raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
             if sums.group is not self.group:
@@ -317,7 +328,11 @@ class Layer:
         per head) or a state scoring by the true queries, unless the mode decides at once."""
         if self.mode is Mode.AT_ONCE:
             return False
-        return length > 1 or self.policy.traits.signal(self.state) == "query"
+        return (
+            length > 1
+            or self.demote is not None
+            or self.policy.traits.signal(self.state) == "query"
+        )
 
     def _wait(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
         check_fits(self.state.slots, keys, values)
@@ -356,6 +371,8 @@ class Layer:
             self.last = pending.step
             return attend_step(queries, pending.step, scale, sinks)
         self.pending = pending
+        if self.last is not None and self.demote is not None:  # ... with a tier
+            return DM.attend(queries, self.last, self.shared_tier, scale, sinks)[0]
         if self.last is not None:  # a layer sharing this one's keys and values
             return attend_step(queries, replace(self.last, probs=None), scale, sinks)
         if self.stepped:  # a short chunk run as steps: each query row over its own step
@@ -374,6 +391,8 @@ class Layer:
     ) -> mx.array:
         keys, values = pending.keys, pending.values
         L = int(keys.shape[2])
+        if self.demote is not None:
+            return DM.decide(self, pending, queries, scale, sinks)
         if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
             return self._attend_subchunks(pending, queries, scale, sinks)
         if L == 1 and self.mode is Mode.STEP_SUMS:
@@ -426,6 +445,9 @@ class Layer:
                 "evict it consistently with the model's other uses of it; serve this model "
                 "with method='full'"
             )
+        if self.demote is not None:
+            self.pending = pending
+            raise RuntimeError(DM.NEEDS_HOOK.format(name=self.policy.name))
         if self.policy.traits.hides_rows(self.state) or self.state.lanes is not None:
             # The model attended by itself: over rows only the hook's masks hide, or without
             # the rows an adaptive allocation keeps per head (lanes), which only it reads.
@@ -505,7 +527,8 @@ class Layer:
     def take_cut(self, state: Any) -> None:
         """Take ``state``, this layer cut by a model-wide allocation or a model-driven phase
         (the cut cannot be undone: the log is cleared)."""
-        self.state = state
+        before, self.state = self.state, state
+        DM.cut(self, before)
         self._forget_call()
         if self.log is not None:
             self.log = self.log.cleared()
@@ -529,7 +552,9 @@ class Layer:
     def end_prompt(self) -> None:
         """End the prompt now (a no-op for policies without a prompt-end step)."""
         self.settle()
-        self.state = self._end_prompt(self.state)
+        before = self.state
+        self.state = self._end_prompt(before)
+        DM.cut(self, before)
         self._forget_call()
 
     def pin(self, start: int, stop: int) -> None:
@@ -544,6 +569,8 @@ class Layer:
         """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
         log does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned."""
         self.settle()
+        if self.demote is not None:
+            raise ValueError(DM.NO_TRIM.format(name=self.policy.name))
         if self.log is None:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"

@@ -154,6 +154,8 @@ class LayerBatch:
         group = rows[0].group
         if any(not row.quiet or row.group is not group for row in rows):
             return False
+        if rows[0].demote is not None:
+            return False  # each row's tier holds what that row evicted: unpacked
         states = [row.state for row in rows]
         if any(s.slots is not None and isinstance(s.slots.keys, KRows) for s in states):
             return False  # per-channel keys group as each row's own history goes: unpacked
@@ -212,7 +214,8 @@ class LayerBatch:
         below their budget also hold the padding slots that align them)."""
         if self._packed is not None:
             return int(self._packed.state.nbytes)
-        return sum(int(row.view().nbytes) for row in self._rows)
+        tiers = sum(0 if row.tier is None else row.tier.nbytes for row in self._rows)
+        return sum(int(row.view().nbytes) for row in self._rows) + tiers
 
     @property
     def undo_nbytes(self) -> int:
@@ -476,10 +479,16 @@ def _row_stats(row: Layer) -> dict[str, int]:
     """One unpacked row's stats (as ``LayerBatch.row_stats`` gives them)."""
     state = row.view()
     undo = 0 if row.log is None else row.log.nbytes
-    return {
+    tier = row.tier
+    stats = {
         "tokens_seen": row.offset,
         "tokens_kept": int(state.tokens_kept),
         "pinned_tokens": seen_pinned(state.pins, row.offset),
         "kv_bytes": int(state.nbytes),
         "cache_bytes": int(state.held_nbytes) + undo,
     }
+    if tier is not None:  # the demoted tier (velox_cache_core.demoted): its rows and bytes
+        stats["demoted_tokens"] = tier.n_rows
+        stats["kv_bytes"] += tier.nbytes
+        stats["cache_bytes"] += tier.nbytes
+    return stats

@@ -13,7 +13,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from velox_cache_core import undo
 from velox_cache_core.declarations import Compressor, PolicyState, Setting, Traits, policy_settings
@@ -96,6 +96,11 @@ class Policy:
     state is past its prompt end, where a decode step keeps every token and reads neither its
     queries nor its running fields; the decode path then appends the token into the store's
     reserved rows with no decision at all (:class:`velox_cache_core.decode.Appending`)."""
+    demote_scoring: Literal["weights", "accumulated", "recency"] = "weights"
+    """How a demoted tier ranks the rows this policy evicts into it
+    (:data:`velox_cache_core.store.tier.SCORING`): the last weight the call's query gave
+    them (a memoryless rule), the weights summed over every call (H2O's inertia), or their
+    position (StreamingLLM: the newest stay)."""
 
     @property
     def prompt_end_needs_model(self) -> bool:
@@ -216,6 +221,8 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, Mapping) and all(
             _matches(k, key) and _matches(v, item) for k, v in value.items()
         )
+    if origin is Literal:
+        return value in typing.get_args(hint)
     if hint is bool:
         return isinstance(value, bool)
     return isinstance(value, hint)

@@ -54,6 +54,7 @@ def _alone(layer: Any) -> bool:
         FS.ENABLED
         and layer.phase is None
         and layer.quant is None
+        and layer.demote is None
         and layer.mode is not Mode.STEP_SUMS
         and layer.group is None
     )

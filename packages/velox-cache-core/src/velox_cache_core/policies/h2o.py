@@ -188,5 +188,6 @@ H2O = Policy(
         "across every head of every layer",
         "allocation_floor": "a head's least share under head allocation, a fraction of budget",
     },
+    demote_scoring="accumulated",
 )
 h2o_update = H2O.update

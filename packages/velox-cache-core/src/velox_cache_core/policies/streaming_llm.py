@@ -103,5 +103,6 @@ STREAMING_LLM = Policy(
         "streaming_llm": "keeps the first tokens and a sliding window of the latest (StreamingLLM)",
     },
     help={"budget": "tokens kept: sinks plus the latest", "n_sink": "first positions kept"},
+    demote_scoring="recency",
 )
 streaming_llm_update = STREAMING_LLM.update

@@ -1,0 +1,236 @@
+"""A layer's demoted tier at work (the store: :mod:`velox_cache_core.store.tier`).
+
+With a tier, every call of a :class:`~velox_cache_core.layer.Layer` waits for its queries and
+runs on the general engine. For each call (each sub-chunk of a sequential prefill):
+
+1. The policy decides over its candidates exactly as without a tier (the main rows a tier
+   holds beside are the rows the same policy keeps without one).
+2. The call's queries attend over the candidates (the policy's mask) and the tier's rows in
+   one softmax: ``[B, H_q, L, D_v]``. Every tier row precedes the call, so every query sees
+   all of them. The rows' weights in that softmax are the tier's scores.
+3. The rows the state no longer holds (the rows the call found plus its new ones, less the
+   rows kept) are demoted: quantized into the tier with the weight the call's last query gave
+   them (summed over the call's queries for ``accumulated``; their position for
+   ``recency``). The tier then drops its lowest-scored rows beyond its budget.
+
+A cut outside a call (SnapKV's prompt end, KVzip's pass) demotes its victims with score 0
+(the tier keeps the newest of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core.engine import Step
+from velox_cache_core.in_flight import SUBCHUNK, Waiting
+from velox_cache_core.scoring import grouped_logits
+from velox_cache_core.store import rows as R
+from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.tier import Tier, TierSpec, demote
+
+NEEDS_HOOK = (
+    "this {name} cache demotes evicted rows into a tier that only the attention hook attends "
+    "(velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model does), and the "
+    "last call ran without it"
+)
+
+NO_TRIM = (
+    "cannot trim a {name} cache with a demoted tier (demote_bits): the tier keeps no undo "
+    "log yet, so trims and speculative decoding need demote_bits=None"
+)
+NO_GROUP = (
+    "a demoted tier (demote_bits) decides on one process: tensor-parallel sharding of a "
+    "cache with a tier is not supported (pipeline stages are)"
+)
+
+
+def check(policy: Any, state: Any, mode: Any, spec: TierSpec | None) -> TierSpec | None:
+    """``spec`` ranking rows as ``policy`` declares (``Policy.demote_scoring``);
+    ``TypeError``/``ValueError`` unless a layer of ``policy`` in ``mode`` can hold it
+    (``None``: no tier)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, TierSpec):
+        raise TypeError(f"demote must be a TierSpec or None, got {type(spec).__name__}")
+    if state.allocation != "uniform":
+        raise ValueError(
+            f"a demoted tier (demote_bits) works with allocation='uniform', got "
+            f"allocation={state.allocation!r} ({policy.name}): heads keeping different row "
+            "counts have no tier yet"
+        )
+    if mode.name == "AT_ONCE":
+        raise ValueError("a demoted tier is attended by the hook: mode AT_ONCE cannot hold one")
+    return replace(spec, scoring=policy.demote_scoring)
+
+
+def attend(
+    queries: mx.array, step: Step, tier: Tier | None, scale: float, sinks: mx.array | None
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """``queries [B, H_q, L, D]`` over the step's candidates (its mask applied) and ``tier``
+    in one softmax: (output ``[B, H_q, L, D_v]``, weights over the candidates and over the
+    tier, float32 ``[B, H_kv, H_q / H_kv, L, n or T]``). ``sinks``: per-head sink logits
+    ``[H_q]``, in the normalizer only."""
+    B, H_q, L, _ = queries.shape
+    H_kv = int(step.keys.shape[1])
+    g = H_q // H_kv
+    main = grouped_logits(queries, step.keys, scale, "head")  # [B, H_kv, g, L, n]
+    n = int(main.shape[-1])
+    if step.mask is not None:
+        main = mx.where(_visible(step.mask, H_q, H_kv, L, n), main, mx.finfo(mx.float32).min)
+    parts = [main]
+    T = 0 if tier is None else tier.n_rows
+    if tier is not None and T:
+        parts.append(grouped_logits(queries, tier.keys, scale, "head"))
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, H_kv, g, 1, 1)
+        parts.append(mx.broadcast_to(sink, (B, H_kv, g, L, 1)))
+    logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    p_main = probs[..., :n]
+    out = _times_values(p_main, step.values)
+    p_tier = None
+    if tier is not None and T:
+        p_tier = probs[..., n : n + T]
+        out = out + _times_values(p_tier, tier.values)
+    D_v = int(out.shape[-1])
+    return out.reshape(B, H_q, L, D_v).astype(queries.dtype), p_main, p_tier
+
+
+def _visible(mask: mx.array, H_q: int, H_kv: int, L: int, n: int) -> mx.array:
+    """A step's bool mask ``[B, H, L, n]`` (``H`` = 1, ``H_kv`` or ``H_q``) grouped as the
+    logits are: ``[B, H_kv or 1, H_q / H_kv or 1, L, n]``."""
+    B, H = int(mask.shape[0]), int(mask.shape[1])
+    if H_q == H and H_q != H_kv:
+        return mask.reshape(B, H_kv, H_q // H_kv, L, n)
+    return mask.reshape(B, H, 1, L, n)
+
+
+def _times_values(probs: mx.array, values: R.Rows) -> mx.array:
+    """``probs [B, H_kv, g, L, n]`` times each KV head's values: ``[B, H_kv, g, L, D_v]``."""
+    if isinstance(values, R.QUANTIZED):
+        return values.matmul(probs.astype(values.dtype), transpose=False)
+    return probs.astype(values.dtype) @ values[:, :, None]
+
+
+def scores_of(spec: TierSpec, probs: mx.array) -> mx.array:
+    """Per KV head ``[B, H_kv, m]``: the weights ``probs [B, H_kv, g, L, m]`` gave each row,
+    averaged over the head's queries; the last query's, or summed over the call's queries
+    (``accumulated``)."""
+    per_head = probs.mean(axis=2)
+    return per_head.sum(axis=2) if spec.scoring == "accumulated" else per_head[:, :, -1]
+
+
+def victims(
+    before: KVSlots | None,
+    keys: R.Rows | None,
+    values: R.Rows | None,
+    start: int,
+    after: KVSlots | None,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The rows ``before`` held and the call's new ``keys``/``values`` (positions ``start``
+    on) that ``after`` does not: full-precision keys, values ``[B, H_kv, V, D]`` and positions
+    ``[B, H_kv, V]`` in the order they came; ``None`` when nothing went."""
+    ks, vs, ps = [], [], []
+    if before is not None:
+        live = before.compact()
+        ks.append(R.dense(live.keys))
+        vs.append(R.dense(live.values))
+        ps.append(live.positions)
+    if keys is not None and values is not None and int(keys.shape[2]):
+        B, H, L = (int(s) for s in keys.shape[:3])
+        ks.append(R.dense(keys))
+        vs.append(R.dense(values))
+        ps.append(mx.broadcast_to(start + mx.arange(L, dtype=mx.int32), (B, H, L)))
+    if not ps:
+        return None
+    positions = ps[0] if len(ps) == 1 else mx.concatenate(ps, axis=2)
+    N = int(positions.shape[2])
+    kept_n = 0 if after is None else after.n_kept
+    V = N - kept_n
+    if V <= 0:
+        return None
+    if after is None:
+        gone = mx.ones(positions.shape, dtype=mx.bool_)
+    else:
+        held = after.compact().positions
+        gone = ~(positions[..., :, None] == held[..., None, :]).any(axis=-1)
+    index = mx.arange(N, dtype=mx.int32)
+    order = mx.argsort(mx.where(gone, index, index + N), axis=-1)[..., :V]
+    key_rows = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+    value_rows = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+    return (
+        mx.take_along_axis(key_rows, order[..., None], axis=2),
+        mx.take_along_axis(value_rows, order[..., None], axis=2),
+        mx.take_along_axis(positions, order, axis=2),
+    )
+
+
+def demote_gone(
+    spec: TierSpec,
+    tier: Tier | None,
+    before: Any,
+    after: Any,
+    keys: R.Rows | None = None,
+    values: R.Rows | None = None,
+    weights: tuple[mx.array, mx.array] | None = None,
+) -> Tier | None:
+    """``tier`` with what went between states ``before`` and ``after`` demoted into it
+    (a call's new ``keys``/``values`` included); ``weights``: the call's scores of its
+    candidates ``[B, H_kv, n]`` and their positions, else the rows score 0."""
+    gone = victims(before.slots, keys, values, before.offset, after.slots)
+    if gone is None:
+        return tier
+    k, v, p = gone
+    if spec.scoring == "recency":
+        s = p.astype(mx.float32)
+    elif weights is None:
+        s = mx.zeros(p.shape, dtype=mx.float32)
+    else:
+        w, at = weights
+        s = (w[:, :, None, :] * (p[..., None] == at[:, :, None, :])).sum(axis=-1)
+    return demote(spec, tier, k, v, p, s)
+
+
+def decide(
+    layer: Any, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+) -> mx.array:
+    """A waiting call decided with its queries, attended with the tier and its victims
+    demoted (a sequential prefill in sub-chunks, as without a tier)."""
+    spec: TierSpec = layer.demote
+    keys, values = pending.keys, pending.values
+    L = int(keys.shape[2])
+    size = L
+    if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
+        size = SUBCHUNK
+    outs = []
+    for s in range(0, L, size):
+        part = slice(s, s + size)
+        q, k, v = queries[:, :, part], keys[:, :, part], values[:, :, part]
+        before = layer.state
+        step = layer._feed(before, keys=k, values=v, queries=q, scale=scale)
+        tier = layer.tier
+        out, p_main, p_tier = attend(q, step, tier, scale, sinks)
+        if tier is not None and p_tier is not None and spec.scoring != "recency":
+            w = scores_of(spec, p_tier)
+            tier = tier.rescored(tier.scores + w if spec.scoring == "accumulated" else w)
+        at = step.positions
+        weights = None if at is None else (scores_of(spec, p_main), at)
+        layer.shared_tier = layer.tier  # a layer sharing these rows attends as this call did
+        layer.tier = demote_gone(spec, tier, before, step.state, k, v, weights)
+        layer.state = step.state
+        layer.last = step
+        outs.append(out)
+    ended = layer.state
+    layer.state = layer._after_call(ended, L)
+    cut(layer, ended)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def cut(layer: Any, before: Any) -> None:
+    """Demote what a cut outside a call (a prompt end, a model-driven pass) took from
+    ``before`` to the layer's state now."""
+    if layer.demote is not None and layer.state is not before:
+        layer.tier = demote_gone(layer.demote, layer.tier, before, layer.state)
