@@ -37,6 +37,7 @@ class KVCacheFactory:
             group=group,
             mode=mode,
             quant=config.quant,
+            demote=config.demote,
             **config.settings(),
         )
 
@@ -93,6 +94,11 @@ class KVCacheBuilder:
         context = _compact_context(model, config, reached)
         if not reached:
             _refuse_quantized(model, config)
+            if config.demote is not None:
+                raise ValueError(
+                    f"{type(model).__module__} computes attention by hand, where the hook "
+                    "cannot attend the demoted tier: use demote_bits=None with this model"
+                )
             config = _without_queries(model, config)
         # Decided once: without the hook no query ever comes back, so every call is decided
         # as it is laid out; with it, calls wait for their queries.

@@ -29,6 +29,7 @@ from velox_cache_core import (
     Quant,
     Rope,
     StepSums,
+    TierSpec,
     new_log,
     rotate,
     seen_pinned,
@@ -37,7 +38,7 @@ from velox_cache_core import (
 from velox_mlx_lm.base import VeloxKVCache, additive, fetched_as_is, for_mlx
 from velox_mlx_lm.batch_cache import BatchVeloxKVCache, merge
 from velox_mlx_lm.positions import COMPACT_POLICIES, shift_layer
-from velox_mlx_lm.prompt_state import decode, encode, quant_of_state
+from velox_mlx_lm.prompt_state import decode, encode, load_tier, quant_of_state, tier_state
 
 # Tokens a cache can take back by default: mlx-lm's speculative decoding trims up to
 # num_draft_tokens (2 by default, 3 on its command line) per round.
@@ -91,11 +92,12 @@ class PolicyKVCache(VeloxKVCache):
         group: Any = None,
         mode: Mode = Mode.QUERIES,
         quant: Quant | None = None,
+        demote: TierSpec | None = None,
         **settings: Any,
     ) -> None:
         state = self._policy.init(**settings)
-        log = new_log(trim_window)
-        self._layer = Layer(self._policy, state, log, mode=mode, quant=quant)
+        log = None if demote is not None else new_log(trim_window)  # a tier keeps no undo log
+        self._layer = Layer(self._policy, state, log, mode=mode, quant=quant, demote=demote)
         self.group = group
 
     @classmethod
@@ -303,7 +305,20 @@ class PolicyKVCache(VeloxKVCache):
 
     @property
     def nbytes(self) -> int:
-        return int(self._layer.view().nbytes)
+        """Bytes of the rows kept: the main rows and the demoted tier's."""
+        return int(self._layer.view().nbytes) + self.tier_nbytes
+
+    @property
+    def tier_nbytes(self) -> int:
+        """Bytes of the demoted tier (keys, values, positions and scores; 0 without one)."""
+        tier = self._layer.tier
+        return 0 if tier is None else tier.nbytes
+
+    @property
+    def demoted_tokens(self) -> int:
+        """Rows per (batch row, KV head) in the demoted tier (0 without one)."""
+        tier = self._layer.tier
+        return 0 if tier is None else tier.n_rows
 
     @property
     def positions(self) -> mx.array | None:
@@ -348,7 +363,7 @@ class PolicyKVCache(VeloxKVCache):
     def held_nbytes(self) -> int:
         """Every byte the cache holds: the state's (rows held, their positions, running
         arrays) and the undo log's."""
-        held = int(self._layer.view().held_nbytes) + self.undo_nbytes
+        held = int(self._layer.view().held_nbytes) + self.undo_nbytes + self.tier_nbytes
         before = self._before_shift
         if before is not None:  # the state before a shift, kept for trims past it
             held += int(before[0].held_nbytes) + (0 if before[1] is None else before[1].nbytes)
@@ -571,6 +586,9 @@ class PolicyKVCache(VeloxKVCache):
         with compact positions also ``positions`` (a JSON string) and the ``positions_anchor_*``
         arrays."""
         out = encode(self.policy_state, self._layer.log)
+        layer = self._layer
+        if layer.demote is not None:
+            out.update(tier_state(layer.demote, layer.tier))
         comp = self._compaction
         if comp is not None:
             out["positions"] = json.dumps(comp.scalars(), sort_keys=True)
@@ -581,6 +599,7 @@ class PolicyKVCache(VeloxKVCache):
     @state.setter
     def state(self, v: dict[str, Any]) -> None:
         v = dict(v)
+        demote, tier = load_tier(v)  # pops the tier's entries
         saved_positions = v.pop("positions", None)
         anchors = {name: v.pop(f"positions_{name}", None) for name in Compaction.ARRAYS}
         compaction = None
@@ -591,6 +610,11 @@ class PolicyKVCache(VeloxKVCache):
             compaction = Compaction(comp.context, comp.rope, comp.top, comp.n_sink)
         state, log = decode(self._policy, v)
         saved = quant_of_state(state)
+        if "_layer" in self.__dict__ and self._layer.demote != demote:
+            raise ValueError(
+                f"the saved cache has demoted tier {demote}, this cache "
+                f"{self._layer.demote}: load it under the config it was saved with"
+            )
         if "_layer" in self.__dict__:
             if state.slots is not None and saved != self._layer.quant:
                 raise ValueError(
@@ -599,7 +623,8 @@ class PolicyKVCache(VeloxKVCache):
                 )
             self._layer.restore(state, log)
         else:  # from_state (a loaded prompt cache) skips __init__
-            self._layer = Layer(self._policy, state, log, quant=saved)
+            self._layer = Layer(self._policy, state, log, quant=saved, demote=demote)
+        self._layer.tier = tier
         self._compaction = compaction
         self._query_shift = 0
         self._before_shift = None

@@ -19,6 +19,7 @@ from velox_cache_core import (
     POLICIES,
     Policy,
     Quant,
+    TierSpec,
     check_choice,
     check_int,
     field_name,
@@ -95,6 +96,10 @@ class KVCacheConfig:
     query-to-key RoPE distance exceeds it: docs/architecture.md, "Positions"; for
     ``tova``, ``h2o`` and ``streaming_llm``, uniform allocation, keys at full precision or
     quantized per token).
+    ``demote_bits``/``demote_budget``: keep the rows the policy evicts in a demoted tier of
+    ``demote_budget`` rows per KV head at ``demote_bits`` (2 or 4; keys per channel, values
+    per token), attended with the main rows in one softmax (docs/architecture.md, "The
+    demoted tier"); ``None`` drops them. Uniform allocation, the attention hook, no trims.
     ``context``: the context ``"compact"`` keeps distances within (``None``: the model's
     ``max_position_embeddings``, read by ``KVCacheBuilder.for_model``).
     Every policy's settings are validated once, at construction, whatever the method; the
@@ -109,6 +114,8 @@ class KVCacheConfig:
     kv_key_layout: str
     positions: str
     context: int | None
+    demote_bits: int | None
+    demote_budget: int | None
     _policies: Mapping[str, PolicySettings]
 
     def __init__(
@@ -121,6 +128,8 @@ class KVCacheConfig:
         kv_key_layout: str = "token",
         positions: str = "absolute",
         context: int | None = None,
+        demote_bits: int | None = None,
+        demote_budget: int | None = None,
         **fields: Any,
     ) -> None:
         if not isinstance(method, str):
@@ -131,7 +140,8 @@ class KVCacheConfig:
         if unknown:
             raise TypeError(
                 f"KVCacheConfig got unknown fields {unknown}; fields are method, head_dim, "
-                "trim_window, kv_bits, kv_group_size, kv_key_layout, positions, context and "
+                "trim_window, kv_bits, kv_group_size, kv_key_layout, positions, context, "
+                "demote_bits, demote_budget and "
                 "<policy>_<setting>: "
                 f"{', '.join(known)}"
             )
@@ -156,11 +166,15 @@ class KVCacheConfig:
         object.__setattr__(self, "kv_key_layout", kv_key_layout)
         object.__setattr__(self, "positions", positions)
         object.__setattr__(self, "context", context)
+        object.__setattr__(self, "demote_bits", demote_bits)
+        object.__setattr__(self, "demote_budget", demote_budget)
         object.__setattr__(self, "_policies", MappingProxyType(policies))
         if kv_key_layout == "channel":
             self._check_channel_keys()
         if positions == "compact":
             self._check_compact()
+        if demote_bits is not None or demote_budget is not None:
+            self._check_demote()
 
     def _check_compact(self) -> None:
         """``positions="compact"`` shifts full-precision rows of the policies whose rows it can
@@ -182,6 +196,45 @@ class KVCacheConfig:
                 f"positions='compact' needs {self.policy}_allocation='uniform' (got "
                 f"{allocation!r}); or use positions='absolute'"
             )
+
+    def _check_demote(self) -> None:
+        """A demoted tier needs both settings, a Velox method, uniform allocation, and trims
+        off; it takes the width's group from ``kv_group_size``."""
+        if self.demote_bits is None or self.demote_budget is None:
+            raise ValueError(
+                "a demoted tier needs both demote_bits (2 or 4) and demote_budget (rows per "
+                f"KV head), got demote_bits={self.demote_bits!r}, "
+                f"demote_budget={self.demote_budget!r}"
+            )
+        TierSpec(self.demote_bits, self.demote_budget, self.kv_group_size)  # validates, by name
+        if self.policy is None:
+            raise ValueError(
+                "demote_bits keeps what a Velox policy evicts: method='full' evicts nothing"
+            )
+        allocation = self.settings().get("allocation", "uniform")
+        if allocation != "uniform":
+            raise ValueError(
+                f"demote_bits needs {self.policy}_allocation='uniform' (got {allocation!r}): "
+                "heads keeping different row counts have no tier; or use demote_bits=None"
+            )
+        if self.positions == "compact":
+            raise ValueError(
+                "demote_bits with positions='compact' is not supported yet (the tier's rows "
+                "are not shifted): use positions='absolute' or demote_bits=None"
+            )
+        if self.trim_window not in (0, TRIM_WINDOW):
+            raise ValueError(
+                f"a demoted tier keeps no undo log yet, so trim_window={self.trim_window} "
+                "cannot be kept: leave it unset (or 0) with demote_bits; trims and "
+                "speculative decoding need demote_bits=None"
+            )
+
+    @property
+    def demote(self) -> TierSpec | None:
+        """The demoted tier's settings (``None``: evicted rows are dropped)."""
+        if self.demote_bits is None or self.demote_budget is None:
+            return None
+        return TierSpec(self.demote_bits, self.demote_budget, self.kv_group_size)
 
     def _check_channel_keys(self) -> None:
         """``kv_key_layout="channel"`` is a Velox store's layout, for stores whose heads keep
@@ -218,7 +271,8 @@ class KVCacheConfig:
         values = tuple(sorted(self._values().items()))
         quant = (self.kv_bits, self.kv_group_size, self.kv_key_layout)
         where = (self.positions, self.context)
-        return (self.method, self.head_dim, self.trim_window, quant, where, values)
+        tier = (self.demote_bits, self.demote_budget)
+        return (self.method, self.head_dim, self.trim_window, quant, where, tier, values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCacheConfig) and self._key() == other._key()
@@ -243,6 +297,8 @@ class KVCacheConfig:
             extra += f", positions={self.positions!r}"
         if self.context is not None:
             extra += f", context={self.context!r}"
+        if self.demote_bits is not None:
+            extra += f", demote_bits={self.demote_bits!r}, demote_budget={self.demote_budget!r}"
         return f"KVCacheConfig({args}{extra})"
 
     def value(self, name: str) -> Any:
@@ -264,6 +320,8 @@ class KVCacheConfig:
             "kv_key_layout": self.kv_key_layout,
             "positions": self.positions,
             "context": self.context,
+            "demote_bits": self.demote_bits,
+            "demote_budget": self.demote_budget,
             **self._values(),
         }
 

@@ -35,7 +35,7 @@ COMMAND_FLAGS = (
     *("--trust-remote-code", "--use-default-chat-template"),
     *("--api-key", "--max-memory", "--max-queue", "--beyond-context", "--drain-timeout"),
     *("--help-method", "--help-all", "--max-prompt-tokens", "--pin-prefix", "--max-pinned"),
-    "--positions",
+    *("--positions", "--demote-bits", "--demote-budget"),
     *(f"--{name.replace('_', '-')}" for name in ALIASES),
 )
 reserve_flags(COMMAND_FLAGS)
@@ -206,6 +206,29 @@ def add_positions_flag(parser: argparse.ArgumentParser, default: str = "absolute
     action.velox_brief = f"absolute or compact RoPE positions (default: {default})"  # type: ignore[attr-defined]
 
 
+DEMOTE_HELP = (
+    "keep the rows a bounded method evicts in a demoted tier at N bits (2 or 4; keys per "
+    "channel, values per token) instead of dropping them, attended with the kept rows; needs "
+    "--demote-budget (docs/quantized.md, 'The demoted tier')"
+)
+
+
+def add_demote_flags(parser: argparse.ArgumentParser) -> None:
+    """``--demote-bits N --demote-budget N`` (``KVCacheConfig(demote_bits=, demote_budget=)``)."""
+    bits = parser.add_argument(
+        "--demote-bits", type=int, default=None, metavar="N", help=f"{DEMOTE_HELP} (default: off)"
+    )
+    bits.velox_brief = "keep evicted rows at 2 or 4 bits (default: dropped)"  # type: ignore[attr-defined]
+    budget = parser.add_argument(
+        "--demote-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per KV head the demoted tier holds (with --demote-bits)",
+    )
+    budget.velox_brief = "rows per KV head of the demoted tier"  # type: ignore[attr-defined]
+
+
 def check_quantized_start(args: argparse.Namespace, velox: bool) -> None:
     """``--quantized-kv-start`` other than 0 is refused where the cache quantizes every row
     as it arrives (``velox``: a Velox method, or velox-generate's full cache)."""
@@ -243,6 +266,9 @@ def config_from_args(args: argparse.Namespace, quantize_full: bool = True) -> An
     positions = getattr(args, "positions", None)
     if positions is not None:
         fields["positions"] = positions
+    for name in ("demote_bits", "demote_budget"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
     try:
         config = KVCacheConfig(method=method, **fields)
     except (TypeError, ValueError) as exc:

@@ -49,6 +49,16 @@ def load_prompt_cache(
                         f"{cache.positions_mode!r}, but config asks for positions="
                         f"{config.positions!r}"
                     )
+                tier = cache.layer.demote
+                saved_tier = None if tier is None else (tier.bits, tier.budget)
+                if saved_tier != (
+                    None if config.demote is None else (config.demote_bits, config.demote_budget)
+                ):
+                    raise ValueError(
+                        f"prompt cache layer {i} was saved with a demoted tier "
+                        f"{saved_tier} (demote_bits, demote_budget), but config asks for "
+                        f"demote_bits={config.demote_bits}, demote_budget={config.demote_budget}"
+                    )
                 saved = (cache.policy_name, cache.settings)
                 wanted = (config.policy, settings)
                 if saved != wanted:

@@ -24,6 +24,8 @@ from velox_cache_core import (
     PolicyState,
     QRows,
     Quant,
+    Tier,
+    TierSpec,
     UndoLog,
     quant_of,
     running_fields,
@@ -192,3 +194,44 @@ def _check_rows(policy: Policy, state: Any) -> None:
         raise ValueError(
             f"saved {policy.name} state holds more rows ({state.n_kept}) than budget {budget}"
         )
+
+
+# A demoted tier's arrays in a prompt-cache file: keys per channel, values per token, rows'
+# positions and scores (velox_cache_core.store.tier); its settings in the JSON string "tier".
+_TIER_ARRAYS = (
+    "keys_packed",
+    "keys_scales",
+    "keys_biases",
+    "keys_window",
+    "keys_where",
+    "values_packed",
+    "values_scales",
+    "values_biases",
+    "positions",
+    "scores",
+)
+
+
+def tier_state(spec: TierSpec, tier: Tier | None) -> dict[str, Any]:
+    """The file entries of a layer's tier: ``tier`` (its settings, JSON) and ``tier_*``
+    arrays (none while the tier is empty)."""
+    out: dict[str, Any] = {"tier": json.dumps(dataclasses.asdict(spec), sort_keys=True)}
+    if tier is not None:
+        for name, array in zip(_TIER_ARRAYS, tier.arrays(), strict=True):
+            out[f"tier_{name}"] = array
+    return out
+
+
+def load_tier(data: dict[str, Any]) -> tuple[TierSpec | None, Tier | None]:
+    """Pop a file's tier entries: (its settings, its rows), ``(None, None)`` without one."""
+    saved = data.pop("tier", None)
+    arrays = [data.pop(f"tier_{name}", None) for name in _TIER_ARRAYS]
+    if saved is None:
+        return None, None
+    spec = TierSpec(**json.loads(saved))
+    if any(a is None for a in arrays):
+        return spec, None
+    kp, ks, kb, kw, kwhere, vp, vs, vb, positions, scores = arrays
+    keys = KRows(kp, ks, kb, kw, kwhere, spec.bits, spec.group_size)
+    values = QRows(vp, vs, vb, spec.bits, spec.group_size)
+    return spec, Tier(keys, values, positions, scores)

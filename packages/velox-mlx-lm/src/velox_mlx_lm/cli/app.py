@@ -30,6 +30,7 @@ from velox_mlx_lm.cli.generation import (
 )
 from velox_mlx_lm.config import FULL, KVCacheConfig
 from velox_mlx_lm.flags import (
+    add_demote_flags,
     add_method_flags,
     add_positions_flag,
     add_quant_flags,
@@ -58,7 +59,10 @@ HELP_GROUPS = (
         "method and budget",
         ("--method", "--budget", "--n-sink", "--window", "--allocation", "--positions"),
     ),
-    ("memory and quantization", ("--kv-bits", "--kv-key-layout", "--kv-group-size")),
+    (
+        "memory and quantization",
+        ("--kv-bits", "--kv-key-layout", "--kv-group-size", "--demote-bits", "--demote-budget"),
+    ),
     ("output", ("--compare", "--json")),
 )
 HELP_BRIEFS = {
@@ -173,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_flags(p)
     add_method_flags(p)
     add_positions_flag(p)
+    add_demote_flags(p)
     arrange(p, USAGE, HELP_GROUPS, HELP_BRIEFS, EXAMPLES)
     return p
 
@@ -363,6 +368,11 @@ def _check_args(args: argparse.Namespace) -> Any:
             raise ValueError(f"--draft-model does not apply to --method {config.method}")
         if not config.trim_window:
             raise ValueError("--draft-model needs a trimmable cache")
+        if config.demote is not None:
+            raise ValueError(
+                "--draft-model needs a trimmable cache, and a demoted tier (--demote-bits) "
+                "keeps no undo log yet: drop one of them"
+            )
     if not (args.prompt or args.prompt_file or args.prompts_file or args.demo):
         raise ValueError(NO_PROMPT)  # before loading a model for nothing
     return config

@@ -16,7 +16,7 @@ class Run:
 
 
 def kv_stats(caches: list[Any]) -> dict[str, Any]:
-    from velox_mlx_lm.pins import pinned_tokens
+    from velox_mlx_lm.pins import pinned_tokens, velox_layers
     from velox_mlx_lm.serve.cache import kept_bytes, kept_rows, layer_roles
 
     kept = [kept_rows(c) for c in caches]
@@ -24,6 +24,7 @@ def kv_stats(caches: list[Any]) -> dict[str, Any]:
     return {
         "tokens_kept_per_layer": max(kept) if kept else 0,
         "pinned_tokens": pinned_tokens(caches),
+        "demoted_tokens": max((c.demoted_tokens for c in velox_layers(caches)), default=0),
         "compression_ratio": max(ratios) if ratios else 1.0,
         "kv_bytes": sum(kept_bytes(c) for c in caches),
         **layer_roles(caches),

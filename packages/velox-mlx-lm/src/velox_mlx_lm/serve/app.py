@@ -88,7 +88,9 @@ from velox_mlx_lm.serve.tools import (
 LOG = logging.getLogger("velox-serve")
 # velox-generate's flags that choose and shape the cache (the rest are mlx-lm's server flags).
 # velox-generate's flags velox-serve shares besides the method flags (velox_mlx_lm.flags).
-VELOX_FLAGS: tuple[str, ...] = ("--quantized", "--kv-key-layout", "--positions")
+VELOX_FLAGS: tuple[str, ...] = (
+    *("--quantized", "--kv-key-layout", "--positions", "--demote-bits", "--demote-budget"),
+)
 STATS_PATH = "/v1/velox/stats"
 STOP_JOIN_S = 10.0  # how long shutdown waits for the generation step in progress
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions", MESSAGES_PATH)
@@ -143,6 +145,8 @@ HELP_GROUPS = (
         (
             "--kv-bits",
             "--kv-key-layout",
+            "--demote-bits",
+            "--demote-budget",
             "--max-memory",
             "--max-queue",
             "--beyond-context",
@@ -485,6 +489,7 @@ class Monitor:
                 "cache_bytes": sum(r["cache_bytes"] for r in live),
                 "max_tokens_kept": max((r["tokens_kept"] for r in live), default=0),
                 "pinned_tokens": sum(r.get("pinned_tokens", 0) for r in live),
+                "demoted_tokens": sum(r.get("demoted_tokens", 0) for r in live),
                 "per_sequence": live,
             },
             "max_tokens_kept_since_start": max_kept,
@@ -1173,6 +1178,7 @@ class VeloxHandler(mlx_server.APIHandler):
             "kv_bytes": stats["kv_bytes"],
             "cache_bytes": stats["cache_bytes"],
             "pinned_tokens": stats.get("pinned_tokens", 0),
+            "demoted_tokens": stats.get("demoted_tokens", 0),
         }
 
     def generate_response(self, text: str, finish_reason: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1403,6 +1409,11 @@ def check_cache_flags(args: argparse.Namespace, config: Any) -> None:
         raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
     if args.draft_model is not None and record is not None and not config.trim_window:
         raise ValueError("--draft-model needs a trimmable cache")
+    if args.draft_model is not None and config.demote is not None:
+        raise ValueError(
+            "--draft-model needs a trimmable cache, and a demoted tier (--demote-bits) keeps "
+            "no undo log yet: drop one of them"
+        )
     batched = max(args.decode_concurrency, getattr(args, "prompt_concurrency", 1)) > 1
     if record is not None and config.settings().get("allocation") == "global" and batched:
         raise ValueError(

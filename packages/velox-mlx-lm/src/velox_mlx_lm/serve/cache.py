@@ -78,6 +78,7 @@ def layer_stats(cache: Any) -> dict[str, Any]:
         "tokens_seen": int(offset) if isinstance(offset, int) else None,
         "tokens_kept": kept_rows(cache),
         "pinned_tokens": cache.pinned_tokens if isinstance(cache, PolicyKVCache) else 0,
+        "demoted_tokens": cache.demoted_tokens if isinstance(cache, PolicyKVCache) else 0,
         "kv_bytes": kept_bytes(cache),
         "cache_bytes": cache_nbytes(cache),
     }
@@ -94,6 +95,7 @@ def combine_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_kept": kept_max,
         "compression_ratio": round(seen_max / kept_max, 3) if kept_max else 1.0,
         "pinned_tokens": max((r.get("pinned_tokens", 0) for r in layers), default=0),
+        "demoted_tokens": max((r.get("demoted_tokens", 0) for r in layers), default=0),
         "kv_bytes": sum(r["kv_bytes"] for r in layers),
         "cache_bytes": sum(r["cache_bytes"] for r in layers),
     }

@@ -124,6 +124,9 @@ class LayerGeometry:
     query_row_bytes: int = 0
     fixed_bytes: int = 0
     max_size: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    itemsize: int = 0
 
 
 def _query_heads(model: Any, index: int, kv_heads: int) -> int:
@@ -157,6 +160,9 @@ def probe_geometry(model: Any) -> list[LayerGeometry]:
             "row_bytes": 2 * kv_heads * head_dim * itemsize,
             "position_bytes": 8 * kv_heads,
             "query_row_bytes": q_heads * head_dim * itemsize,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "itemsize": itemsize,
         }
         if isinstance(cache, PolicyKVCache):
             layers.append(LayerGeometry("velox", **geometry))
@@ -176,7 +182,8 @@ class AdmissionCost:
     growing store sets aside, and one with a prompt-end step (a cut once the prompt is in)
     holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
     (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to
-    ``2 * trim_window`` rows with their queries. An mlx-lm ``KVCache`` (``--method full``)
+    ``2 * trim_window`` rows with their queries; a demoted tier its bound
+    (:meth:`velox_cache_core.TierSpec.max_nbytes`). An mlx-lm ``KVCache`` (``--method full``)
     holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum
     is taken times :data:`MARGIN`.
     """
@@ -194,7 +201,7 @@ class AdmissionCost:
         self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
         budget = config.settings().get("budget") if policy is not None else None
         self.budget = int(budget) if isinstance(budget, int) else 0
-        self.window = int(config.trim_window)
+        self.window = 0 if config.demote is not None else int(config.trim_window)
 
     def velox_rows(self, prompt_tokens: int, max_tokens: int) -> int:
         """Rows per KV head a Velox layer can hold at most."""
@@ -215,7 +222,11 @@ class AdmissionCost:
             rows = math.ceil((prompt_tokens + max_tokens) / FULL_STEP) * FULL_STEP
             return rows * per_row
         undo = 2 * self.window * (layer.row_bytes + layer.query_row_bytes + layer.position_bytes)
-        return self.velox_rows(prompt_tokens, max_tokens) * per_row + undo
+        rows = self.velox_rows(prompt_tokens, max_tokens) * per_row + undo
+        tier = self.config.demote
+        if tier is not None:  # the demoted tier's rows (and no undo log: window 0 then)
+            rows += tier.max_nbytes(layer.kv_heads, layer.head_dim, layer.itemsize)
+        return rows
 
     def __call__(self, prompt_tokens: int, max_tokens: int) -> int:
         total = sum(self.layer_bytes(layer, prompt_tokens, max_tokens) for layer in self.layers)

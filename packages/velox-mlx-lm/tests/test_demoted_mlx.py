@@ -1,0 +1,146 @@
+"""The demoted tier through mlx-lm: config and flags, logits against the model run with the
+same rows, bytes, prompt-cache files, batching (rows equal each sequence alone), quantized
+main rows, and the paths it refuses by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import save_prompt_cache
+from test_batch_generate import alone, assert_same_as_alone, batched, config, prompts
+from test_quantized_mlx import model_32, run
+
+from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
+from velox_mlx_lm.prompt_cache import load_prompt_cache as velox_load
+
+LONG = mx.array(np.random.default_rng(1).integers(0, 128, size=(1, 120)), dtype=mx.int32)
+CHUNKS = [48, *[1] * 40, 8, *[1] * 24]
+
+
+def tiered(method: str, budget: int = 24, bits: int = 4, rows: int = 64) -> KVCacheConfig:
+    return config(method, budget).replace(kv_group_size=32, demote_bits=bits, demote_budget=rows)
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm", "snapkv"])
+def test_a_tier_brings_the_logits_back_toward_the_full_cache(method: str) -> None:
+    """Same budget, plus a tier that holds every evicted row at 4 bits: closer to the full
+    cache than the same policy without it (the main rows equal the policy's own given the same
+    inputs: tests/test_demoted.py in the core; in a model the tier changes the next inputs)."""
+    model = model_32()
+    full = run(model, KVCacheBuilder.for_model(model, KVCacheConfig(method="full")), LONG, CHUNKS)
+    plain_cache = KVCacheBuilder.for_model(model, config(method, 24))
+    plain = run(model, plain_cache, LONG, CHUNKS)
+    cache = KVCacheBuilder.for_model(model, tiered(method, rows=120))
+    got = run(model, cache, LONG, CHUNKS)
+    assert np.isfinite(got).all()
+    assert np.abs(got - full).mean() < 0.5 * np.abs(plain - full).mean()
+    for c, p in zip(cache, plain_cache, strict=True):
+        assert c.tokens_kept == p.tokens_kept
+        assert c.demoted_tokens == 120 - c.tokens_kept  # nothing dropped: it had room
+        assert c.nbytes == p.nbytes + c.tier_nbytes and c.tier_nbytes > 0
+
+
+def test_a_full_tier_drops_its_lowest_rows_and_its_bytes_stay_bounded() -> None:
+    model = model_32()
+    cache = KVCacheBuilder.for_model(model, tiered("tova", rows=16, bits=2))
+    run(model, cache, LONG, CHUNKS)
+    for c in cache:
+        assert c.demoted_tokens == 16
+        tier = c.layer.tier
+        # 16 rows of 2-bit keys (per channel: whole groups and a window under 32 rows,
+        # repacked once 32 rows died) and values, their positions and scores
+        assert tier.keys.n_physical - 16 < 32
+        assert c.tier_nbytes == tier.nbytes
+        assert c.tier_nbytes <= c.layer.demote.max_nbytes(2, 32, 4)  # the server's bound
+
+
+def test_prompt_cache_files_keep_the_tier(tmp_path: Any) -> None:
+    model = model_32()
+    cfg = tiered("tova", rows=40, bits=2)
+    _, _, cache = alone(model, cfg, prompts((70,))[0], 6)
+    assert all(c.demoted_tokens > 0 for c in cache)
+    path = str(tmp_path / "t.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = velox_load(path, cfg)
+    assert [c.demoted_tokens for c in loaded] == [c.demoted_tokens for c in cache]
+    token = mx.array([[5]])
+    np.testing.assert_array_equal(
+        np.array(model(token, cache=loaded)), np.array(model(token, cache=cache))
+    )
+    with pytest.raises(ValueError, match="demoted tier"):
+        velox_load(path, cfg.replace(demote_bits=None, demote_budget=None))
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o"])
+def test_batched_rows_equal_sequences_alone(method: str) -> None:
+    model = model_32()
+    cfg = tiered(method, budget=8, rows=8, bits=2)
+    items = [(p, 5) for p in prompts((21, 5, 13))]
+    assert_same_as_alone(model, cfg, items, batched(model, cfg, items))
+
+
+def test_with_quantized_main_rows() -> None:
+    model = model_32()
+    cfg = tiered("tova", rows=120).replace(kv_bits=8)
+    cache = KVCacheBuilder.for_model(model, cfg)
+    got = run(model, cache, LONG, CHUNKS)
+    plain = run(
+        model,
+        KVCacheBuilder.for_model(model, config("tova", 24).replace(kv_bits=8, kv_group_size=32)),
+        LONG,
+        CHUNKS,
+    )
+    full = run(model, KVCacheBuilder.for_model(model, KVCacheConfig(method="full")), LONG, CHUNKS)
+    assert np.abs(got - full).mean() < 0.5 * np.abs(plain - full).mean()
+
+
+def test_settings_it_cannot_serve_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs both demote_bits"):
+        KVCacheConfig(method="tova", demote_bits=2)
+    with pytest.raises(ValueError, match="demote_bits must be one of 2, 4, got 8"):
+        KVCacheConfig(method="tova", demote_bits=8, demote_budget=4)
+    with pytest.raises(ValueError, match="method='full' evicts nothing"):
+        KVCacheConfig(method="full", demote_bits=2, demote_budget=4)
+    with pytest.raises(ValueError, match="tova_allocation='uniform'"):
+        KVCacheConfig(
+            method="tova", tova_scope="head", tova_allocation="head", demote_bits=2, demote_budget=4
+        )
+    with pytest.raises(ValueError, match="positions='compact'"):
+        KVCacheConfig(method="tova", positions="compact", demote_bits=2, demote_budget=4)
+    with pytest.raises(ValueError, match="trim_window=4 cannot be kept"):
+        KVCacheConfig(method="tova", trim_window=4, demote_bits=2, demote_budget=4)
+    model = model_32()
+    cache = KVCacheBuilder.for_model(model, tiered("tova"))
+    assert not cache[0].is_trimmable()
+    run(model, cache, LONG, [30])
+    with pytest.raises(ValueError, match="demoted tier"):
+        cache[0].trim(1)
+
+
+def test_flags() -> None:
+    from velox_mlx_lm.cli import build_parser
+    from velox_mlx_lm.flags import config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "--demo",
+            "--method",
+            "h2o",
+            "--budget",
+            "64",
+            "--demote-bits",
+            "2",
+            "--demote-budget",
+            "256",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.demote_bits, cfg.demote_budget) == (2, 256)
+    assert cfg.demote is not None
+    args = parser.parse_args(["--demo", "--demote-bits", "3", "--demote-budget", "8"])
+    with pytest.raises(ValueError, match="demote_bits must be one of 2, 4"):
+        config_from_args(args)
