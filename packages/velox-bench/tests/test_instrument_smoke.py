@@ -66,8 +66,30 @@ def test_plan_puts_the_mandatory_cells_first() -> None:
     }
     # the issue's order: 16k, then the RULER-style tasks, budget context/8, other methods
     assert keys.index("retrieval/16384/expected_attention/4096") < ruler[0]
-    assert ruler[-1] < keys.index("retrieval/8192/tova/1024")
-    assert keys.index("retrieval/8192/tova/1024") < keys.index("retrieval/8192/morphkv/2048")
+    assert ruler[-1] < keys.index("retrieval/8192/h2o/1024")
+    assert keys.index("retrieval/8192/h2o/1024") < keys.index("retrieval/8192/morphkv/2048")
+    # issue 49's demoted tier at equal bytes comes before 16k (its defaults hang on it)
+    tier = [i for i, c in enumerate(cells) if c.demote_bits or c.kv_bits]
+    assert tier and max(tier) < keys.index("retrieval/16384/full/0")
+
+
+def test_tier_cells_hold_the_bytes_of_their_full_precision_budget() -> None:
+    from velox_cache_core import TierSpec
+
+    full = 2 * grid.HEAD_DIM * grid.ITEMSIZE
+    cells = grid.tier_cells(8192, 8)
+    for cell in cells:
+        config = cell.config()
+        assert cell.key().startswith(f"retrieval/8192/{cell.method}/{cell.budget}")
+        if cell.demote_bits:
+            spec = config.demote
+            assert isinstance(spec, TierSpec) and spec.budget == cell.demote_budget
+            held = cell.budget * full + spec.max_nbytes(1, grid.HEAD_DIM, grid.ITEMSIZE)
+            more = TierSpec(spec.bits, spec.budget + 1).max_nbytes(1, grid.HEAD_DIM, grid.ITEMSIZE)
+            assert held <= 1024 * full < cell.budget * full + more  # the most rows that fit
+        elif cell.kv_bits:
+            assert config.kv_bits == 4 and config.kv_key_layout == "channel"
+            assert cell.budget == 6553  # 6.4x: 160-byte rows in place of 1,024-byte ones
     assert grid.estimate_hours(cells[:5], "qwen2.5-coder-1.5b") > 1
 
 

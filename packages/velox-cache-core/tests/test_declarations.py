@@ -42,6 +42,7 @@ WRONG: list[tuple[str, Any, str]] = [
     ("global_rule", "global", "GlobalRule | None"),
     ("compiled_decode", 0, "bool"),
     ("appends_now", False, "Callable"),
+    ("demote_scoring", "mean", "Literal"),
 ]
 
 

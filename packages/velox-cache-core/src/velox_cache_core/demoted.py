@@ -28,8 +28,9 @@ from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import SUBCHUNK, Waiting
 from velox_cache_core.scoring import grouped_logits
 from velox_cache_core.store import rows as R
+from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
-from velox_cache_core.store.tier import Tier, TierSpec, demote
+from velox_cache_core.store.tier import Tier, TierSpec, demote, demote_one
 
 NEEDS_HOOK = (
     "this {name} cache demotes evicted rows into a tier that only the attention hook attends "
@@ -180,7 +181,9 @@ def demote_gone(
     """``tier`` with what went between states ``before`` and ``after`` demoted into it
     (a call's new ``keys``/``values`` included); ``weights``: the call's scores of its
     candidates ``[B, H_kv, n]`` and their positions, else the rows score 0."""
-    gone = victims(before.slots, keys, values, before.offset, after.slots)
+    gone = _evicted_by_step(keys, after.slots) if weights is not None else None
+    if gone is None:
+        gone = victims(before.slots, keys, values, before.offset, after.slots)
     if gone is None:
         return tier
     k, v, p = gone
@@ -191,7 +194,26 @@ def demote_gone(
     else:
         w, at = weights
         s = (w[:, :, None, :] * (p[..., None] == at[:, :, None, :])).sum(axis=-1)
+    if tier is not None and tier.n_rows == spec.budget and int(p.shape[2]) == 1:
+        return demote_one(spec, tier, k, v, p, s)  # a decode step's victim, in place
     return demote(spec, tier, k, v, p, s)
+
+
+def _evicted_by_step(
+    keys: R.Rows | None, after: KVSlots | None
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """A decode step's victim where the step left it, without comparing positions: the dead
+    slot of the state after a single-token call that evicted (its row is still in place)."""
+    if keys is None or int(keys.shape[2]) != 1 or after is None or after.free is None:
+        return None
+    if isinstance(after.keys, KRows):
+        return None  # keys per channel: a row is read through the groups (the general way)
+    at = after.free[:, :, None]
+    return (
+        R.dense(R.take(after.keys, at)),
+        R.dense(R.take(after.values, at)),
+        mx.take_along_axis(after.positions, at, axis=2),
+    )
 
 
 def decide(

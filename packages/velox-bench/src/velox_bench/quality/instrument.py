@@ -115,9 +115,66 @@ class Cell:
     length: int  # tokens of context
     method: str
     budget: int
+    kv_bits: int = 0  # quantized main rows (keys per channel; 0: the model's precision)
+    demote_bits: int = 0  # a demoted tier (issue 49) of demote_budget rows (0: none)
+    demote_budget: int = 0
 
     def key(self) -> str:
-        return f"{self.task}/{self.length}/{self.method}/{self.budget}"
+        key = f"{self.task}/{self.length}/{self.method}/{self.budget}"
+        if self.kv_bits:
+            key += f"/kv{self.kv_bits}"
+        if self.demote_bits:
+            key += f"/d{self.demote_bits}x{self.demote_budget}"
+        return key
+
+    def config(self) -> Any:
+        """The cell's ``KVCacheConfig``."""
+        config = _variant(self.method).config(max(self.budget, 1))
+        if self.kv_bits:
+            config = config.replace(kv_bits=self.kv_bits, kv_key_layout="channel")
+        if self.demote_bits:
+            config = config.replace(demote_bits=self.demote_bits, demote_budget=self.demote_budget)
+        return config
+
+
+# The instrument's KV rows: 2 KV heads of 128 float32 features (keys and values: 1,024 bytes).
+HEAD_DIM, ITEMSIZE = 128, 4
+
+
+def equal_bytes_rows(budget: int, main: int, bits: int, tier: bool = True) -> int:
+    """Rows that hold the bytes of ``budget`` full-precision rows: a demoted tier at ``bits``
+    beside ``main`` full-precision rows (its bound, :meth:`TierSpec.max_nbytes`, fits in the
+    bytes of the other ``budget - main`` rows), or (``tier=False``) quantized main rows with keys
+    per channel, group 64."""
+    from velox_cache_core import TierSpec
+
+    full = 2 * HEAD_DIM * ITEMSIZE
+    if not tier:
+        row = 2 * (HEAD_DIM * bits / 8 + 2 * HEAD_DIM / 64 * ITEMSIZE)
+        return int(budget * full // row)
+    left = (budget - main) * full
+    rows = 1
+    while TierSpec(bits, rows + 1).max_nbytes(1, HEAD_DIM, ITEMSIZE) <= left:
+        rows += 1
+    return rows
+
+
+def tier_cells(length: int = 8192, share: int = 8) -> list[Cell]:
+    """Issue 49's comparison at the bytes of ``length / share`` full-precision rows: pure
+    eviction at full precision and at 4 bits, and half the rows at full precision plus a
+    demoted tier at 2 or 4 bits in the other half's bytes."""
+    budget = length // share
+    half = budget // 2
+    d2, d4 = equal_bytes_rows(budget, half, 2), equal_bytes_rows(budget, half, 4)
+    kv4 = equal_bytes_rows(budget, 0, 4, tier=False)
+    return [
+        Cell("retrieval", length, "tova", half, demote_bits=2, demote_budget=d2),
+        Cell("retrieval", length, "tova", half, demote_bits=4, demote_budget=d4),
+        Cell("retrieval", length, "tova", budget),
+        Cell("retrieval", length, "tova", kv4, kv_bits=4),
+        Cell("retrieval", length, "h2o", half, demote_bits=2, demote_budget=d2),
+        Cell("retrieval", length, "snapkv", half, demote_bits=2, demote_budget=d2),
+    ]
 
 
 def _budget(method: str, length: int, share: int) -> int:
@@ -144,13 +201,14 @@ def plan(quick: bool = False) -> list[Cell]:
     # the issue's order: its sixth method, 16k, the RULER-style tasks, budget context/8, then
     # the methods "where time allows"
     cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS[:1]]
+    cells += tier_cells()  # issue 49's demoted tier at equal bytes
     cells += [Cell("retrieval", 16384, m, _budget(m, 16384, 4)) for m in PUBLISHED]
     cells += [Cell("ruler", n, m, _budget(m, n, 4)) for n in RULER_LENGTHS for m in PUBLISHED]
     cells += [Cell("retrieval", 8192, m, 8192 // 8) for m in RETRIEVAL_METHODS[1:]]
     cells += [Cell("retrieval", 8192, m, 8192 // 4) for m in MORE_METHODS[1:]]
     cells += [Cell("ppl_prose", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
     cells += [Cell("ppl_code", 8192, m, _budget(m, 8192, 4)) for m in _ppl_methods()]
-    return cells
+    return list({cell.key(): cell for cell in cells}.values())  # a cell twice: its first place
 
 
 def estimate_hours(cells: Iterable[Cell], model: str, n_per_depth: int = N_PER_DEPTH) -> float:
@@ -223,6 +281,8 @@ def _retrieval(
         "answers": [[a.correct, round(a.logprob, 4)] for a in answers],
         "where": [round(d, 4) for d in prompt.depths],
         "kept_tokens": _kept(caches),
+        "kv_bytes_layer0": int(caches[0].nbytes),
+        "demoted_tokens": _demoted(caches),
     }
 
 
@@ -233,7 +293,7 @@ def _read_document(
     each chunk's tokens), then compressed as the method would in use (KVzip's pass)."""
     from velox_mlx_lm import KVCacheBuilder
 
-    config = _variant(cell.method).config(max(cell.budget, 1))
+    config = cell.config()
     caches = KVCacheBuilder.for_model(model, config)
     ids = mx.array([document], dtype=mx.int32)
     for start in range(0, ids.shape[1], 256):
@@ -276,6 +336,12 @@ def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -
             "prompt_tokens": len(ids),
         }
     return {"mean": float(np.mean([t["score"] for t in tasks.values()])), "tasks": tasks}
+
+
+def _demoted(caches: list[Any]) -> int:
+    from velox_mlx_lm import PolicyKVCache
+
+    return caches[0].demoted_tokens if isinstance(caches[0], PolicyKVCache) else 0
 
 
 def _kept(caches: list[Any]) -> int | None:

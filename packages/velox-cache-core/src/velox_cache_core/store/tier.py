@@ -143,3 +143,35 @@ def keep_best(tier: Tier, budget: int) -> Tier:
         mx.take_along_axis(tier.positions, keep, axis=-1),
         mx.take_along_axis(tier.scores, keep, axis=-1),
     )
+
+
+def demote_one(spec: TierSpec, tier: Tier, keys: mx.array, values: mx.array,
+               positions: mx.array, scores: mx.array) -> Tier:  # fmt: skip
+    """One row per (batch row, head) (``[B, H_kv, 1, D]``, positions and scores ``[B, H_kv,
+    1]``) into a full tier, written in place: it takes the place of the tier's lowest-scored
+    row when it scores higher (or as high, and is newer), else it goes. The same rows :func:`demote` keeps,
+    without rebuilding the tier (a decode step's eviction)."""
+    # the row keep_best would drop: the lowest score, the oldest among equal ones
+    low = mx.min(tier.scores, axis=-1, keepdims=True)
+    oldest = mx.where(tier.scores == low, tier.positions, mx.iinfo(mx.int32).max)
+    slot = mx.argmin(oldest, axis=-1, keepdims=True).astype(mx.int32)  # [B, H, 1]
+    there = mx.take_along_axis(tier.positions, slot, axis=-1)
+    positions = positions.astype(mx.int32)
+    taken = (scores > low) | ((scores == low) & (positions > there))
+
+    def put(old: mx.array, new: mx.array) -> mx.array:
+        """``new`` at ``slot`` where it is taken (``old``'s row stays elsewhere)."""
+        at = slot.reshape(*slot.shape, *([1] * (old.ndim - 3)))
+        at = mx.broadcast_to(at, (*old.shape[:2], 1, *old.shape[3:]))
+        here = mx.take_along_axis(old, at, axis=2)
+        pick = taken.reshape(*taken.shape, *([1] * (old.ndim - 3)))
+        return mx.put_along_axis(old, at, mx.where(pick, new, here), axis=2)
+
+    new_keys = KRows.from_dense(keys, spec.bits, spec.group_size, window=True)
+    new_values = Quant(spec.bits, spec.group_size).quantize(values)
+    return Tier(
+        R.write(tier.keys, new_keys, put),  # type: ignore[arg-type]
+        R.write(tier.values, new_values, put),  # type: ignore[arg-type]
+        put(tier.positions[..., None], positions.astype(mx.int32)[..., None])[..., 0],
+        put(tier.scores[..., None], scores.astype(mx.float32)[..., None])[..., 0],
+    )
