@@ -323,6 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from velox_bench.results import results_dir
 
         path = Path(args.out) if args.out else results_dir() / f"{RESULTS}.json"
+        if path.is_file():  # a run of some parts keeps the other parts of the last run
+            earlier = json.loads(path.read_text())
+            for part in ("retrieval", "perplexity", "step"):
+                if part not in results and part in earlier:
+                    results[part] = earlier[part]
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {path}", file=sys.stderr)
     return 0
