@@ -37,11 +37,11 @@ from velox_cache_core import demoted as DM
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
 from velox_cache_core import lanes as LN
+from velox_cache_core import phase as PH
 from velox_cache_core import pins as PN
 from velox_cache_core import step_sums as SS
 from velox_cache_core import without_queries as WQ
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.declarations import Compressor
 from velox_cache_core.decode import Hot
 from velox_cache_core.decode import switch as DS
 from velox_cache_core.distributed import Group, StepSums, summing_over
@@ -54,7 +54,7 @@ from velox_cache_core.in_flight import (
     Pending,
     Waiting,
 )
-from velox_cache_core.phase import Phase, compressor_of
+from velox_cache_core.phase import Phase
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.tier import Tier, TierSpec
@@ -604,42 +604,10 @@ class Layer:
         tied = R.tie(slots.keys, [value])
         self.state = replace(self.state, slots=replace(slots, keys=tied))
 
-    # -- the model-driven phase (velox_cache_core.phase) -------------------------------------
-    @property
-    def compressor(self) -> Compressor:
-        return compressor_of(self.policy)
-
-    def start_phase(self) -> None:
-        """Enter the phase (the context must be whole: not compressed yet)."""
-        compressor = self.compressor
-        self.settle()
-        compressor.check(self.state)  # raises on a compressed or empty state
-        self.phase = Phase()
-
-    def score_chunk(self, start: int, end: int) -> None:
-        """The next forward pass scores context rows ``start..end-1``."""
-        self._in_phase("score_chunk").chunk = (start, end)
-
-    def phase_scores(self) -> mx.array:
-        """float32 ``[B, H_kv, n]``: every context row's score so far (the chunks, in order)."""
-        if self.phase is None:
-            raise ValueError("no chunk of the scoring pass was scored")
-        return self.phase.all_scores()
-
-    def finish_phase(self, budget: int | None = None, total: int | None = None) -> None:
-        """Leave the phase: cut the context by every chunk's scores (to ``budget`` if given;
-        ``total``: the layer's share of a model-wide row total)."""
-        scores = self._in_phase("finish_phase").all_scores()
-        state = self.policy.rebudget(self.state, budget)
-        state = self.compressor.cut(state, scores, total)  # raises: unchanged
-        self.phase = None
-        self.take_cut(state)
-
-    def abort_phase(self) -> None:
-        """Leave the phase uncompressed (after an error in the pass)."""
-        self.phase = None
-
-    def _in_phase(self, what: str) -> Phase:
-        if self.phase is None:
-            raise RuntimeError(f"{what}() outside the scoring phase (call start_phase())")
-        return self.phase
+    # -- the model-driven phase: velox_cache_core.phase's functions ------------------------------
+    compressor = property(PH.layer_compressor)
+    start_phase = PH.start_phase
+    score_chunk = PH.score_chunk
+    phase_scores = PH.phase_scores
+    finish_phase = PH.finish_phase
+    abort_phase = PH.abort_phase

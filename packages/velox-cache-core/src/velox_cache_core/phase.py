@@ -85,3 +85,52 @@ def _live(state: Any, name: str) -> KVSlots:
     if state.slots is None:
         raise ValueError(f"the {name} cache holds no context to score")
     return state.slots.compact()
+
+
+# -- a layer's phase (velox_cache_core.layer.Layer's methods of these names) -------------------
+def layer_compressor(layer: Any) -> Compressor:
+    """The layer's policy's model-driven phase (``ValueError`` when it declares none)."""
+    return compressor_of(layer.policy)
+
+
+def start_phase(layer: Any) -> None:
+    """Enter the phase (the context must be whole: not compressed yet)."""
+    compressor = compressor_of(layer.policy)
+    layer.settle()
+    compressor.check(layer.state)  # raises on a compressed or empty state
+    layer.phase = Phase()
+
+
+def score_chunk(layer: Any, start: int, end: int) -> None:
+    """The next forward pass scores context rows ``start..end-1``."""
+    _in_phase(layer, "score_chunk").chunk = (start, end)
+
+
+def phase_scores(layer: Any) -> mx.array:
+    """float32 ``[B, H_kv, n]``: every context row's score so far (the chunks, in order)."""
+    if layer.phase is None:
+        raise ValueError("no chunk of the scoring pass was scored")
+    scores: mx.array = layer.phase.all_scores()
+    return scores
+
+
+def finish_phase(layer: Any, budget: int | None = None, total: int | None = None) -> None:
+    """Leave the phase: cut the context by every chunk's scores (to ``budget`` if given;
+    ``total``: the layer's share of a model-wide row total)."""
+    scores = _in_phase(layer, "finish_phase").all_scores()
+    state = layer.policy.rebudget(layer.state, budget)
+    state = compressor_of(layer.policy).cut(state, scores, total)  # raises: unchanged
+    layer.phase = None
+    layer.take_cut(state)
+
+
+def abort_phase(layer: Any) -> None:
+    """Leave the phase uncompressed (after an error in the pass)."""
+    layer.phase = None
+
+
+def _in_phase(layer: Any, what: str) -> Phase:
+    if layer.phase is None:
+        raise RuntimeError(f"{what}() outside the scoring phase (call start_phase())")
+    phase: Phase = layer.phase
+    return phase

@@ -149,8 +149,8 @@ def demote_one(spec: TierSpec, tier: Tier, keys: mx.array, values: mx.array,
                positions: mx.array, scores: mx.array) -> Tier:  # fmt: skip
     """One row per (batch row, head) (``[B, H_kv, 1, D]``, positions and scores ``[B, H_kv,
     1]``) into a full tier, written in place: it takes the place of the tier's lowest-scored
-    row when it scores higher (or as high, and is newer), else it goes. The same rows :func:`demote` keeps,
-    without rebuilding the tier (a decode step's eviction)."""
+    row when it scores higher (or as high, and is newer), else it goes. The same rows
+    :func:`demote` keeps, without rebuilding the tier (a decode step's eviction)."""
     # the row keep_best would drop: the lowest score, the oldest among equal ones
     low = mx.min(tier.scores, axis=-1, keepdims=True)
     oldest = mx.where(tier.scores == low, tier.positions, mx.iinfo(mx.int32).max)
