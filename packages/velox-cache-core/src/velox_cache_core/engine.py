@@ -373,6 +373,7 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
     decision = policy.rule(state, call, laid.slots, candidates)
     mask = _full_mask(decision.mask, call, candidates.n_slots, policy.traits.scope(state))
     after = advance(state, decision.kept, call, **decision.changes)
+    values = candidates.values
     if log is not None:
         entry = record(
             state,
@@ -388,27 +389,11 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
-        values = R.tie(candidates.values, entry.arrays())
-        return Step(
-            candidates.keys,
-            values,
-            mask,
-            after,
-            log,
-            decision.probs,
-            state.lanes,
-            positions=candidates.positions,
-        )
+        values = R.tie(values, entry.arrays())
     return Step(
-        candidates.keys,
-        candidates.values,
-        mask,
-        after,
-        log,
-        decision.probs,
-        state.lanes,
+        candidates.keys, values, mask, after, log, decision.probs, state.lanes,
         positions=candidates.positions,
-    )
+    )  # fmt: skip
 
 
 def _lane_token(
