@@ -55,6 +55,10 @@ def test_a_full_tier_drops_its_lowest_rows_and_its_bytes_stay_bounded() -> None:
         assert tier.keys.n_physical - 16 < 32
         assert c.tier_nbytes == tier.nbytes
         assert c.tier_nbytes <= c.layer.demote.max_nbytes(2, 32, 4)  # the server's bound
+        # the total within 1.05x of what the settings allow: budget rows (and the dead slot
+        # of a decode step) of 2 KV heads x 32 float32 features, keys and values, and the tier
+        configured = (24 + 1) * 2 * 2 * 32 * 4 + c.layer.demote.max_nbytes(2, 32, 4)
+        assert c.nbytes <= 1.05 * configured
 
 
 def test_prompt_cache_files_keep_the_tier(tmp_path: Any) -> None:
