@@ -195,15 +195,16 @@ def step_part(settings: TierSettings) -> list[dict[str, Any]]:
 
     B, H_q, H_kv, D = 1, 32, 8, 128
     budget = settings.budget
-    rows = tier_rows(budget, budget // 2, 2, D, 4)
+    rows = {bits: tier_rows(budget, budget // 2, bits, D, 4) for bits in (2, 4)}
     out = []
     for method in [m for m in settings.methods if m != "snapkv"]:
         policy = POLICIES[method]
-        layers = {
-            "without": Layer(policy, policy.init(budget=budget), None),
-            "tier 2": Layer(policy, policy.init(budget=budget // 2), None,
-                            demote=TierSpec(2, rows, GROUP)),
-        }  # fmt: skip
+        layers = {"without": Layer(policy, policy.init(budget=budget), None)}
+        for bits, n in rows.items():
+            spec = TierSpec(bits, n, GROUP)
+            layers[f"tier {bits}"] = Layer(
+                policy, policy.init(budget=budget // 2), None, demote=spec
+            )
         rng = np.random.default_rng(0)
 
         def feed(layer: Layer, n: int, rng: Any = rng) -> None:
@@ -212,7 +213,7 @@ def step_part(settings: TierSettings) -> list[dict[str, Any]]:
             layer.lay_out(k, k)
             mx.eval(layer.attend(q, D**-0.5), layer.arrays())
 
-        prompt = budget + rows + 64
+        prompt = budget + max(rows.values()) + 64
         for layer in layers.values():
             for start in range(0, prompt, 256):
                 feed(layer, min(256, prompt - start))
@@ -224,18 +225,20 @@ def step_part(settings: TierSettings) -> list[dict[str, Any]]:
                     feed(layer, 1)
                 times[name].append((time.perf_counter() - began) / settings.step_steps)
         med = {name: statistics.median(t) for name, t in times.items()}
-        tier = layers["tier 2"].tier
-        out.append(
-            {
-                "method": method,
-                "budget": budget,
-                "tier_rows": rows,
-                "rows_without": budget,
-                "rows_with": budget // 2 + (0 if tier is None else tier.n_rows),
-                "median_s": med,
-                "ratio": med["tier 2"] / med["without"],
-            }
-        )
+        for bits, n in rows.items():
+            tier = layers[f"tier {bits}"].tier
+            out.append(
+                {
+                    "method": method,
+                    "bits": bits,
+                    "budget": budget,
+                    "tier_rows": n,
+                    "rows_without": budget,
+                    "rows_with": budget // 2 + (0 if tier is None else tier.n_rows),
+                    "median_s": {"without": med["without"], "tier": med[f"tier {bits}"]},
+                    "ratio": med[f"tier {bits}"] / med["without"],
+                }
+            )
     return out
 
 
@@ -296,7 +299,7 @@ def summary(results: dict[str, Any]) -> str:
             )
     for r in results.get("step", []):
         lines.append(
-            f"decode step, one layer, {r['method']}: tier {r['ratio']:.2f}x without "
+            f"decode step, one layer, {r['method']}: tier {r['bits']} {r['ratio']:.2f}x without "
             f"({r['rows_with']} rows vs {r['rows_without']})"
         )
     return "\n".join(lines)
