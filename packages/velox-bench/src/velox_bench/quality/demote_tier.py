@@ -51,6 +51,10 @@ class TierSettings:
     step_rounds: int = 7
     step_steps: int = 30
     parts: tuple[str, ...] = ("retrieval", "perplexity", "step")
+    # which runs of :func:`runs` (labels; empty: all) and extra (method, label) runs
+    labels: tuple[str, ...] = ()
+    # perplexity: run the full cache, else take it from quality_per_byte.json (same text)
+    full_reference: bool = True
     smoke: bool = False
 
     @classmethod
@@ -117,6 +121,9 @@ def _every_run(
     out = []
     for method in settings.methods:
         for label, main, bits, tier in runs(budget, head_dim, itemsize):
+            chosen = label in settings.labels or f"{method}:{label}" in settings.labels
+            if settings.labels and not chosen:
+                continue
             rows = tier_rows(budget, main, tier, head_dim, itemsize) if tier else 0
             if tier and not rows:
                 continue  # the tier's window alone outgrows the bytes: no such run
@@ -169,7 +176,12 @@ def perplexity_part(
     from velox_mlx_lm import KVCacheBuilder
 
     head_dim, itemsize = _geometry(model)
-    full = perplexity(token_nll(model, per_byte_config("full", 0, None), tokens, settings.chunk))
+    if settings.full_reference:
+        full = perplexity(
+            token_nll(model, per_byte_config("full", 0, None), tokens, settings.chunk)
+        )
+    else:
+        full = _per_byte_full(settings)
     rows = []
     for r in _every_run(settings, settings.budget, head_dim, itemsize):
         config = _config(r["method"], r["budget"], r["bits"], r["tier"], r["tier_rows"])
@@ -184,6 +196,19 @@ def perplexity_part(
         mx.eval([c.state for c in held])
         rows.append({**r, "ppl": perplexity(nll), "kv_bytes": _held(held)})
     return {"full": full, "rows": rows}
+
+
+def _per_byte_full(settings: TierSettings) -> float:
+    """The full cache's perplexity from quality_per_byte.json, measured over the same text
+    (``ValueError`` when that run used other tokens or chunks)."""
+    from velox_bench.results import results_dir
+
+    saved = json.loads((results_dir() / "quality_per_byte.json").read_text())
+    same = {k: saved["settings"][k] for k in ("tokens", "chunk")}
+    if same != {"tokens": settings.tokens, "chunk": settings.chunk}:
+        raise ValueError(f"quality_per_byte.json measured {same}: run the full cache here")
+    full = next(r for r in saved["perplexity"] if r["method"] == "full" and r["bits"] is None)
+    return float(full["ppl"])
 
 
 def step_part(settings: TierSettings) -> list[dict[str, Any]]:
@@ -310,6 +335,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes; writes nothing")
     p.add_argument("--parts", default="retrieval,perplexity,step")
     p.add_argument("--methods", default=None, help="comma-separated (default tova,h2o,snapkv)")
+    p.add_argument(
+        "--labels",
+        default="",
+        help="runs to make: labels ('fp + tier 2') or method:label, comma-separated (default all)",
+    )
+    p.add_argument(
+        "--full-from-per-byte",
+        action="store_true",
+        help="take the full cache's perplexity from quality_per_byte.json (same text)",
+    )
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/)")
     args = p.parse_args(argv)
     base = TierSettings.smoke_run() if args.smoke else TierSettings()
@@ -318,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             **asdict(base),
             "parts": tuple(args.parts.split(",")),
             "methods": tuple(args.methods.split(",")) if args.methods else base.methods,
+            "labels": tuple(x for x in args.labels.split(",") if x),
+            "full_reference": not args.full_from_per_byte,
         }
     )
     results = evaluate(settings)
