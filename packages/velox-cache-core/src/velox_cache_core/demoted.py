@@ -243,8 +243,9 @@ def decide(
         layer.shared_tier = layer.tier  # a layer sharing these rows attends as this call did
         layer.tier = demote_gone(spec, tier, before, step.state, k, v, weights)
         layer.state = step.state
-        layer.last = step
         outs.append(out)
+    # a layer sharing these rows attends as the call did: one step (sub-chunks have several)
+    layer.last = step if len(outs) == 1 else None
     ended = layer.state
     layer.state = layer._after_call(ended, L)
     cut(layer, ended)

@@ -43,6 +43,11 @@ def attend_rows(
     model's additive ``scores`` ``[B?, H?, L, n]`` (latent attention's RoPE part). The
     call is decided with signal ``key`` (the policy's scoring cannot read these queries),
     with a warning once; the policy's mask hides what it evicted."""
+    if layer.demote is not None:
+        raise ValueError(
+            f"{layer.serves or 'the model'} derives its own rows from the cache's, which a "
+            "demoted tier's quantized rows cannot follow: use demote_bits=None with this model"
+        )
     step = decide_for_rows(layer)
     n = int(step.keys.shape[2])
     if keys.shape[2] != n or values.shape[2] != n:
