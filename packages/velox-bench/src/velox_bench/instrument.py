@@ -136,10 +136,21 @@ def _share(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return " / ".join(f"{a / b:.2f}" if b else "-" for a, b in zip(acc, base, strict=True))
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The row's method, with its quantized rows (``4-bit ch``) or demoted tier (``+ 2-bit
+    tier of 4524``) when it has them."""
+    label = str(row["method"])
+    if row.get("kv_bits"):
+        label += f" {row['kv_bits']}-bit ch"
+    if row.get("demote_bits"):
+        label += f" + {row['demote_bits']}-bit tier of {row['demote_budget']}"
+    return label
+
+
 def _retrieval_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     acc = " | ".join(f"{row['depths'][str(d)]['accuracy']:.2f}" for d in grid.DEPTHS)
     return (
-        f"| {row['length']} | {row['method']} | {row['budget'] or '-'} "
+        f"| {row['length']} | {_label(row)} | {row['budget'] or '-'} "
         f"| {row['kept_tokens'] or '-'} | {acc} | {_share(row, ref)} "
         f"| {row['seconds'] / 60:.0f} |"
     )
@@ -217,7 +228,7 @@ def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
             acc = [r["depths"][str(depth)]["accuracy"] for r in cells]
             xs = [i + (j - (len(grid.DEPTHS) - 1) / 2) * width for i in range(len(cells))]
             ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
-        labels = [f"{r['method']}\n{r['budget'] or 'full'}" for r in cells]
+        labels = [f"{_label(r)}\n{r['budget'] or 'full'}".replace(" + ", "\n+ ") for r in cells]
         ax.set_xticks(range(len(cells)), labels, fontsize=8)
         ax.set_xlim(-0.6, max(len(cells), 4) - 0.4)  # bars keep their width in a thin panel
         ax.set_ylim(0, 1.05)
