@@ -109,7 +109,9 @@ def _reference_check(spec: TierSpec):
             for h in range(H_kv):
                 seen = list(found[b, h]) + list(range(start, start + L))
                 gone = [p for p in seen if p not in set(after_pos[b, h])]
-                rows = {int(p): float(s) for p, s in zip(t_pos[b, h], tier_scores[b, h])}
+                rows = {
+                    int(p): float(s) for p, s in zip(t_pos[b, h], tier_scores[b, h], strict=True)
+                }
                 for p in gone:
                     if spec.scoring == "recency":
                         rows[int(p)] = float(p)
@@ -121,7 +123,7 @@ def _reference_check(spec: TierSpec):
                 got = [] if tier is None else list(np.array(tier.positions)[b, h])
                 assert sorted(got) == sorted(best), (b, h, got, best)
                 if tier is not None:
-                    got_scores = dict(zip(got, np.array(tier.scores)[b, h]))
+                    got_scores = dict(zip(got, np.array(tier.scores)[b, h], strict=True))
                     for p in got:
                         assert got_scores[p] == pytest.approx(rows[p], rel=1e-3, abs=1e-6)
 
