@@ -107,14 +107,24 @@ def weights_times_values(
     B, H_kv, _, D = values.shape
     group = math.prod(probs.shape[1:-2]) // H_kv  # the query heads per KV head
     weights = probs.reshape(B, H_kv, group, 1, -1).astype(values.dtype)
-    return _times_values(weights, values).reshape(B, -1, 1, D).astype(dtype)
+    return times_values(weights, values).reshape(B, -1, 1, D).astype(dtype)
 
 
-def _times_values(probs: mx.array, values: mx.array | QRows | KRows) -> mx.array:
+def times_values(probs: mx.array, values: mx.array | QRows | KRows) -> mx.array:
     """``probs [B, H_kv, G, L, n]`` times each KV head's values: ``[B, H_kv, G, L, D]``."""
     if isinstance(values, QUANTIZED):
         return values.matmul(probs, transpose=False)
     return probs @ values[:, :, None]
+
+
+def grouped_mask(mask: mx.array, H_q: int, H_kv: int) -> mx.array:
+    """A bool mask ``[B, H, L, n]`` (``H`` = 1, ``H_kv`` or ``H_q``) grouped as per-KV-head
+    logits are (:func:`velox_cache_core.scoring.grouped_logits`): ``[B, H_kv or 1, H_q / H_kv
+    or 1, L, n]``."""
+    B, H, L, n = (int(s) for s in mask.shape)
+    if H_q == H and H_q != H_kv:
+        return mask.reshape(B, H_kv, H_q // H_kv, L, n)
+    return mask.reshape(B, H, 1, L, n)
 
 
 def _quantized(
@@ -122,12 +132,11 @@ def _quantized(
 ) -> mx.array:
     """Attention over quantized rows with a bool ``mask [B, 1 or H_q, L, n]`` (or none)."""
     B, H_q, L, D = queries.shape
-    H_kv, n = keys.shape[1], keys.shape[2]
+    H_kv = keys.shape[1]
     q = (queries * scale).astype(keys.dtype).reshape(B, H_kv, H_q // H_kv, L, D)
     scores = keys.matmul(q, transpose=True)  # [B, H_kv, G, L, n]
     if mask is not None:
-        visible = mask.reshape(B, -1, H_q // H_kv if mask.shape[1] > 1 else 1, L, n)
-        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
+        scores = mx.where(grouped_mask(mask, H_q, H_kv), scores, mx.finfo(scores.dtype).min)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = _times_values(probs, values)
+    out = times_values(probs, values)
     return out.reshape(B, H_q, L, int(values.shape[3])).astype(queries.dtype)

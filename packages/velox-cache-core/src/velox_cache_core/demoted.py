@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.attention import grouped_mask, times_values
 from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import SUBCHUNK, Waiting
 from velox_cache_core.scoring import grouped_logits
@@ -80,7 +81,7 @@ def attend(
     main = grouped_logits(queries, step.keys, scale, "head")  # [B, H_kv, g, L, n]
     n = int(main.shape[-1])
     if step.mask is not None:
-        main = mx.where(_visible(step.mask, H_q, H_kv, L, n), main, mx.finfo(mx.float32).min)
+        main = mx.where(grouped_mask(step.mask, H_q, H_kv), main, mx.finfo(mx.float32).min)
     parts = [main]
     T = 0 if tier is None else tier.n_rows
     if tier is not None and T:
@@ -91,29 +92,13 @@ def attend(
     logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     probs = mx.softmax(logits, axis=-1, precise=True)
     p_main = probs[..., :n]
-    out = _times_values(p_main, step.values)
+    out = times_values(p_main.astype(step.values.dtype), step.values)
     p_tier = None
     if tier is not None and T:
         p_tier = probs[..., n : n + T]
-        out = out + _times_values(p_tier, tier.values)
+        out = out + times_values(p_tier.astype(tier.values.dtype), tier.values)
     D_v = int(out.shape[-1])
     return out.reshape(B, H_q, L, D_v).astype(queries.dtype), p_main, p_tier
-
-
-def _visible(mask: mx.array, H_q: int, H_kv: int, L: int, n: int) -> mx.array:
-    """A step's bool mask ``[B, H, L, n]`` (``H`` = 1, ``H_kv`` or ``H_q``) grouped as the
-    logits are: ``[B, H_kv or 1, H_q / H_kv or 1, L, n]``."""
-    B, H = int(mask.shape[0]), int(mask.shape[1])
-    if H_q == H and H_q != H_kv:
-        return mask.reshape(B, H_kv, H_q // H_kv, L, n)
-    return mask.reshape(B, H, 1, L, n)
-
-
-def _times_values(probs: mx.array, values: R.Rows) -> mx.array:
-    """``probs [B, H_kv, g, L, n]`` times each KV head's values: ``[B, H_kv, g, L, D_v]``."""
-    if isinstance(values, R.QUANTIZED):
-        return values.matmul(probs.astype(values.dtype), transpose=False)
-    return probs.astype(values.dtype) @ values[:, :, None]
 
 
 def scores_of(spec: TierSpec, probs: mx.array) -> mx.array:
@@ -181,7 +166,7 @@ def demote_gone(
     """``tier`` with what went between states ``before`` and ``after`` demoted into it
     (a call's new ``keys``/``values`` included); ``weights``: the call's scores of its
     candidates ``[B, H_kv, n]`` and their positions, else the rows score 0."""
-    gone = _evicted_by_step(keys, after.slots) if weights is not None else None
+    gone = _evicted_by_step(keys, after.slots)
     if gone is None:
         gone = victims(before.slots, keys, values, before.offset, after.slots)
     if gone is None:
