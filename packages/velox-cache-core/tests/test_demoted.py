@@ -236,6 +236,11 @@ def test_layer_refusals():
         Layer(streaming, streaming.init(budget=16), None, mode=Mode.AT_ONCE, demote=spec)
     with pytest.raises(TypeError, match="demote must be a TierSpec"):
         Layer(tova, tova.init(budget=16), None, demote=(2, 8))
+    narrow = Layer(tova, tova.init(budget=16), None, demote=spec)
+    rows = mx.zeros((1, 2, 3, 48))  # 48 features: no group of 64 divides them
+    with pytest.raises(ValueError, match=r"must divide the values' width=48.*demote_bits=None"):
+        narrow.lay_out(rows, rows)
+    assert narrow.pending is None and narrow.state.slots is None  # nothing changed
     layer = Layer(tova, tova.init(budget=16), new_log(4), demote=spec)
     k = mx.zeros((1, 2, 3, 64))
     layer.lay_out(k, k)

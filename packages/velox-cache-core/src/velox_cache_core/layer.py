@@ -316,6 +316,8 @@ class Layer:
     def stored(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """A call's keys and values as the store holds them: quantized with :attr:`quant`
         (validated first, so that a bad call changes nothing), else unchanged."""
+        if self.demote is not None:  # the tier quantizes the value rows it demotes
+            self.demote.check_width(int(values.shape[3]))
         if self.quant is None or isinstance(keys, R.QUANTIZED):
             return keys, values
         check_fits(None, keys, values)

@@ -214,6 +214,10 @@ def _check_model(model: nn.Module, config: KVCacheConfig) -> None:
     if quant is not None:
         for dim in sorted(dims):
             quant.check_width(dim, "the model's head_dim")
+    tier = config.demote
+    if tier is not None:
+        for dim in sorted(dims):
+            tier.check_width(dim, "the model's head_dim")
 
 
 def _without_queries(model: nn.Module, config: KVCacheConfig) -> KVCacheConfig:

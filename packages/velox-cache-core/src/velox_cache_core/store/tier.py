@@ -55,10 +55,10 @@ class TierSpec:
         if self.scoring not in SCORING:
             raise ValueError(f"scoring must be one of {SCORING}, got {self.scoring!r}")
 
-    def check_width(self, keys_width: int, values_width: int) -> None:
-        """``ValueError`` unless the values' rows split into quantization groups."""
-        Quant(self.bits, self.group_size).check_width(values_width, "the values' width")
-        del keys_width  # keys are grouped along their tokens: any width fits
+    def check_width(self, width: int, what: str = "the values' width") -> None:
+        """``ValueError`` unless value rows ``width`` features wide split into quantization
+        groups (keys are grouped along their tokens: any width fits)."""
+        Quant(self.bits, self.group_size).check_width(width, what, off="demote_bits")
 
     def max_nbytes(self, kv_heads: int, head_dim: int, itemsize: int) -> int:
         """The most one batch row's tier holds between calls, in bytes: per KV head,

@@ -58,13 +58,14 @@ class Quant:
             choices = ", ".join(repr(k) for k in KEY_LAYOUTS)
             raise ValueError(f"kv_key_layout must be one of {choices}, got {self.keys!r}")
 
-    def check_width(self, width: int, what: str = "head_dim") -> None:
-        """``ValueError`` unless rows ``width`` features wide can be quantized in groups."""
+    def check_width(self, width: int, what: str = "head_dim", off: str = "kv_bits") -> None:
+        """``ValueError`` unless rows ``width`` features wide can be quantized in groups
+        (the error names ``off``, the setting that turns this quantization off)."""
         if width % self.group_size:
             fits = ", ".join(str(g) for g in GROUP_SIZES if width % g == 0) or "none fits"
             raise ValueError(
                 f"kv_group_size={self.group_size} must divide {what}={width} "
-                f"(accepted here: {fits}); or use kv_bits=None"
+                f"(accepted here: {fits}); or use {off}=None"
             )
 
     def quantize(self, x: mx.array) -> QRows:
