@@ -141,32 +141,17 @@ class Cell:
 HEAD_DIM, ITEMSIZE = 128, 4
 
 
-def equal_bytes_rows(budget: int, main: int, bits: int, tier: bool = True) -> int:
-    """Rows that hold the bytes of ``budget`` full-precision rows: a demoted tier at ``bits``
-    beside ``main`` full-precision rows (its bound, :meth:`TierSpec.max_nbytes`, fits in the
-    bytes of the other ``budget - main`` rows), or (``tier=False``) quantized main rows with keys
-    per channel, group 64."""
-    from velox_cache_core import TierSpec
-
-    full = 2 * HEAD_DIM * ITEMSIZE
-    if not tier:
-        row = 2 * (HEAD_DIM * bits / 8 + 2 * HEAD_DIM / 64 * ITEMSIZE)
-        return int(budget * full // row)
-    left = (budget - main) * full
-    rows = 1
-    while TierSpec(bits, rows + 1).max_nbytes(1, HEAD_DIM, ITEMSIZE) <= left:
-        rows += 1
-    return rows
-
-
 def tier_cells(length: int = 8192, share: int = 8) -> list[Cell]:
     """Issue 49's comparison at the bytes of ``length / share`` full-precision rows: pure
     eviction at full precision and at 4 bits, and half the rows at full precision plus a
     demoted tier at 2 or 4 bits in the other half's bytes."""
+    from velox_bench.quality.demote_tier import tier_rows
+    from velox_bench.quality.per_byte import equal_bytes_budget
+
     budget = length // share
     half = budget // 2
-    d2, d4 = equal_bytes_rows(budget, half, 2), equal_bytes_rows(budget, half, 4)
-    kv4 = equal_bytes_rows(budget, 0, 4, tier=False)
+    d2, d4 = (tier_rows(budget, half, bits, HEAD_DIM, ITEMSIZE) for bits in (2, 4))
+    kv4 = equal_bytes_budget(budget, HEAD_DIM, ITEMSIZE, 4, "channel")
     return [
         Cell("retrieval", length, "tova", half, demote_bits=2, demote_budget=d2),
         Cell("retrieval", length, "tova", half, demote_bits=4, demote_budget=d4),
