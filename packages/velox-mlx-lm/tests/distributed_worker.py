@@ -74,6 +74,22 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "tova_pinned": ({"method": "tova", "pin": PIN}, "auto"),
     "h2o_head_pinned": ({"method": "h2o", "h2o_scope": "head", "pin": PIN}, "auto"),
     "snapkv_pinned": ({"method": "snapkv", "snapkv_window": 4, "pin": PIN}, "auto"),
+    # a demoted tier (issue 49): each rank demotes its own heads' rows; the layer-wide
+    # decisions summed over the group per layer and call (not through StepSums)
+    "tova_tier": (
+        {"method": "tova", "demote_bits": 2, "demote_budget": 12, "kv_group_size": 32},
+        "auto",
+    ),
+    "h2o_head_tier": (
+        {
+            "method": "h2o",
+            "h2o_scope": "head",
+            "demote_bits": 4,
+            "demote_budget": 12,
+            "kv_group_size": 32,
+        },
+        "auto",
+    ),
     # adaptive allocation (issue 34): each rank shares the rows among the heads it holds
     "tova_head_alloc": ({"method": "tova_adapted", "tova_allocation": "head"}, "auto"),
     "snapkv_global": (
@@ -89,6 +105,7 @@ PIPELINE_CASES = (
     "tova_q4",
     "tova_q4_channel",
     "tova_pinned",
+    "tova_tier",
 )
 
 
@@ -163,13 +180,16 @@ def run(
             prompt, model, max_tokens=steps, prompt_cache=caches, prefill_step_size=PREFILL_STEP
         )
     ]
-    kept = []
+    kept, demoted = [], []
     for cache in caches:
         positions = cache.positions
         kept.append(None if positions is None else mx.sort(positions[0], axis=-1).tolist())
+        tier = getattr(cache, "layer", None) and cache.layer.tier
+        demoted.append(None if not tier else mx.sort(tier.positions[0], axis=-1).tolist())
     return {
         "tokens": tokens,
         "kept": kept,
+        "demoted": demoted,
         "grouped": [c.group is not None for c in caches],
         "step_sums": [c.step_sums is not None for c in caches],
     }

@@ -48,7 +48,10 @@ LAYER_SCOPE = {
     "tova_q4",
     "tova_q4_channel",
     "tova_pinned",
+    "tova_tier",
 }
+# Cases with a demoted tier: decided per layer and call (no StepSums), tiers compared too.
+TIER = {"tova_tier", "h2o_head_tier"}
 # Cases with the worker's pinned span (distributed_worker.PIN): every head keeps it.
 PINNED = {"tova_pinned", "h2o_head_pinned", "snapkv_pinned"}
 TENSOR_CASES = [
@@ -70,6 +73,7 @@ TENSOR_CASES = [
     "tova_pinned",
     "h2o_head_pinned",
     "snapkv_pinned",
+    *sorted(TIER),
 ]
 NEGATIVE = "tova_no_allreduce"
 # Adaptive allocation: each rank shares its budget among the KV heads it holds (and, with
@@ -190,6 +194,16 @@ def _mismatch(result: dict[str, Any], case: str) -> list[str]:
     for i, (want, got) in enumerate(zip(expected, mine["kept"], strict=True)):
         if want != got:
             problems.append(f"rank {rank} layer {i}: kept {got} != {want}")
+    if case in TIER:  # the tiers' rows too, head by head
+        if result["layers"] is not None:
+            want_tiers = ref["demoted"][start:end]
+        else:
+            want_tiers = _local(ref["demoted"], rank, heads)
+        if not any(want_tiers):
+            problems.append(f"{case}: nothing was demoted (the test would not see the tier)")
+        for i, (want, got) in enumerate(zip(want_tiers, mine["demoted"], strict=True)):
+            if want != got:
+                problems.append(f"rank {rank} layer {i}: demoted {got} != {want}")
     return problems
 
 
@@ -240,7 +254,7 @@ def test_tensor_parallel_matches_single_process(
     for result in tensor_run:
         sharded = result["cases"][case]["sharded"]
         assert all(sharded["grouped"])
-        assert all(sharded["step_sums"]) == (case != "tova_per_layer")
+        assert all(sharded["step_sums"]) == (case != "tova_per_layer" and case not in TIER)
         assert not _mismatch(result, case), "\n".join(_mismatch(result, case))
     if case in PINNED:
         _assert_pinned_kept(tensor_run, case)

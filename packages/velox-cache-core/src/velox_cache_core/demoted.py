@@ -43,9 +43,10 @@ NO_TRIM = (
     "cannot trim a {name} cache with a demoted tier (demote_bits): the tier keeps no undo "
     "log yet, so trims and speculative decoding need demote_bits=None"
 )
-NO_GROUP = (
-    "a demoted tier (demote_bits) decides on one process: tensor-parallel sharding of a "
-    "cache with a tier is not supported (pipeline stages are)"
+NO_STEP_SUMS = (
+    "a layer with a demoted tier (demote_bits) decides every call with its queries, summing "
+    "over its group there (one all_sum per layer and call): it cannot defer a decode step to "
+    "shared step sums (StepSums)"
 )
 
 

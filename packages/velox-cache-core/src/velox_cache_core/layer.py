@@ -152,8 +152,6 @@ class Layer:
         if group is not None and not isinstance(group, Group):
             raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
         self.settle()
-        if self.demote is not None and group is not None and group.size() > 1:
-            raise ValueError(DM.NO_GROUP)
         self.group = None if group is None or group.size() == 1 else group
         self.sums = None
         if self.mode is Mode.STEP_SUMS:
@@ -164,7 +162,7 @@ class Layer:
         (``None``: back to ``QUERIES``)."""
         if sums is not None:
             if self.demote is not None:
-                raise ValueError(DM.NO_GROUP)
+                raise ValueError(DM.NO_STEP_SUMS)
             if not isinstance(sums, StepSums):
                 raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
             if sums.group is not self.group:

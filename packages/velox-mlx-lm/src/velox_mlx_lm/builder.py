@@ -245,8 +245,13 @@ def _without_queries(model: nn.Module, config: KVCacheConfig) -> KVCacheConfig:
 
 
 def _share_step_sums(caches: list[Any]) -> None:
-    """Every sharded layer's decode-step sums go out in one ``all_sum`` per forward pass."""
-    ours = [c for c in caches if isinstance(c, PolicyKVCache) and c.group is not None]
+    """Every sharded layer's decode-step sums go out in one ``all_sum`` per forward pass
+    (not a layer with a demoted tier: it decides each call with its queries)."""
+    ours = [
+        c
+        for c in caches
+        if isinstance(c, PolicyKVCache) and c.group is not None and c.layer.demote is None
+    ]
     if ours:
         sums = StepSums(ours[0].group, len(ours))
         for layer, cache in enumerate(ours):
