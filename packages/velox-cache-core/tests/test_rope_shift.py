@@ -8,6 +8,7 @@ import pytest
 
 from velox_cache_core import KVSlots
 from velox_cache_core.store.rope_shift import Compaction, Rope, compacted, rotate
+from velox_cache_core.store.tier import TierSpec, demote
 
 ROPES = [
     Rope(dims=16, base=10_000.0, traditional=False),
@@ -83,7 +84,7 @@ def test_compaction_rope_positions_follow_the_shifts() -> None:
         keys=_at(raw, token, rope), values=raw, positions=mx.array(token, dtype=mx.int32)
     )
     assert comp.needs_shift(63, 2) and not comp.needs_shift(63, 1)
-    shifted, after, delta = comp.shift(slots, 63, 2)
+    shifted, _, after, delta = comp.shift(slots, 63, 2)
     assert shifted is not None
     assert delta == 63 - 6 and after.lag == delta and after.shifted_at == 63 and after.shifts == 1
     want = np.array([[[0, 1, 2, 3, 4, 5]]])
@@ -114,3 +115,49 @@ def test_compaction_saves_and_loads() -> None:
     assert back.scalars() == comp.scalars()
     assert back.anchor_ropes is not None
     np.testing.assert_array_equal(np.array(back.anchor_ropes), [[[1, 5]]])
+
+
+def test_a_demoted_tier_shifts_with_the_main_rows() -> None:
+    """The tier's rows and the main rows' movable ones are laid below ``top`` together, in
+    token order; the tier's keys (4-bit, per channel) land where a fresh quantization of the
+    keys rotated at the new positions would, within the width's rounding; a row demoted after
+    the shift keeps the position the shift gave it."""
+    rope = ROPES[0]
+    comp = Compaction(context=64, rope=rope, top=10, n_sink=2)
+    rng = np.random.default_rng(3)
+    raw = mx.array(rng.standard_normal((1, 1, 5, 32)).astype(np.float32))
+    token = np.array([[[0, 1, 30, 50, 62]]])
+    slots = KVSlots(
+        keys=_at(raw, token, rope), values=raw, positions=mx.array(token, dtype=mx.int32)
+    )
+    tier_raw = mx.array(rng.standard_normal((1, 1, 4, 32)).astype(np.float32))
+    tier_token = np.array([[[5, 20, 40, 55]]])
+    spec = TierSpec(4, 8, group_size=32)
+    tier = demote(
+        spec,
+        None,
+        _at(tier_raw, tier_token, rope),
+        tier_raw,
+        mx.array(tier_token, dtype=mx.int32),
+        mx.ones((1, 1, 4)),
+    )
+    assert tier is not None
+    before = np.array(tier.keys.dense())
+    shifted, moved, after, delta = comp.shift(slots, 63, 1, tier=tier)
+    assert shifted is not None and moved is not None
+    # token order 5, 20, 30, 40, 50, 55, 62 -> 3 .. 9 below top 10; sinks 0, 1 stay
+    np.testing.assert_array_equal(
+        np.array(after.rope_positions(slots.positions)), [[[0, 1, 5, 7, 9]]]
+    )
+    want_tier = np.array([[[3, 4, 6, 8]]])
+    np.testing.assert_array_equal(np.array(after.rope_positions(tier.positions)), want_tier)
+    np.testing.assert_array_equal(np.array(moved.positions), tier_token)  # token indices stay
+    got = np.array(moved.keys.dense())
+    want = np.array(_at(tier_raw, want_tier, rope))
+    rounding = np.abs(before - np.array(_at(tier_raw, tier_token, rope))).max()
+    assert np.abs(got - want).max() <= 2.5 * rounding + 1e-3
+    assert np.abs(got - want).max() < np.abs(before - want).max()  # it did move
+    assert delta == 63 - 10 and after.lag == delta
+    # a shift with the same rows without the tier lays them lower: the tier counts in top
+    alone = comp.shift(slots, 63, 1)[2]
+    assert np.array(alone.rope_positions(slots.positions)).tolist() == [[[0, 1, 7, 8, 9]]]

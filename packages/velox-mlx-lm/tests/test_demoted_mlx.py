@@ -112,8 +112,6 @@ def test_settings_it_cannot_serve_are_refused() -> None:
         KVCacheConfig(
             method="tova", tova_scope="head", tova_allocation="head", demote_bits=2, demote_budget=4
         )
-    with pytest.raises(ValueError, match="positions='compact'"):
-        KVCacheConfig(method="tova", positions="compact", demote_bits=2, demote_budget=4)
     with pytest.raises(ValueError, match="trim_window=4 cannot be kept"):
         KVCacheConfig(method="tova", trim_window=4, demote_bits=2, demote_budget=4)
     model = model_32()
@@ -148,3 +146,110 @@ def test_flags() -> None:
     args = parser.parse_args(["--demo", "--demote-bits", "3", "--demote-budget", "8"])
     with pytest.raises(ValueError, match="demote_bits must be one of 2, 4"):
         config_from_args(args)
+
+
+# -- compact positions: the tier's rows shift with the main rows ------------------------------
+CONTEXT = 64
+
+
+def compact_tiered(method: str, positions: str = "compact") -> KVCacheConfig:
+    """Budget 16 and a 4-bit tier of 24 rows laid below top 40 of a 64-token context."""
+    return tiered(method, budget=16, rows=24).replace(positions=positions, context=CONTEXT)
+
+
+def _raw_keys(model: Any, tokens: mx.array) -> np.ndarray:
+    """Layer 0's un-rotated keys of ``tokens`` ``[H_kv, L, D]`` (they depend on the token only)."""
+    layer = model.model.layers[0]
+    x = layer.input_layernorm(model.model.embed_tokens(tokens))
+    k = layer.self_attn.k_proj(x)
+    B, L, _ = k.shape
+    return np.array(k.reshape(B, L, 2, 32).transpose(0, 2, 1, 3)[0])
+
+
+def _rotated(raw: np.ndarray, tokens: np.ndarray, ropes: np.ndarray, rope: Any) -> np.ndarray:
+    """``raw [H, L, D]``'s rows ``tokens [H, n]`` rotated at ``ropes [H, n]``."""
+    H, n = tokens.shape
+    rows = mx.array(np.stack([raw[h, tokens[h]] for h in range(H)]).reshape(H * n, 1, 32))
+    out = mx.fast.rope(
+        rows,
+        rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=mx.array(ropes.reshape(-1).astype(np.int32)),
+    )
+    return np.array(out).reshape(H, n, 32)
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm"])
+def test_compact_with_a_tier_equals_absolute_until_the_first_shift(method: str) -> None:
+    model = model_32()
+    tokens = LONG[:, : CONTEXT + 4]
+    out = {}
+    for positions in ("absolute", "compact"):
+        cache = KVCacheBuilder.for_model(model, compact_tiered(method, positions))
+        out[positions] = run(model, cache, tokens, [30, *[1] * (CONTEXT + 4 - 30)])
+        assert all(c.demoted_tokens > 0 for c in cache)
+    inside = CONTEXT - 30 + 30  # rows of logits before the first shift
+    np.testing.assert_array_equal(out["absolute"][:inside], out["compact"][:inside])
+    assert not np.array_equal(out["absolute"][inside:], out["compact"][inside:])
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm"])
+def test_compact_lays_the_tier_and_the_main_rows_together_inside_the_context(method: str) -> None:
+    """After several shifts, layer 0's kept keys (main rows in full precision, tier rows at 4
+    bits) are each token's key rotated at the position the shifts gave it: the main rows and
+    the tier's ranked together in token order below top (sinks where they were), every distance
+    from the next token inside the context. Rotated at the token index less the lag instead (as
+    if the tier had not moved), TOVA's and H2O's tier keys are far off: the test sees the
+    shift (StreamingLLM's rows are contiguous, so only the gap after the sink closes)."""
+    model = model_32()
+    tokens = mx.array(np.random.default_rng(4).integers(0, 128, size=(1, 200)), dtype=mx.int32)
+    cache = KVCacheBuilder.for_model(model, compact_tiered(method))
+    run(model, cache, tokens, [30, *[1] * 170])
+    c = cache[0]
+    comp = c.compaction
+    assert comp.shifts >= 4 and c.offset < CONTEXT and c.token_offset == 200
+    tier = c.layer.tier
+    assert tier.n_rows == 24
+    main_tokens = np.array(c.positions[0])
+    tier_tokens = np.array(tier.positions[0])
+    main_ropes = np.array(comp.rope_positions(c.positions)[0])
+    tier_ropes = np.array(comp.rope_positions(tier.positions)[0])
+    for h in range(2):
+        tokens_h = np.concatenate([main_tokens[h], tier_tokens[h]])
+        ropes_h = np.concatenate([main_ropes[h], tier_ropes[h]])
+        order = np.argsort(tokens_h)
+        movable = tokens_h[order] >= 1  # one sink
+        assert np.all(np.diff(ropes_h[order][movable]) > 0)  # token order kept, no two alike
+        assert c.offset - ropes_h.min() < CONTEXT
+    raw = _raw_keys(model, tokens)
+    rope = comp.rope
+    main = np.array(c.keys[0])
+    np.testing.assert_allclose(main, _rotated(raw, main_tokens, main_ropes, rope), atol=1e-3)
+    got = np.array(tier.keys.dense()[0])
+    want = _rotated(raw, tier_tokens, tier_ropes, rope)
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert error < 0.15  # 4-bit rounding, once per shift a row lived through
+    if method != "streaming_llm":  # its rows are contiguous: a shift leaves them in place
+        assert np.any(tier_ropes != tier_tokens - comp.lag)
+        unshifted = _rotated(raw, tier_tokens, tier_tokens - comp.lag, rope)
+        assert np.linalg.norm(got - unshifted) / np.linalg.norm(want) > 3 * error
+
+
+def test_compact_with_a_tier_through_prompt_files_and_batches(tmp_path: Any) -> None:
+    model = model_32()
+    cfg = compact_tiered("tova")
+    cache = KVCacheBuilder.for_model(model, cfg)
+    run(model, cache, LONG, [30, *[1] * 80])
+    assert cache[0].compaction.shifts >= 1 and cache[0].demoted_tokens > 0
+    path = str(tmp_path / "t.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = velox_load(path, cfg)
+    for t in range(110, 120):  # the loaded cache goes on exactly as the original
+        token = LONG[:, t : t + 1]
+        np.testing.assert_array_equal(
+            np.array(model(token, cache=loaded)), np.array(model(token, cache=cache))
+        )
+    items = [(p, 30) for p in prompts((60, 9))]  # the first shifts within its steps
+    assert_same_as_alone(model, cfg, items, batched(model, cfg, items))

@@ -241,8 +241,11 @@ class PolicyKVCache(VeloxKVCache):
             )
         if not isinstance(rope, Rope):
             raise TypeError(f"rope must be a Rope, got {type(rope).__name__}")
+        top = int(settings["budget"])  # the kept rows, and a demoted tier's below them
+        if self._layer.demote is not None:
+            top += self._layer.demote.budget
         self._compaction = Compaction(
-            context=context, rope=rope, top=int(settings["budget"]), n_sink=int(settings["n_sink"])
+            context=context, rope=rope, top=top, n_sink=int(settings["n_sink"])
         )
 
     def _shift(self, length: int) -> int:

@@ -217,11 +217,6 @@ class KVCacheConfig:
                 f"demote_bits needs {self.policy}_allocation='uniform' (got {allocation!r}): "
                 "heads keeping different row counts have no tier; or use demote_bits=None"
             )
-        if self.positions == "compact":
-            raise ValueError(
-                "demote_bits with positions='compact' is not supported yet (the tier's rows "
-                "are not shifted): use positions='absolute' or demote_bits=None"
-            )
         if self.trim_window not in (0, TRIM_WINDOW):
             raise ValueError(
                 f"a demoted tier keeps no undo log yet, so trim_window={self.trim_window} "

@@ -36,7 +36,10 @@ def shift_layer(layer: Layer, comp: Compaction, length: int) -> tuple[Compaction
     def fixed(positions: mx.array) -> mx.array:
         return pinned(positions, pins)
 
-    slots, after, delta = comp.shift(state.slots, token, length, None if pins is None else fixed)
+    slots, tier, after, delta = comp.shift(
+        state.slots, token, length, None if pins is None else fixed, layer.tier
+    )
+    layer.tier = tier  # the demoted rows shift with the main rows (their budget counts in top)
     log = None if layer.log is None else layer.log.cleared()
     if slots is not state.slots:
         layer.restore(replace(state, slots=slots), log)

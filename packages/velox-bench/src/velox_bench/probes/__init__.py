@@ -14,7 +14,8 @@ Decode steps, one layer at a real model's attention shape:
 - ``profile_decode``: the stages of one ``tova_update`` (logits, softmax/mean, selection);
 - ``score_op_costs``: each op of a windowed (MorphKV) step's scoring, one at a time;
 - ``layer_host_compare``: host time (Python and graph building) of one layer's cache calls;
-- ``graph_nodes``: the graph nodes one layer's call adds, and what one node costs here.
+- ``graph_nodes``: the graph nodes one layer's call adds, and what one node costs here;
+- ``shift_cost``: one compact-positions shift of the main rows and of a demoted tier.
 
 The embedded model:
 

@@ -23,7 +23,13 @@ row that arrived since sits at its token index less ``lag``.
 
 Keys quantized per token (:class:`~velox_cache_core.store.token_rows.QRows`) are shifted through
 dequantize, rotate, quantize (one more rounding per shift a row lives through; shifts come once
-per ``context - budget`` tokens). Keys quantized per channel are not shifted (refused).
+per ``context - top`` tokens). Main keys quantized per channel are not shifted (refused).
+
+A demoted tier (:mod:`velox_cache_core.store.tier`) shifts with the main rows: its rows and
+the main rows' movable ones are ranked together in token order and laid below ``top``, which
+then counts the tier's budget too (``budget + demote_budget``); the tier's keys (per channel,
+at its width) go through dequantize, rotate, quantize as a whole. The anchors hold the tier's
+rows as well, so a row demoted after a shift keeps the position the shift gave it.
 
 Nothing here imports the rest of the core but the store.
 """
@@ -35,7 +41,9 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.tier import Tier
 from velox_cache_core.store.token_rows import QRows
 
 
@@ -117,6 +125,14 @@ def rotate_rows(keys: Any, shift: int | mx.array, rope: Rope) -> Any:
     )
 
 
+def rotate_tier(tier: Tier, shift: mx.array, rope: Rope) -> Tier:
+    """``tier`` with its keys rotated by ``-shift`` (int ``[B, H, T]``, one per row): dequantized,
+    rotated and quantized again per channel at the tier's width."""
+    keys = rotate(tier.keys.dense(), shift, rope)
+    rotated = KRows.from_dense(keys, tier.keys.bits, tier.keys.group_size, window=True)
+    return replace(tier, keys=rotated.settled())
+
+
 def live_rows(slots: KVSlots) -> mx.array:
     """bool ``[B, H, S]``: slots holding a kept row (all but each row's dead ``free`` slot)."""
     B, H, S = slots.positions.shape
@@ -176,8 +192,9 @@ class Compaction:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.top >= self.context:
             raise ValueError(
-                f"positions='compact' lays the kept rows below the budget ({self.top}), which "
-                f"must be below the model's context ({self.context})"
+                f"positions='compact' lays the kept rows below the budget (with a demoted "
+                f"tier: plus demote_budget) ({self.top}), which must be below the model's "
+                f"context ({self.context})"
             )
 
     def offset(self, token_offset: int) -> int:
@@ -216,31 +233,49 @@ class Compaction:
         return mx.where(found & (positions < self.shifted_at), kept, since).astype(mx.int32)
 
     def shift(
-        self, slots: KVSlots | None, token_offset: int, length: int, fixed: Any = None
-    ) -> tuple[KVSlots | None, Compaction, int]:
+        self,
+        slots: KVSlots | None,
+        token_offset: int,
+        length: int,
+        fixed: Any = None,
+        tier: Tier | None = None,
+    ) -> tuple[KVSlots | None, Tier | None, Compaction, int]:
         """Shift before a call of ``length`` tokens at ``token_offset``: ``(slots with their
-        keys rotated to the compacted positions, the compaction after, Δ)``; the call's keys
-        and queries, rotated at ``offset(token_offset) + i`` by the model, must be rotated by
-        ``-Δ`` (:func:`rotate`). ``fixed(positions)``: bool ``[B, H, S]``, the rows that keep
-        their RoPE positions besides the sinks (pinned spans), or ``None``. ``ValueError``
-        when the call cannot fit the context even after compaction (``top + length >
-        context``)."""
+        keys rotated to the compacted positions, ``tier`` likewise, the compaction after, Δ)``;
+        the call's keys and queries, rotated at ``offset(token_offset) + i`` by the model, must
+        be rotated by ``-Δ`` (:func:`rotate`). ``fixed(positions)``: bool ``[B, H, S]``, the
+        rows that keep their RoPE positions besides the sinks (pinned spans), or ``None``.
+        ``tier``: the layer's demoted rows, ranked with the main rows (``top`` must count its
+        budget). ``ValueError`` when the call cannot fit the context even after compaction
+        (``top + length > context``)."""
         self.check_fits(length)
         delta = self.offset(token_offset) - self.top
         if delta <= 0:  # nothing to close (cannot happen when needs_shift held)
-            return slots, self, 0
+            return slots, tier, self, 0
         if slots is None or slots.positions.shape[-1] == 0:
             after = replace(self, lag=self.lag + delta, shifted_at=token_offset)
-            return slots, replace(after, shifts=self.shifts + 1), delta
+            return slots, tier, replace(after, shifts=self.shifts + 1), delta
         positions = slots.positions
         live = live_rows(slots)
-        old = self.rope_positions(positions)
         kept = None if fixed is None else fixed(positions)
+        anchors = mx.where(live, positions, -1).astype(mx.int32)
+        S = int(positions.shape[-1])
+        if tier is not None and tier.n_rows:  # ranked together, in token order
+            none = mx.zeros(tier.positions.shape, dtype=mx.bool_)
+            positions = mx.concatenate([positions, tier.positions], axis=-1)
+            live = mx.concatenate([live, ~none], axis=-1)
+            kept = None if kept is None else mx.concatenate([kept, none], axis=-1)
+            anchors = mx.concatenate([anchors, tier.positions], axis=-1)
+        old = self.rope_positions(positions)
         new = compacted(positions, live, self.n_sink, self.top, kept)
         if kept is not None:
             new = mx.where(kept, old, new).astype(mx.int32)
         moves = mx.where(live, old - new, 0).astype(mx.int32)
-        shifted = replace(slots, keys=rotate_rows(slots.keys, moves, self.rope), reserve=None)
+        shifted = replace(
+            slots, keys=rotate_rows(slots.keys, moves[..., :S], self.rope), reserve=None
+        )
+        if tier is not None and tier.n_rows:
+            tier = rotate_tier(tier, moves[..., S:], self.rope)
         after = Compaction(
             context=self.context,
             rope=self.rope,
@@ -249,10 +284,10 @@ class Compaction:
             lag=self.lag + delta,
             shifted_at=token_offset,
             shifts=self.shifts + 1,
-            anchor_positions=mx.where(live, positions, -1).astype(mx.int32),
+            anchor_positions=anchors,
             anchor_ropes=new,
         )
-        return shifted, after, delta
+        return shifted, tier, after, delta
 
     # -- saving ------------------------------------------------------------------------------
     def scalars(self) -> dict[str, Any]:
