@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES, Layer, Mode, TierSpec, new_log
+from velox_cache_core.in_flight import STEPPED_CHUNK
 from velox_cache_core.store.tier import Tier, keep_best
 
 
@@ -41,6 +42,40 @@ def _run(method, spec, calls, seed, B, H_q, H_kv, D, check=None, **settings_):
     return layer, outs
 
 
+def _rows(seed, B, H_q, H_kv, D, T):
+    """Keys, values ``[B, H_kv, T, D]`` and queries ``[B, H_q, T, D]`` of a whole sequence."""
+    rng = np.random.default_rng(seed)
+    return (
+        mx.array(rng.standard_normal((B, H_kv, T, D)).astype(np.float32)),
+        mx.array(rng.standard_normal((B, H_kv, T, D)).astype(np.float32)),
+        mx.array(rng.standard_normal((B, H_q, T, D)).astype(np.float32)),
+    )
+
+
+def _feed(layer, rows, plan, start=0):
+    """``layer`` fed ``rows`` in calls of ``plan`` tokens from token ``start``; the outputs."""
+    k, v, q = rows
+    D = int(k.shape[3])
+    outs = []
+    for L in plan:
+        part = slice(start, start + L)
+        layer.lay_out(k[:, :, part], v[:, :, part])
+        outs.append(layer.attend(q[:, :, part], D**-0.5))
+        start += L
+    return outs
+
+
+def _same_layers(a, b):
+    """Bit for bit: the main rows, their positions, and the tier's rows, positions, scores."""
+    sa, sb = a.state.slots.compact(), b.state.slots.compact()
+    for x, y in zip(sa.arrays(), sb.arrays(), strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert (a.tier is None) == (b.tier is None)
+    if a.tier is not None:
+        for x, y in zip(a.tier.arrays(), b.tier.arrays(), strict=True):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
 def _live(slots):
     live = slots.compact()
     return np.array(live.positions), np.array(live.keys)
@@ -49,7 +84,10 @@ def _live(slots):
 def _reference_check(spec: TierSpec):
     def check(layer, before_state, before_tier, q, out):
         step = layer.last
-        assert step is not None and step.positions is not None
+        if step is None:  # a short chunk after the prompt ran as decode steps:
+            assert 1 < q.shape[2] <= STEPPED_CHUNK  # test_a_short_chunk_is_decode_steps
+            return
+        assert step.positions is not None
         keys, values = np.array(step.keys, np.float64), np.array(step.values, np.float64)
         cand_pos = np.array(step.positions)
         B, H_kv, n, D = keys.shape
@@ -155,7 +193,7 @@ def test_tier_against_reference(
     method, scoring, extra, budget, tier_budget, bits, group, B, prompt, chunk, seed
 ):
     spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
-    calls = [prompt, *[1] * 12, chunk, *[1] * 5]
+    calls = [prompt, *[1] * 12, chunk, *[1] * 5, 17, 1]  # 17: a chunk checked as one
     H_kv = 2
     settings_ = {"budget": budget, "n_sink": 2, **extra}
     layer, outs = _run(
@@ -246,10 +284,77 @@ def test_layer_refusals():
     layer.lay_out(k, k)
     layer.attend(mx.zeros((1, 2, 3, 64)), 0.125)
     state = layer.state
-    with pytest.raises(ValueError, match="cannot trim a tova cache with a demoted tier"):
-        layer.trim(1)
+    with pytest.raises(ValueError, match="cannot trim 4 tokens of a tova cache with a demoted"):
+        layer.trim(4)  # within the last call only (3 tokens)
     assert layer.state is state
     # a call the queries never reached: the tier cannot be attended without them
     layer.lay_out(k[:, :, :1], k[:, :, :1])
     with pytest.raises(RuntimeError, match="demotes evicted rows into a tier"):
         layer.settle()
+
+
+@pytest.mark.parametrize(("method", "scoring", "extra"), CASES)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(10, 20),
+    tier_budget=st.integers(1, 24),
+    bits=st.sampled_from([2, 4]),
+    prompt=st.integers(1, 40),
+    chunk=st.integers(2, STEPPED_CHUNK),
+    seed=st.integers(0, 2**16),
+)
+def test_a_short_chunk_is_decode_steps(
+    method, scoring, extra, budget, tier_budget, bits, prompt, chunk, seed
+):
+    """A chunk of at most ``STEPPED_CHUNK`` tokens after the prompt (a speculative verify
+    chunk) gives the outputs, main rows and tier of the same tokens fed one by one."""
+    spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
+    policy = POLICIES[method]
+    settings_ = {"budget": budget, "n_sink": 2, **extra}
+    rows = _rows(seed, 1, 4, 2, 32, prompt + 6 + chunk)
+    layers = [Layer(policy, policy.init_for(method, **settings_), None, demote=spec) for _ in "ab"]
+    chunked = _feed(layers[0], rows, [prompt, *[1] * 6, chunk])
+    stepped = _feed(layers[1], rows, [prompt, *[1] * 6, *[1] * chunk])
+    np.testing.assert_array_equal(
+        np.array(chunked[-1]), np.array(mx.concatenate(stepped[-chunk:], axis=2))
+    )
+    _same_layers(*layers)
+
+
+@pytest.mark.parametrize(("method", "scoring", "extra"), CASES)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(10, 20),
+    tier_budget=st.integers(1, 24),
+    bits=st.sampled_from([2, 4]),
+    prompt=st.integers(1, 40),
+    last=st.integers(1, 24),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_trim_equals_a_layer_that_never_saw_the_tokens(
+    method, scoring, extra, budget, tier_budget, bits, prompt, last, data, seed
+):
+    """Fed a last call of ``last`` tokens (as steps or as one chunk) then trimmed by ``n``:
+    bit for bit the layer fed ``last - n`` tokens instead, and it goes on alike."""
+    n = data.draw(st.integers(0, last), label="n")
+    spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
+    policy = POLICIES[method]
+    settings_ = {"budget": budget, "n_sink": 2, **extra}
+    rows = _rows(seed, 1, 4, 2, 32, prompt + 6 + last + 3)
+    head = [prompt, *[1] * 6]
+
+    def layer():
+        return Layer(policy, policy.init_for(method, **settings_), new_log(32), demote=spec)
+
+    trimmed, fresh = layer(), layer()
+    _feed(trimmed, rows, [*head, last])
+    assert trimmed.trimmable_tokens == last
+    trimmed.trim(n)
+    _feed(fresh, rows, [*head, last - n] if last > n else head)
+    _same_layers(trimmed, fresh)
+    at = prompt + 6 + last - n
+    a, b = _feed(trimmed, rows, [1, 2], at), _feed(fresh, rows, [1, 2], at)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    _same_layers(trimmed, fresh)

@@ -112,14 +112,6 @@ def test_settings_it_cannot_serve_are_refused() -> None:
         KVCacheConfig(
             method="tova", tova_scope="head", tova_allocation="head", demote_bits=2, demote_budget=4
         )
-    with pytest.raises(ValueError, match="trim_window=4 cannot be kept"):
-        KVCacheConfig(method="tova", trim_window=4, demote_bits=2, demote_budget=4)
-    model = model_32()
-    cache = KVCacheBuilder.for_model(model, tiered("tova"))
-    assert not cache[0].is_trimmable()
-    run(model, cache, LONG, [30])
-    with pytest.raises(ValueError, match="demoted tier"):
-        cache[0].trim(1)
 
 
 def test_flags() -> None:
@@ -146,6 +138,18 @@ def test_flags() -> None:
     args = parser.parse_args(["--demo", "--demote-bits", "3", "--demote-budget", "8"])
     with pytest.raises(ValueError, match="demote_bits must be one of 2, 4"):
         config_from_args(args)
+    # a draft model is accepted with a tier; its own caches take the config without one
+    from velox_mlx_lm.cli.app import _check_args
+    from velox_mlx_lm.serve.app import check_cache_flags
+
+    tier = ["--demo", "--demote-bits", "4", "--demote-budget", "64", "--draft-model", "d"]
+    cfg = _check_args(parser.parse_args(tier))
+    assert cfg.demote is not None and cfg.for_draft().demote is None
+    assert cfg.for_draft().replace(demote_bits=4, demote_budget=64) == cfg
+    from velox_mlx_lm.serve.app import build_parser as serve_parser
+
+    serve_args = serve_parser().parse_args(tier[1:])
+    check_cache_flags(serve_args, config_from_args(serve_args))
 
 
 # -- compact positions: the tier's rows shift with the main rows ------------------------------
@@ -253,3 +257,124 @@ def test_compact_with_a_tier_through_prompt_files_and_batches(tmp_path: Any) -> 
         )
     items = [(p, 30) for p in prompts((60, 9))]  # the first shifts within its steps
     assert_same_as_alone(model, cfg, items, batched(model, cfg, items))
+
+
+# -- trims and speculative decoding ----------------------------------------------------------
+def _tier_state(cache: list[Any]) -> list[list[np.ndarray]]:
+    """Every layer's kept positions, and its tier's positions, scores and rows, as numpy."""
+    out = []
+    for c in cache:
+        tier = c.layer.tier
+        arrays = [np.array(c.positions)]
+        if tier is not None:
+            arrays += [np.array(a) for a in (tier.positions, tier.scores, tier.keys.dense())]
+            arrays.append(np.array(tier.values.dense()))
+        out.append(arrays)
+    return out
+
+
+def _assert_same(a: list[Any], b: list[Any]) -> None:
+    """The same rows kept and demoted (positions exactly); their scores and rows equal up to
+    float rounding: the model computed the re-decided tokens' keys and queries in a longer
+    chunk (another matmul blocking), the reference in a shorter one."""
+    for x, y in zip(_tier_state(a), _tier_state(b), strict=True):
+        assert len(x) == len(y)
+        np.testing.assert_array_equal(x[0], y[0])
+        if len(x) > 1:
+            np.testing.assert_array_equal(x[1], y[1])
+        for p, q in zip(x[2:], y[2:], strict=True):
+            np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm", "snapkv"])
+@pytest.mark.parametrize(("last", "n"), [(4, 1), (4, 3), (4, 4), (9, 5), (1, 1)])
+def test_a_trim_equals_a_cache_that_never_saw_the_tokens(method: str, last: int, n: int) -> None:
+    """Fed a call of ``last`` tokens then trimmed by ``n``: the main rows, the tier (rows,
+    positions, scores) and the next logits equal a cache fed ``last - n`` tokens instead.
+    (A chunk over 16 tokens decides as a chunk, and the model computed its layers' inputs from
+    that chunk's attention: the layer-level check with the same inputs is the core's
+    ``test_a_trim_equals_a_layer_that_never_saw_the_tokens``.)"""
+    model = model_32()
+    cfg = tiered(method, rows=12, bits=2)
+    head = [30, *[1] * 24]
+    trimmed = KVCacheBuilder.for_model(model, cfg)
+    run(model, trimmed, LONG, [*head, last])
+    assert all(c.demoted_tokens > 0 for c in trimmed)
+    assert all(c.trimmable_tokens == last for c in trimmed)
+    for c in trimmed:
+        assert c.trim(n) == n
+    fresh = KVCacheBuilder.for_model(model, cfg)
+    run(model, fresh, LONG, [*head, last - n] if last > n else head)
+    _assert_same(trimmed, fresh)
+    token = LONG[:, 100:101]
+    np.testing.assert_allclose(
+        np.array(model(token, cache=trimmed)), np.array(model(token, cache=fresh)), atol=1e-4
+    )
+
+
+def test_a_trim_past_the_last_call_is_refused_and_changes_nothing() -> None:
+    model = model_32()
+    cache = KVCacheBuilder.for_model(model, tiered("tova", rows=12, bits=2))
+    run(model, cache, LONG, [30, 1, 1, 3])
+    before = _tier_state(cache)
+    assert cache[0].is_trimmable() and cache[0].trimmable_tokens == 3
+    with pytest.raises(ValueError, match="within the last call only"):
+        cache[0].trim(4)
+    for got, want in zip(_tier_state(cache), before, strict=True):
+        for p, q in zip(got, want, strict=True):
+            np.testing.assert_array_equal(p, q)
+    assert cache[0].trim(3) == 3 and cache[0].trimmable_tokens == 0
+    with pytest.raises(ValueError, match="within the last call only"):
+        cache[0].trim(1)
+    off = KVCacheBuilder.for_model(model, tiered("tova").replace(trim_window=0))
+    run(model, off, LONG, [30, 2])
+    assert not off[0].is_trimmable() and off[0].trimmable_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "positions"),
+    [("tova", "absolute"), ("h2o", "absolute"), ("streaming_llm", "absolute"), ("tova", "compact")],
+)
+def test_speculative_decoding_with_a_tier_equals_plain_decoding(
+    method: str, positions: str
+) -> None:
+    """mlx-lm's speculative decoding (verify chunks run as decode steps, rejected drafts
+    trimmed within the last call; the draft's caches without a tier, ``for_draft``): greedy
+    output equals plain decoding with the same tiered cache, and the same rows end kept and
+    demoted."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    model, draft = model_32(), model_32(seed=1)
+    cfg = compact_tiered(method, positions)
+    prompt = LONG[0, :30]
+    plain_cache = KVCacheBuilder.for_model(model, cfg)
+    plain = [
+        int(t) for t, _ in generate_step(prompt, model, prompt_cache=plain_cache, max_tokens=60)
+    ]
+    cache = KVCacheBuilder.for_model(model, cfg)
+    drafted = KVCacheBuilder.for_model(draft, cfg.for_draft())
+    assert all(c.layer.demote is None for c in drafted)
+    rounds = speculative_generate_step(
+        prompt, model, draft, prompt_cache=cache + drafted, max_tokens=60, num_draft_tokens=3
+    )
+    spec, accepted = [], 0
+    for token, _, from_draft in rounds:
+        spec.append(int(token))
+        accepted += from_draft
+    assert spec == plain
+    assert 0 < accepted < 60  # some drafts kept, some trimmed
+    if positions == "compact":
+        assert cache[0].compaction.shifts >= 1
+    # the generators stop with different tokens fed (plain decoding feeds its last token
+    # ahead): bring the one behind level, then the main rows and the tiers are the same
+    seq = [*prompt.tolist(), *plain]
+    for behind, ahead in ((cache, plain_cache), (plain_cache, cache)):
+        while behind[0].token_offset < ahead[0].token_offset:
+            k = behind[0].token_offset
+            mx.eval(model(mx.array([seq[k : k + 1]]), cache=behind))
+    for a, b in zip(_tier_state(cache), _tier_state(plain_cache), strict=True):
+        # the same rows kept and demoted; not their 2-bit codes bit for bit: the verify chunks'
+        # keys come from a 4-token forward pass (another matmul blocking), and a last-digit
+        # difference may round a 2-bit code the other way
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])

@@ -1,7 +1,9 @@
 """A layer's demoted tier at work (the store: :mod:`velox_cache_core.store.tier`).
 
 With a tier, every call of a :class:`~velox_cache_core.layer.Layer` waits for its queries and
-runs on the general engine. For each call (each sub-chunk of a sequential prefill):
+runs on the general engine. For each call (each sub-chunk of a sequential prefill; each token
+of a chunk of at most ``STEPPED_CHUNK`` tokens after the prompt, as without a tier such a
+chunk runs as decode steps):
 
 1. The policy decides over its candidates exactly as without a tier (the main rows a tier
    holds beside are the rows the same policy keeps without one).
@@ -15,18 +17,26 @@ runs on the general engine. For each call (each sub-chunk of a sequential prefil
 
 A cut outside a call (SnapKV's prompt end, KVzip's pass) demotes its victims with score 0
 (the tier keeps the newest of them).
+
+Trims (speculative decoding's rejected drafts) reach back within the last call: the tier keeps
+no per-row log, so the layer keeps the tier as it was before its last call and that call's
+inputs (:class:`TierUndo`, while its undo log can take the call back). A trim of ``n`` tokens
+undoes the whole call (the main rows through the undo log, the tier by the copy), then decides
+its first ``L - n`` tokens again as one call: what a layer that never saw the trimmed tokens
+holds, bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core.attention import grouped_mask, times_values
+from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import Step
-from velox_cache_core.in_flight import SUBCHUNK, Waiting
+from velox_cache_core.in_flight import STEPPED_CHUNK, SUBCHUNK, Waiting
 from velox_cache_core.scoring import grouped_logits
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
@@ -40,14 +50,33 @@ NEEDS_HOOK = (
 )
 
 NO_TRIM = (
-    "cannot trim a {name} cache with a demoted tier (demote_bits): the tier keeps no undo "
-    "log yet, so trims and speculative decoding need demote_bits=None"
+    "cannot trim {n} tokens of a {name} cache with a demoted tier (demote_bits): a trim reaches "
+    "back within the last call only ({reach} tokens now; speculative decoding's trims always "
+    "do), as the tier keeps its state before that call and no per-row log"
 )
 NO_STEP_SUMS = (
     "a layer with a demoted tier (demote_bits) decides every call with its queries, summing "
     "over its group there (one all_sum per layer and call): it cannot defer a decode step to "
     "shared step sums (StepSums)"
 )
+
+
+@dataclass(frozen=True, eq=False)
+class TierUndo:
+    """What a trim within a layer's last call needs: the ``tier`` before the call, and the
+    call's ``keys``/``values`` ``[B, H_kv, L, D]``, ``queries`` ``[B, H_q, L, D]``, ``scale``
+    and ``sinks`` (to decide its first tokens again)."""
+
+    tier: Tier | None
+    keys: R.Rows
+    values: R.Rows
+    queries: mx.array
+    scale: float
+    sinks: mx.array | None
+
+    @property
+    def length(self) -> int:
+        return int(self.queries.shape[2])
 
 
 def check(policy: Any, state: Any, mode: Any, spec: TierSpec | None) -> TierSpec | None:
@@ -210,9 +239,16 @@ def decide(
     spec: TierSpec = layer.demote
     keys, values = pending.keys, pending.values
     L = int(keys.shape[2])
+    log = layer.log
+    undo = None
+    if log is not None and log.window >= L:  # a trim may take this call back
+        undo = TierUndo(layer.tier, keys, values, queries, scale, sinks)
     size = L
     if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
         size = SUBCHUNK
+    elif L <= STEPPED_CHUNK and layer.state.slots is not None:
+        size = 1  # a short chunk after the prompt (a verify chunk): as decode steps, so that
+        # each token sees the rows the tokens before it demoted, as plain decoding does
     outs = []
     for s in range(0, L, size):
         part = slice(s, s + size)
@@ -235,7 +271,37 @@ def decide(
     ended = layer.state
     layer.state = layer._after_call(ended, L)
     cut(layer, ended)
+    log = layer.log
+    layer.tier_undo = undo if log is not None and log.tokens >= L else None
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def reach(layer: Any) -> int:
+    """How many of the last tokens a layer with a tier can take back now."""
+    undo: TierUndo | None = layer.tier_undo
+    log = layer.log
+    if undo is None or log is None:
+        return 0
+    return min(undo.length, log.tokens)
+
+
+def trim(layer: Any, n: int) -> None:
+    """Forget the last ``n`` tokens of a layer with a tier exactly (module docstring);
+    ``ValueError`` and no change beyond :func:`reach`."""
+    if n == 0:
+        return
+    undo: TierUndo | None = layer.tier_undo
+    if undo is None or n > reach(layer):
+        raise ValueError(NO_TRIM.format(n=n, name=layer.policy.name, reach=reach(layer)))
+    with summing_over(layer.group):
+        state, log = layer.policy.trim(layer.state, layer.log, undo.length)
+    layer.state, layer.log, layer.tier = state, log, undo.tier
+    layer.tier_undo = layer.shared_tier = None
+    layer.fetched = layer.last = None
+    keep = undo.length - n
+    if keep:
+        part = Waiting(undo.keys[:, :, :keep], undo.values[:, :, :keep])
+        decide(layer, part, undo.queries[:, :, :keep], undo.scale, undo.sinks)
 
 
 def cut(layer: Any, before: Any) -> None:

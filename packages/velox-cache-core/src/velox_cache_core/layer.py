@@ -60,6 +60,7 @@ from velox_cache_core.store import rows as R
 from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
+from velox_cache_core.validation import check_int
 
 
 class Layer:
@@ -108,6 +109,7 @@ class Layer:
         self.demote = DM.check(policy, state, mode, demote)
         self.tier: Tier | None = None  # the demoted rows (velox_cache_core.demoted)
         self.shared_tier: Tier | None = None  # the tier the last call attended
+        self.tier_undo: DM.TierUndo | None = None  # the tier before the last call (trims)
         self.sums: StepSums | None = None
         self.index = 0
         self.phase: Phase | None = None
@@ -565,12 +567,18 @@ class Layer:
         self.settle()
         self.state = PN.pin(self.policy, self.state, start, stop)
 
+    @property
+    def trimmable_tokens(self) -> int:
+        """With a demoted tier: how many of the last tokens :meth:`trim` takes back now (within
+        the last call); without one, the undo log's reach."""
+        if self.demote is not None:
+            return DM.reach(self)
+        return 0 if self.log is None else self.log.tokens
+
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
         log does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned."""
         self.settle()
-        if self.demote is not None:
-            raise ValueError(DM.NO_TRIM.format(name=self.policy.name))
         if self.log is None:
             raise ValueError(
                 f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
@@ -583,6 +591,10 @@ class Layer:
                 "never makes one, so the cache would grow without bound; use "
                 "allocation='uniform' with a draft model"
             )
+        if self.demote is not None:  # within the last call (velox_cache_core.demoted)
+            check_int("n", n, minimum=0)
+            DM.trim(self, n)
+            return
         with summing_over(self.group):
             self.state, self.log = self.policy.trim(self.state, self.log, n)
 
@@ -590,6 +602,7 @@ class Layer:
         """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded
         prompt cache); nothing stays pending."""
         self.state, self.log = state, log
+        self.tier_undo = None
         self.pending = None
         self.phase = None
         self.fetched = self.last = None

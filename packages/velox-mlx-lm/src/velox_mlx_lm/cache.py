@@ -76,6 +76,8 @@ class PolicyKVCache(VeloxKVCache):
     # the layer's state, undo log and compaction just before the last shift, while a trim may
     # still reach back past it (its undo window): such a trim undoes the shift
     _before_shift: tuple[Any, Any, Compaction] | None = None
+    # with a demoted tier, its rows and undo record just before that shift (the same lifetime)
+    _tier_before_shift: tuple[Any, Any] | None = None
     # a call whose shift falls inside it: (tokens before the shift, keys, values); attend
     # runs it as two calls around the shift
     _split: tuple[int, mx.array, mx.array] | None = None
@@ -96,7 +98,7 @@ class PolicyKVCache(VeloxKVCache):
         **settings: Any,
     ) -> None:
         state = self._policy.init(**settings)
-        log = None if demote is not None else new_log(trim_window)  # a tier keeps no undo log
+        log = new_log(trim_window)
         self._layer = Layer(self._policy, state, log, mode=mode, quant=quant, demote=demote)
         self.group = group
 
@@ -111,6 +113,7 @@ class PolicyKVCache(VeloxKVCache):
         out = type(self).from_layer(copy.copy(self._layer))
         out._compaction = self._compaction  # immutable: shared
         out._before_shift = self._before_shift
+        out._tier_before_shift = self._tier_before_shift
         return out
 
     @property
@@ -257,15 +260,17 @@ class PolicyKVCache(VeloxKVCache):
         layer = self._layer
         layer.settle()
         before = (layer.state, layer.log, comp)
+        tier = (layer.tier, layer.tier_undo)
         self._compaction, delta = shift_layer(layer, comp, length)
         self._before_shift = before if layer.log is not None else None
+        self._tier_before_shift = tier if self._before_shift and layer.demote else None
         return delta
 
     def _forget_before_shift(self) -> None:
         """Drop the state before the last shift once no trim can reach back to it."""
         comp, log = self._compaction, self._layer.log
         if comp is None or log is None or self._layer.offset - comp.shifted_at > log.window:
-            self._before_shift = None
+            self._before_shift = self._tier_before_shift = None
 
     def _shift_after_call(self) -> None:
         """Shift now when the next token would reach the context, so that ``offset`` stays
@@ -378,6 +383,8 @@ class PolicyKVCache(VeloxKVCache):
         self._layer.view()
         log = self._layer.log
         tokens = 0 if log is None else log.tokens
+        if self._layer.demote is not None:  # within the last call (velox_cache_core.demoted)
+            tokens = min(tokens, self._layer.trimmable_tokens)
         comp = self._compaction
         if comp is not None and comp.shifts:  # past a shift: only with the state before it
             since = self._layer.offset - comp.shifted_at
@@ -577,10 +584,17 @@ class PolicyKVCache(VeloxKVCache):
             )
         trimmed = copy.copy(self._layer)
         trimmed.restore(state, old_log)
+        if self._layer.demote is not None:  # the tier and its undo record before the shift
+            assert self._tier_before_shift is not None
+            trimmed.tier, trimmed.tier_undo = self._tier_before_shift
         trimmed.trim(n - since)  # raises, changing nothing here, when it cannot
-        self._layer.restore(trimmed.state, trimmed.log)
+        layer = self._layer
+        layer.restore(trimmed.state, trimmed.log)
+        if layer.demote is not None:
+            layer.tier, layer.tier_undo = trimmed.tier, trimmed.tier_undo
+            layer.shared_tier = trimmed.shared_tier
         self._compaction = old_comp
-        self._before_shift = None
+        self._before_shift = self._tier_before_shift = None
         return n
 
     @property
@@ -630,7 +644,7 @@ class PolicyKVCache(VeloxKVCache):
         self._layer.tier = tier
         self._compaction = compaction
         self._query_shift = 0
-        self._before_shift = None
+        self._before_shift = self._tier_before_shift = None
         self._split = None
 
     @classmethod

@@ -198,8 +198,8 @@ class KVCacheConfig:
             )
 
     def _check_demote(self) -> None:
-        """A demoted tier needs both settings, a Velox method, uniform allocation, and trims
-        off; it takes the width's group from ``kv_group_size``."""
+        """A demoted tier needs both settings, a Velox method and uniform allocation; it takes
+        the width's group from ``kv_group_size``."""
         if self.demote_bits is None or self.demote_budget is None:
             raise ValueError(
                 "a demoted tier needs both demote_bits (2 or 4) and demote_budget (rows per "
@@ -217,12 +217,14 @@ class KVCacheConfig:
                 f"demote_bits needs {self.policy}_allocation='uniform' (got {allocation!r}): "
                 "heads keeping different row counts have no tier; or use demote_bits=None"
             )
-        if self.trim_window not in (0, TRIM_WINDOW):
-            raise ValueError(
-                f"a demoted tier keeps no undo log yet, so trim_window={self.trim_window} "
-                "cannot be kept: leave it unset (or 0) with demote_bits; trims and "
-                "speculative decoding need demote_bits=None"
-            )
+
+    def for_draft(self) -> KVCacheConfig:
+        """The config a draft model's caches take (speculative decoding): this one without a
+        demoted tier. mlx-lm trims a draft's cache back over several of its single-token
+        calls, and a tier takes back only its last call (``velox_cache_core.demoted``)."""
+        if self.demote_bits is None and self.demote_budget is None:
+            return self
+        return self.replace(demote_bits=None, demote_budget=None)
 
     @property
     def demote(self) -> TierSpec | None:

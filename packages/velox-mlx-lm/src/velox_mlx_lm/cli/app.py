@@ -368,11 +368,6 @@ def _check_args(args: argparse.Namespace) -> Any:
             raise ValueError(f"--draft-model does not apply to --method {config.method}")
         if not config.trim_window:
             raise ValueError("--draft-model needs a trimmable cache")
-        if config.demote is not None:
-            raise ValueError(
-                "--draft-model needs a trimmable cache, and a demoted tier (--demote-bits) "
-                "keeps no undo log yet: drop one of them"
-            )
     if not (args.prompt or args.prompt_file or args.prompts_file or args.demo):
         raise ValueError(NO_PROMPT)  # before loading a model for nothing
     return config
@@ -476,7 +471,7 @@ def _single(
         if loaded.draft is None:
             return None
         return loaded.draft, pin_prefix(
-            KVCacheBuilder.for_model(loaded.draft, cfg), args.pin_prefix
+            KVCacheBuilder.for_model(loaded.draft, cfg.for_draft()), args.pin_prefix
         )
 
     if echo:

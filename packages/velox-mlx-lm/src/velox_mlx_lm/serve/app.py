@@ -355,7 +355,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         model.make_cache = velox_caches
         if draft is not None:
             mx.eval(draft.parameters())
-            draft.make_cache = lambda: KVCacheBuilder.for_model(draft, config)
+            draft.make_cache = lambda: KVCacheBuilder.for_model(draft, config.for_draft())
         args = getattr(model, "args", None)
         self.context_length = getattr(args, "max_position_embeddings", None)
         self.kv_geometry = serve_memory.probe_geometry(model)  # every rank: a forward pass
@@ -1409,11 +1409,6 @@ def check_cache_flags(args: argparse.Namespace, config: Any) -> None:
         raise ValueError("--draft-model is not supported under mlx.launch (nor by mlx_lm.server)")
     if args.draft_model is not None and record is not None and not config.trim_window:
         raise ValueError("--draft-model needs a trimmable cache")
-    if args.draft_model is not None and config.demote is not None:
-        raise ValueError(
-            "--draft-model needs a trimmable cache, and a demoted tier (--demote-bits) keeps "
-            "no undo log yet: drop one of them"
-        )
     batched = max(args.decode_concurrency, getattr(args, "prompt_concurrency", 1)) > 1
     if record is not None and config.settings().get("allocation") == "global" and batched:
         raise ValueError(

@@ -183,7 +183,8 @@ class AdmissionCost:
     holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
     (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to
     ``2 * trim_window`` rows with their queries; a demoted tier its bound
-    (:meth:`velox_cache_core.TierSpec.max_nbytes`). An mlx-lm ``KVCache`` (``--method full``)
+    (:meth:`velox_cache_core.TierSpec.max_nbytes`), twice while trims are on (the tier before
+    the last call is kept for them). An mlx-lm ``KVCache`` (``--method full``)
     holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum
     is taken times :data:`MARGIN`.
     """
@@ -201,7 +202,7 @@ class AdmissionCost:
         self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
         budget = config.settings().get("budget") if policy is not None else None
         self.budget = int(budget) if isinstance(budget, int) else 0
-        self.window = 0 if config.demote is not None else int(config.trim_window)
+        self.window = int(config.trim_window)
 
     def velox_rows(self, prompt_tokens: int, max_tokens: int) -> int:
         """Rows per KV head a Velox layer can hold at most."""
@@ -224,8 +225,9 @@ class AdmissionCost:
         undo = 2 * self.window * (layer.row_bytes + layer.query_row_bytes + layer.position_bytes)
         rows = self.velox_rows(prompt_tokens, max_tokens) * per_row + undo
         tier = self.config.demote
-        if tier is not None:  # the demoted tier's rows (and no undo log: window 0 then)
-            rows += tier.max_nbytes(layer.kv_heads, layer.head_dim, layer.itemsize)
+        if tier is not None:  # the demoted tier's rows, and its copy before the last call
+            copies = 2 if self.window else 1  # while trims can take that call back
+            rows += copies * tier.max_nbytes(layer.kv_heads, layer.head_dim, layer.itemsize)
         return rows
 
     def __call__(self, prompt_tokens: int, max_tokens: int) -> int:
