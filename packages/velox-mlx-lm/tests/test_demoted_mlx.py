@@ -378,3 +378,24 @@ def test_speculative_decoding_with_a_tier_equals_plain_decoding(
         # difference may round a 2-bit code the other way
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_the_server_counts_the_tier_and_its_copy_for_trims() -> None:
+    """``--max-memory``'s admission cost: a tier's bound once, twice while trims keep the
+    tier before the last call (``trim_window > 0``)."""
+    from velox_mlx_lm.serve.memory import MARGIN, AdmissionCost, probe_geometry
+
+    model = model_32()
+    cfg = tiered("tova", rows=64, bits=2)
+    model.make_cache = lambda: KVCacheBuilder.for_model(model, cfg)
+    geometry = probe_geometry(model)
+    assert all(g.kind == "velox" for g in geometry)
+    tier = cfg.demote
+    assert tier is not None
+    bound = sum(tier.max_nbytes(g.kv_heads, g.head_dim, g.itemsize) for g in geometry)
+    plain = AdmissionCost(geometry, config("tova", 24).replace(trim_window=0))(40, 8)
+    once = AdmissionCost(geometry, cfg.replace(trim_window=0))(40, 8)
+    twice = AdmissionCost(geometry, cfg)(40, 8)
+    undo = AdmissionCost(geometry, config("tova", 24))(40, 8) - plain
+    assert abs(once - plain - MARGIN * bound) <= 2
+    assert abs(twice - once - undo - MARGIN * bound) <= 2
