@@ -15,7 +15,8 @@ Decode steps, one layer at a real model's attention shape:
 - ``score_op_costs``: each op of a windowed (MorphKV) step's scoring, one at a time;
 - ``layer_host_compare``: host time (Python and graph building) of one layer's cache calls;
 - ``graph_nodes``: the graph nodes one layer's call adds, and what one node costs here;
-- ``shift_cost``: one compact-positions shift of the main rows and of a demoted tier.
+- ``shift_cost``: one compact-positions shift of the main rows and of a demoted tier;
+- ``tier_step_split``: a decode step with a demoted tier split into its parts.
 
 The embedded model:
 
