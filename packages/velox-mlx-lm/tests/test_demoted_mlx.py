@@ -399,3 +399,66 @@ def test_the_server_counts_the_tier_and_its_copy_for_trims() -> None:
     undo = AdmissionCost(geometry, config("tova", 24))(40, 8) - plain
     assert abs(once - plain - MARGIN * bound) <= 2
     assert abs(twice - once - undo - MARGIN * bound) <= 2
+
+
+# -- memory: what a steady decode step leaves held --------------------------------------------
+def _held(cfg: KVCacheConfig) -> tuple[int, int, int]:
+    """MLX active memory the caches hold after a 512-token prompt and 24 decode steps of a
+    2-layer, 32/8-head, D 128 llama (freed by dropping them), their ``nbytes`` and their undo
+    logs' bytes plus the tier bound the server adds while trims are on."""
+    import gc
+
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=1024,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    tokens = mx.array(np.random.default_rng(0).integers(0, 128, (1, 540)), dtype=mx.int32)
+    caches: Any = KVCacheBuilder.for_model(model, cfg)
+    assert not any(c.shared_rows for c in caches)  # a cache per layer: nothing shared
+    for s in range(0, 512, 128):
+        mx.eval(model(tokens[:, s : s + 128], cache=caches))
+    for t in range(512, 536):
+        mx.eval(model(tokens[:, t : t + 1], cache=caches), [c.state for c in caches])
+    mx.synchronize()
+    gc.collect()
+    alive = mx.get_active_memory()
+    nbytes = sum(c.nbytes for c in caches)
+    undo = sum(c.layer.log.nbytes for c in caches if c.layer.log is not None)
+    if cfg.demote is not None and cfg.trim_window:
+        undo += len(caches) * cfg.demote.max_nbytes(8, 128, 4)
+    caches = None
+    gc.collect()
+    mx.synchronize()
+    return alive - mx.get_active_memory(), nbytes, undo
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KVCacheConfig(method="tova", tova_budget=128, demote_bits=4, demote_budget=400),
+        KVCacheConfig(method="h2o", h2o_budget=128, demote_bits=2, demote_budget=400),
+        KVCacheConfig(
+            method="tova", tova_budget=128, demote_bits=2, demote_budget=400, trim_window=0
+        ),
+        KVCacheConfig(method="tova", tova_budget=256, kv_bits=8),
+    ],
+    ids=["tova-4bit", "h2o-2bit", "tova-2bit-no-trims", "tova-8bit-rows"],
+)
+def test_active_memory_after_steady_steps_is_what_the_caches_report(cfg: KVCacheConfig) -> None:
+    """After steady decode steps the caches hold their rows, tier and undo log (with a tier
+    and trims on, the tier before the last call, counted at its bound): within 1.05x, not the
+    last call's copies (``Layer.release`` once a call is attended)."""
+    held, nbytes, undo = _held(cfg)
+    assert nbytes <= held <= 1.05 * (nbytes + undo), (held, nbytes, undo)

@@ -551,6 +551,13 @@ class Layer:
         self.fetched = None
         self.last = None
 
+    def release(self) -> None:
+        """Drop what only a layer sharing this one's keys and values reads after a call (the
+        call's ``retained + new`` rows and, with a tier, the tier it attended): a caller whose
+        model shares no layer's rows calls it once a call is attended, so that between calls
+        the layer holds its rows, tier and undo log, not copies of them."""
+        self.fetched = self.last = self.shared_tier = None
+
     def end_prompt(self) -> None:
         """End the prompt now (a no-op for policies without a prompt-end step)."""
         self.settle()

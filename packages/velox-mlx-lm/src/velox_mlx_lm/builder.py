@@ -122,6 +122,11 @@ class KVCacheBuilder:
             return make
 
         caches = [_convert(base, maker(i), f"layer {i}") for i, base in enumerate(bases)]
+        if len(bases) == len(getattr(model, "layers", ())):  # a cache per layer: no KV sharing
+            for cache in caches:
+                for member in _members(cache):
+                    if isinstance(member, PolicyKVCache):
+                        member.shared_rows = False
         _share_step_sums([c for base in caches for c in _members(base)])
         return link_shares(caches)
 

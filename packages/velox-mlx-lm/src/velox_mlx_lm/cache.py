@@ -69,6 +69,10 @@ class PolicyKVCache(VeloxKVCache):
     _layer: Layer
     # what update_and_fetch returned last (the hook hands it back to attend)
     _returned: tuple[Any, Any] | None = None
+    # whether another layer of the model may read this one's last call (mlx-lm's KV sharing:
+    # gemma3n, afm7): the builder says no for a model with a cache per layer; if not, a call
+    # off the decode path drops its copies once attended (Layer.release)
+    shared_rows: bool = True
     # positions="compact": the layer's compaction (None: absolute positions), and the shift
     # the queries of the call in flight still need (the model rotated them before the shift)
     _compaction: Compaction | None = None
@@ -114,6 +118,7 @@ class PolicyKVCache(VeloxKVCache):
         out._compaction = self._compaction  # immutable: shared
         out._before_shift = self._before_shift
         out._tier_before_shift = self._tier_before_shift
+        out.shared_rows = self.shared_rows
         return out
 
     @property
@@ -480,6 +485,9 @@ class PolicyKVCache(VeloxKVCache):
             out = self._layer.attend_rows(
                 queries, keys, values, scale=scale, scores=scores, sinks=sinks
             )
+        if not self.shared_rows and self._layer.hot is None:  # nothing reads the copies now
+            self._returned = None
+            self._layer.release()
         if self._compaction is not None:
             self._shift_after_call()
         return out

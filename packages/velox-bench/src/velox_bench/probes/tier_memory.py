@@ -1,0 +1,102 @@
+"""What a layer with a demoted tier really holds after steady decode steps (issue 49's memory
+bound): MLX active memory with the layer alive, less without it, beside what it reports.
+
+    python -m velox_bench.probes.tier_memory [--budget 256] [--tier-rows 1500] [--steps 100]
+
+One layer (32 query / 8 KV heads, D 128, float32), TOVA and H2O, tiers of 2 and 4 bits, with the
+undo log off (``trim_window=0``) and on (16): a prompt of 2,048 tokens, ``--steps`` decode steps,
+then ``held`` (active memory freed by dropping the layer) against ``nbytes`` (main rows and
+tier), the undo log's ``nbytes``, and ``TierSpec.max_nbytes`` (the bound ``velox-serve``
+counts once more for the tier before the last call). Between calls the general path still
+holds the last call's candidates (``retained + new``, for layers that share this one's keys)
+and the tier the last call attended: see the ratio columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+
+def measure(
+    method: str, bits: int, window: int, budget: int, rows: int, steps: int
+) -> dict[str, Any]:
+    """One layer's figures (module docstring)."""
+    from velox_blas import preload_openblas
+
+    preload_openblas()
+    import mlx.core as mx
+    import numpy as np
+
+    from velox_cache_core import POLICIES, Layer, TierSpec, new_log
+
+    B, H_q, H_kv, D = 1, 32, 8, 128
+    rng = np.random.default_rng(0)
+    policy = POLICIES[method]
+    spec = TierSpec(bits, rows, 64)
+    log = new_log(window) if window else None
+    layer: Any = Layer(policy, policy.init(budget=budget), log, demote=spec)
+
+    def feed(L: int) -> None:
+        k = mx.array(rng.standard_normal((B, H_kv, L, D)).astype(np.float32))
+        q = mx.array(rng.standard_normal((B, H_q, L, D)).astype(np.float32))
+        layer.lay_out(k, k)
+        out = layer.attend(q, D**-0.5)
+        mx.eval(out, layer.arrays(), *([] if layer.tier is None else layer.tier.arrays()))
+
+    for _ in range(8):
+        feed(256)
+    for _ in range(steps):
+        feed(1)
+    mx.synchronize()
+    gc.collect()
+    alive = mx.get_active_memory()
+    nbytes = layer.view().nbytes + (0 if layer.tier is None else layer.tier.nbytes)
+    log_bytes = 0 if layer.log is None else layer.log.nbytes
+    bound = spec.max_nbytes(H_kv, D, 4)
+    layer = None  # nothing holds the layer now
+    gc.collect()
+    mx.synchronize()
+    held = alive - mx.get_active_memory()
+    return {
+        "method": method,
+        "bits": bits,
+        "trim_window": window,
+        "held": held,
+        "nbytes": nbytes,
+        "log": log_bytes,
+        "tier_bound": bound,
+        "held / (nbytes + log)": held / (nbytes + log_bytes),
+        "held / (nbytes + log + tier bound)": held / (nbytes + log_bytes + bound),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m velox_bench.probes.tier_memory")
+    parser.add_argument("--budget", type=int, default=256, help="main rows (default 256)")
+    parser.add_argument("--tier-rows", type=int, default=1500, help="tier rows (default 1500)")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps (default 100)")
+    args = parser.parse_args(argv)
+    for name, value in (("--budget", args.budget), ("--tier-rows", args.tier_rows),
+                        ("--steps", args.steps)):  # fmt: skip
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    head = ("method", "bits", "window", "held MB", "nbytes MB", "log MB", "held/(n+log)",
+            "held/(n+log+tier)")  # fmt: skip
+    print(" ".join(f"{h:>17}" for h in head))
+    for method in ("tova", "h2o"):
+        for bits in (2, 4):
+            for window in (0, 16):
+                r = measure(method, bits, window, args.budget, args.tier_rows, args.steps)
+                cells = (method, bits, window, f"{r['held'] / 1e6:.2f}",
+                         f"{r['nbytes'] / 1e6:.2f}", f"{r['log'] / 1e6:.2f}",
+                         f"{r['held / (nbytes + log)']:.2f}",
+                         f"{r['held / (nbytes + log + tier bound)']:.2f}")  # fmt: skip
+                print(" ".join(f"{c!s:>17}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
