@@ -460,5 +460,8 @@ def test_active_memory_after_steady_steps_is_what_the_caches_report(cfg: KVCache
     """After steady decode steps the caches hold their rows, tier and undo log (with a tier
     and trims on, the tier before the last call, counted at its bound): within 1.05x, not the
     last call's copies (``Layer.release`` once a call is attended)."""
-    held, nbytes, undo = _held(cfg)
+    # twice, the smaller: another test's thread (a server still shutting down) may allocate
+    # while one measures, which only adds
+    (held, nbytes, undo), (again, _, _) = _held(cfg), _held(cfg)
+    held = min(held, again)
     assert nbytes <= held <= 1.05 * (nbytes + undo), (held, nbytes, undo)

@@ -7,9 +7,10 @@ One layer (32 query / 8 KV heads, D 128, float32), TOVA and H2O, tiers of 2 and 
 undo log off (``trim_window=0``) and on (16): a prompt of 2,048 tokens, ``--steps`` decode steps,
 then ``held`` (active memory freed by dropping the layer) against ``nbytes`` (main rows and
 tier), the undo log's ``nbytes``, and ``TierSpec.max_nbytes`` (the bound ``velox-serve``
-counts once more for the tier before the last call). Between calls the general path still
-holds the last call's candidates (``retained + new``, for layers that share this one's keys)
-and the tier the last call attended: see the ratio columns.
+counts once more for the tier before the last call). Each case runs twice: keeping what the
+last call attended over until the next call (the call's ``retained + new`` rows and the tier it
+saw, for layers that share this one's keys: ``release`` no) and dropping them once attended
+(``Layer.release``, what ``PolicyKVCache`` does when its model shares no layer's rows).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 
 
 def measure(
-    method: str, bits: int, window: int, budget: int, rows: int, steps: int
+    method: str, bits: int, window: int, budget: int, rows: int, steps: int, release: bool = True
 ) -> dict[str, Any]:
-    """One layer's figures (module docstring)."""
+    """One layer's figures (module docstring); ``release``: drop the copies after each call
+    (``Layer.release``, what a cache of a model without KV sharing does)."""
     from velox_blas import preload_openblas
 
     preload_openblas()
@@ -45,6 +47,8 @@ def measure(
         layer.lay_out(k, k)
         out = layer.attend(q, D**-0.5)
         mx.eval(out, layer.arrays(), *([] if layer.tier is None else layer.tier.arrays()))
+        if release:
+            layer.release()
 
     for _ in range(8):
         feed(256)
@@ -64,6 +68,7 @@ def measure(
         "method": method,
         "bits": bits,
         "trim_window": window,
+        "release": release,
         "held": held,
         "nbytes": nbytes,
         "log": log_bytes,
@@ -83,18 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ("--steps", args.steps)):  # fmt: skip
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
-    head = ("method", "bits", "window", "held MB", "nbytes MB", "log MB", "held/(n+log)",
-            "held/(n+log+tier)")  # fmt: skip
-    print(" ".join(f"{h:>17}" for h in head))
+    head = ("method", "bits", "window", "release", "held MB", "nbytes MB", "log MB",
+            "held/(n+log)", "held/(n+log+tier)")  # fmt: skip
+    print(" ".join(f"{h:>15}" for h in head))
     for method in ("tova", "h2o"):
         for bits in (2, 4):
-            for window in (0, 16):
-                r = measure(method, bits, window, args.budget, args.tier_rows, args.steps)
-                cells = (method, bits, window, f"{r['held'] / 1e6:.2f}",
+            for window, release in ((w, r) for w in (0, 16) for r in (False, True)):
+                r = measure(method, bits, window, args.budget, args.tier_rows, args.steps, release)
+                cells = (method, bits, window, "yes" if release else "no",
+                         f"{r['held'] / 1e6:.2f}",
                          f"{r['nbytes'] / 1e6:.2f}", f"{r['log'] / 1e6:.2f}",
                          f"{r['held / (nbytes + log)']:.2f}",
                          f"{r['held / (nbytes + log + tier bound)']:.2f}")  # fmt: skip
-                print(" ".join(f"{c!s:>17}" for c in cells))
+                print(" ".join(f"{c!s:>15}" for c in cells))
     return 0
 
 
