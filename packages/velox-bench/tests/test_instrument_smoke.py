@@ -80,7 +80,8 @@ def test_tier_cells_hold_the_bytes_of_their_full_precision_budget() -> None:
     cells = grid.tier_cells(8192, 8)
     for cell in cells:
         config = cell.config()
-        assert cell.key().startswith(f"retrieval/8192/{cell.method}/{cell.budget}")
+        task = "ppl_code/4096" if cell.task == "ppl_code" else "retrieval/8192"
+        assert cell.key().startswith(f"{task}/{cell.method}/{cell.budget}")
         if cell.demote_bits:
             spec = config.demote
             assert isinstance(spec, TierSpec) and spec.budget == cell.demote_budget
@@ -93,6 +94,10 @@ def test_tier_cells_hold_the_bytes_of_their_full_precision_budget() -> None:
             # rows and 63 full-precision window rows: (1024 * 1024 - 63 * (80 + 512)) // 164
             assert cell.budget == 6166
     assert grid.estimate_hours(cells[:5], "qwen2.5-coder-1.5b") > 1
+    # the perplexity cells sit beside the grid's full and TOVA cells at the same budget
+    keys = {c.key() for c in grid.plan()}
+    assert {"ppl_code/4096/full/0", "ppl_code/4096/tova/1024"} <= keys
+    assert [c.demote_bits for c in cells if c.task == "ppl_code"] == [4, 2]
 
 
 def test_many_facts_are_distinct_and_placed_around_each_depth() -> None:

@@ -144,7 +144,9 @@ HEAD_DIM, ITEMSIZE = 128, 4
 def tier_cells(length: int = 8192, share: int = 8) -> list[Cell]:
     """Issue 49's comparison at the bytes of ``length / share`` full-precision rows: pure
     eviction at full precision and at 4 bits, and half the rows at full precision plus a
-    demoted tier at 2 or 4 bits in the other half's bytes."""
+    demoted tier at 2 or 4 bits in the other half's bytes; retrieval at ``length``, and
+    perplexity on ``length / 2`` tokens of code (beside the grid's full and TOVA cells there,
+    whose budget is the same ``length / 8``)."""
     from velox_bench.quality.demote_tier import tier_rows
     from velox_bench.quality.per_byte import equal_bytes_budget
 
@@ -159,6 +161,10 @@ def tier_cells(length: int = 8192, share: int = 8) -> list[Cell]:
         Cell("retrieval", length, "tova", kv4, kv_bits=4),
         Cell("retrieval", length, "h2o", half, demote_bits=2, demote_budget=d2),
         Cell("retrieval", length, "snapkv", half, demote_bits=2, demote_budget=d2),
+        # perplexity at the same bytes (the issue asks for it within 2% of the full cache),
+        # on the code the grid's first perplexity cells read (full and tova/1024 are there)
+        Cell("ppl_code", length // 2, "tova", half, demote_bits=4, demote_budget=d4),
+        Cell("ppl_code", length // 2, "tova", half, demote_bits=2, demote_budget=d2),
     ]
 
 
