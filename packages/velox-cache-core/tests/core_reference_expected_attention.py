@@ -39,7 +39,7 @@ import numpy as np
 from core_reference_lanes import order, ref_shares
 from core_reference_siblings import _Reference
 
-from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 
 
 def rotation(position: float, dim: int, rope: dict) -> np.ndarray:
@@ -74,7 +74,7 @@ class ReferenceExpectedAttention(_Reference):
         rope_traditional: bool,
         rope_scale: float,
         allocation: str = "uniform",
-        allocation_floor: float = LN.FLOOR,
+        allocation_floor: float = AS.FLOOR,
     ) -> None:
         super().__init__(budget, n_sink)
         self.allocation, self.floor = allocation, allocation_floor
@@ -157,8 +157,8 @@ class ReferenceExpectedAttention(_Reference):
         positions = np.array(self.kept[b][0])  # the prompt, uncut: the same in every head
         scores = np.array([[self.scores[b][h][p] for p in positions] for h in range(H)])
         protected = (positions < self.n_sink) | (positions > newest - self.recent)
-        width = LN.lane_width(self.budget)
-        least = LN.floor_rows(self.budget, self.floor, int(protected.sum()) + 2, width)
+        width = AS.lane_width(self.budget)
+        least = AS.floor_rows(self.budget, self.floor, int(protected.sum()) + 2, width)
         pos3, prot3 = (
             np.broadcast_to(positions, (1, H, len(positions))),
             np.array([[protected] * H]),

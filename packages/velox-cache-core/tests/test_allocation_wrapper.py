@@ -19,6 +19,7 @@ from core_reference_lanes import order, ref_shares
 from velox_cache_core import POLICIES, KVSlots
 from velox_cache_core import lanes as LN
 from velox_cache_core.allocation import HeldPrompt, holding
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.selection import sinks
 
 TOVA = POLICIES["tova"]
@@ -71,8 +72,8 @@ def test_the_wrapped_scores_decide_the_cut() -> None:
     norms = np.linalg.norm(keys[:, :, :n].astype(np.float64), axis=-1)
     positions = np.broadcast_to(np.arange(n), (B, H, n))
     protected = positions < n_sink
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, n_sink + 2, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, n_sink + 2, width)
     counts = ref_shares(norms, positions, protected, budget * H, least, width)
     got = [
         [sorted(p for p in head if p < LN.PAD) for head in row]

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 
 H2O = POLICIES["h2o"]
 
@@ -39,8 +40,8 @@ def reference(keys, queries, m, T, budget, n_sink, recent, floor, scale):  # typ
                 scores[b, h, : t + 1] += _weights(q, keys[b, h, : t + 1], scale)
     positions = np.broadcast_to(np.arange(m), (B, H, m))
     protected = (positions < n_sink) | (positions > m - recent)
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, int(protected[0, 0].sum()) + 2, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, int(protected[0, 0].sum()) + 2, width)
     counts = ref_shares(scores, positions, protected, budget * H, least, width)
     for b in range(B):
         row = []

@@ -13,7 +13,7 @@ import pytest
 from core_reference_lanes import reference_lanes_keep
 
 from velox_cache_core import POLICIES
-from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention import attend
 from velox_cache_core.policies.kvzip import (
     KVZIP,
@@ -101,8 +101,8 @@ def reference_keep(
             out.append(row)
         return out
     positions = np.broadcast_to(np.arange(n), scores.shape)
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, LN.FLOOR, sink, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, AS.FLOOR, sink, width)
     want = budget * H_KV if total < 0 else total
     return reference_lanes_keep(scores, positions, positions < n_sink, want, least, width)
 
@@ -216,8 +216,8 @@ def test_global_totals_match_numpy() -> None:
     budget, n_sink = 16, 2
     state = KVZIP.init(budget=budget, n_sink=n_sink)
     totals = global_totals([mx.array(x) for x in layers], state)
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, LN.FLOOR, n_sink, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, AS.FLOOR, n_sink, width)
     pool = []
     for i, x in enumerate(layers):
         for h in range(3):

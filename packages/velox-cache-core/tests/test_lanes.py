@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.token_rows import Quant
 
@@ -42,10 +43,10 @@ def test_shares_and_cut_match_reference(
     keys, values, positions, scores = _case(seed, B, H, n, ties=ties)
     protected = positions < n_sink
     budget = max(min(share * width, n - 1), n_sink + 1)
-    least = LN.floor_rows(budget, 0.2, n_sink, width)
+    least = AS.floor_rows(budget, 0.2, n_sink, width)
     total = budget * H
     got = np.array(
-        LN.shares(mx.array(scores), mx.array(positions), mx.array(protected), total, least, width)
+        AS.shares(mx.array(scores), mx.array(positions), mx.array(protected), total, least, width)
     )
     want = ref_shares(scores, positions, protected, total, least, width)
     np.testing.assert_array_equal(got, want)
@@ -109,7 +110,7 @@ def test_attend_matches_reference(
     keys, values, positions, scores = _case(seed, B, H, n, D)
     budget = 2 * width
     counts = np.array(
-        LN.shares(
+        AS.shares(
             mx.array(scores), mx.array(positions), mx.array(positions < 1), budget * H, width, width
         )
     )
@@ -160,7 +161,7 @@ def test_attend_quantized_lanes_reads_the_packed_rows() -> None:
         quant.quantize(mx.array(keys)), quant.quantize(mx.array(values)), mx.array(positions)
     )
     protected = mx.array(positions < 2)
-    counts = np.array(LN.shares(mx.array(scores), mx.array(positions), protected, 16 * H, 8, width))
+    counts = np.array(AS.shares(mx.array(scores), mx.array(positions), protected, 16 * H, 8, width))
     lanes = LN.cut(live, mx.array(scores), protected, counts.tolist(), width)
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(1))
     tk = quant.quantize(mx.random.normal((B, H, 1, D), key=mx.random.key(2)))
@@ -184,8 +185,8 @@ def test_global_totals_keep_the_model_within_budget() -> None:
     scores = [mx.array(rng.random((1, H, n)) * (i + 1)) for i in range(4)]
     positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), (1, H, n))] * 4
     protected = [p < 2 for p in positions]
-    least = LN.floor_rows(budget, 0.2, 2, width)
-    totals = LN.global_totals(scores, positions, protected, budget, least, width)
+    least = AS.floor_rows(budget, 0.2, 2, width)
+    totals = AS.global_totals(scores, positions, protected, budget, least, width)
     assert sum(totals) == budget * H * 4  # whole lanes: the rounding loses nothing
     assert all(t % width == 0 and t >= least * H for t in totals)
     assert totals[-1] > totals[0]  # the layer with the largest scores wins rows
@@ -197,7 +198,7 @@ def test_whole_lane_totals_round_without_losing_rows(seed: int) -> None:
     width, layers = int(rng.integers(1, 9)), int(rng.integers(1, 8))
     caps = [width * int(c) for c in rng.integers(1, 10, layers)]
     raw = [int(rng.integers(0, c + 1)) for c in caps]
-    totals = LN._whole_lane_totals(raw, caps, width)
+    totals = AS._whole_lane_totals(raw, caps, width)
     assert all(t % width == 0 and 0 <= t <= c for t, c in zip(totals, caps, strict=True))
     assert sum(raw) - width < sum(totals) <= sum(raw) or all(
         t == c for t, c in zip(totals, caps, strict=True)
@@ -207,11 +208,11 @@ def test_whole_lane_totals_round_without_losing_rows(seed: int) -> None:
 
 def test_bad_allocation_settings_are_named() -> None:
     with pytest.raises(ValueError, match="allocation must be one of"):
-        LN.check_allocation("layer", 0.2)
+        AS.check_allocation("layer", 0.2)
     with pytest.raises(ValueError, match="allocation_floor must be in"):
-        LN.check_allocation("head", 1.5)
+        AS.check_allocation("head", 1.5)
     with pytest.raises(TypeError, match="allocation_floor"):
-        LN.check_allocation("head", "0.2")
+        AS.check_allocation("head", "0.2")
     with pytest.raises(ValueError, match="whole lanes"):
         keys, values, positions, scores = _case(0, 1, 2, 16)
         live = KVSlots(mx.array(keys), mx.array(values), mx.array(positions))

@@ -20,6 +20,7 @@ from core_reference_lanes import order, ref_shares
 
 from velox_cache_core import POLICIES
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.layer import Layer
 from velox_cache_core.model_shares import ModelShares
 from velox_cache_core.undo import UndoLog
@@ -135,8 +136,8 @@ def test_snapkv_global_matches_reference(seed: int) -> None:
         for k, _, q in stream
     ]
     protected = [np.broadcast_to(np.arange(n) >= n - window, (H, n)) for _ in range(L)]
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, window, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, window, width)
     want, totals = _reference_cut(scores, protected, budget, least, width)
     assert [_kept(layer) for layer in layers] == want
     assert sum(totals) == budget * H * L and len(set(totals)) > 1
@@ -161,8 +162,8 @@ def test_tova_global_matches_reference(seed: int) -> None:
                 w[h] += _softmax(kk[h, :m] @ qq[qh, m - 1] * SCALE) / G
         scores.append(w)
     protected = [np.broadcast_to(np.arange(m) < n_sink, (H, m)) for _ in range(L)]
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, n_sink + 2, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, n_sink + 2, width)
     want, totals = _reference_cut(scores, protected, budget, least, width)
     for i, layer in enumerate(layers):
         got = _kept(layer)

@@ -14,6 +14,7 @@ from core_reference_siblings import ReferenceSnapKV
 
 from velox_cache_core import SnapKVState, init_snapkv_state, snapkv_compress, snapkv_update
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention import attend
 
 
@@ -128,8 +129,8 @@ def test_head_allocation_matches_the_lanes_reference(
     cut = snapkv_compress(snapkv_update(state, k, v, q, scale=scale).state)
     scores = _snap_scores(keys[:, :, :n], queries[:, :, :n], window, 5, scale)
     positions = np.broadcast_to(np.arange(n), (B, H, n))
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, window, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, window, width)
     want = reference_lanes_keep(
         scores, positions, positions >= n - window, budget * H, least, width
     )

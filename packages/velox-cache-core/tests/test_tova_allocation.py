@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention import attend
 
 TOVA = POLICIES["tova"]
@@ -46,8 +47,8 @@ def reference(keys, values, queries, n, budget, n_sink, floor, scale, signal="qu
         for h in range(H):
             scores[b, h] = _weights(probe(b, h, m - 1), keys[b, h, :m], scale)
     positions = np.broadcast_to(np.arange(m), (B, H, m))
-    width = LN.lane_width(budget)
-    least = LN.floor_rows(budget, floor, n_sink + 2, width)
+    width = AS.lane_width(budget)
+    least = AS.floor_rows(budget, floor, n_sink + 2, width)
     counts = ref_shares(scores, positions, positions < n_sink, budget * H, least, width)
     live = []
     for b in range(B):

@@ -243,12 +243,7 @@ def decide(
     undo = None
     if log is not None and log.window >= L:  # a trim may take this call back
         undo = TierUndo(layer.tier, keys, values, queries, scale, sinks)
-    size = L
-    if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
-        size = SUBCHUNK
-    elif L <= STEPPED_CHUNK and layer.state.slots is not None:
-        size = 1  # a short chunk after the prompt (a verify chunk): as decode steps, so that
-        # each token sees the rows the tokens before it demoted, as plain decoding does
+    size = _part_size(layer, L)
     outs = []
     for s in range(0, L, size):
         part = slice(s, s + size)
@@ -274,6 +269,17 @@ def decide(
     log = layer.log
     layer.tier_undo = undo if log is not None and log.tokens >= L else None
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _part_size(layer: Any, L: int) -> int:
+    """Tokens per part of a call of ``L``: sub-chunks of a long sequential prefill; single
+    tokens for a short chunk after the prompt (a verify chunk: as decode steps, so that each
+    token sees the rows the tokens before it demoted, as plain decoding does); else ``L``."""
+    if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
+        return SUBCHUNK
+    if L <= STEPPED_CHUNK and layer.state.slots is not None:
+        return 1
+    return L
 
 
 def reach(layer: Any) -> int:

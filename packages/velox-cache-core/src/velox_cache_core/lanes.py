@@ -15,15 +15,13 @@ tail rows (one shared maximum per head, partial sums added up per head through a
 ``[B, H, N]`` membership matrix). Nothing is padded: the cost is the rows held plus
 ``O(H * N)`` per query row for the per-head sums.
 
-Shares are decided once (:func:`shares`, at the cut): every head keeps at least ``floor`` rows
-(its protected rows among them), the rest of the layer's total goes to the highest scores
-across its heads, and the counts are rounded to whole lanes (largest remainders), never past
-the total.
+How many rows each head keeps, and the cut that sets them out as lanes, are the allocation's
+(:mod:`velox_cache_core.allocation.shares`); this module holds the lanes, writes and evicts
+within them, and attends over them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,8 +33,6 @@ from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import LANES_REFUSED, KRows
 from velox_cache_core.store.rows import QUANTIZED, Rows
 from velox_cache_core.store.slots import KVSlots
-
-ALLOCATIONS = ("uniform", "head", "global")
 
 
 @dataclass(frozen=True)
@@ -91,30 +87,6 @@ class GlobalRule:
     cut: Callable[[Any, int | None], Any]
     spare: int
     when: str
-
-
-UNLINKED = (
-    "allocation='global' cuts every layer of the model at once by one threshold, and this "
-    "{name} layer is not linked to the others: build the caches with velox_mlx_lm's "
-    "KVCacheBuilder.for_model (or load them with velox_mlx_lm.load_prompt_cache), or link "
-    "the layers with velox_cache_core.model_shares.ModelShares"
-)
-
-
-FLOOR = 0.2  # a head's least share, as a fraction of the uniform one (AdaKV's floor)
-LANES_PER_SHARE = 8  # lanes in a uniform share: a lane is budget // 8 rows
-
-
-def lane_width(budget: int) -> int:
-    """Rows per lane for a per-head ``budget``: an eighth of the uniform share (at least 1)."""
-    return max(1, budget // LANES_PER_SHARE)
-
-
-def floor_rows(budget: int, floor: float, protected: int, width: int) -> int:
-    """A head's least rows: ``floor`` of its uniform share, at least its ``protected`` rows,
-    rounded up to whole lanes."""
-    least = max(math.ceil(floor * budget), protected, 1)
-    return width * math.ceil(least / width)
 
 
 @dataclass(frozen=True)
@@ -206,7 +178,7 @@ class Lanes:
 PAD = 2**30  # position of a pad row in :meth:`Lanes.per_head`: after every real position
 
 
-def _ranks(scores: mx.array, positions: mx.array, protected: mx.array) -> mx.array:
+def ranks(scores: mx.array, positions: mx.array, protected: mx.array) -> mx.array:
     """int32 ``[B, H, n]``: each row's rank in its head (0 best): protected rows first, then
     by score, ties lost by the oldest (the order :func:`~velox_cache_core.selection.
     highest_weights` keeps by)."""
@@ -217,66 +189,6 @@ def _ranks(scores: mx.array, positions: mx.array, protected: mx.array) -> mx.arr
     rank = mx.zeros(scores.shape, dtype=mx.int32)
     worst_first = mx.broadcast_to(mx.arange(n - 1, -1, -1, dtype=mx.int32), scores.shape)
     return mx.put_along_axis(rank, ascending, worst_first, axis=-1)
-
-
-def shares(
-    scores: mx.array,
-    positions: mx.array,
-    protected: mx.array,
-    total: int,
-    least: int,
-    width: int,
-) -> list[list[int]]:
-    """Rows each head keeps (int ``[B, H]``, whole lanes of ``width``): ``least`` rows per
-    head first (its protected rows, then its best), then the rest of ``total`` to the highest
-    ``scores`` across the heads (ties lost by the oldest, then by the lower head), rounded to
-    whole lanes by largest remainders. No head gets more than its ``n`` rows (rounded down to
-    lanes); the counts sum to at most ``total``.
-
-    scores: float ``[B, H, n]``; positions: int ``[B, H, n]``; protected: bool ``[B, H, n]``.
-    """
-    B, H, n = scores.shape
-    cap = width * (n // width)
-    total = min(total, H * cap)
-    least = min(least, width * (total // H // width))
-    rank = _ranks(scores, positions, protected)
-    pool = rank >= least
-    k = max(0, total - H * least)
-    counts = [[least] * H for _ in range(B)]
-    if k > 0:
-        # One row of H * n candidates outside the floors; the best k win.
-        age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
-        w = mx.where(pool, scores.astype(mx.float32), -mx.inf)
-        w = mx.where(protected & pool, mx.inf, w)
-        by_age = mx.argsort(age.reshape(B, H * n), axis=-1)
-        ordered = mx.take_along_axis(w.reshape(B, H * n), by_age, axis=-1)
-        best = mx.take_along_axis(by_age, mx.argsort(ordered, axis=-1)[:, H * n - k :], axis=-1)
-        won: list[list[int]] = (best // n).tolist()  # type: ignore[assignment]
-        for b, row in enumerate(won):  # the head of every row won
-            for h in row:
-                counts[b][h] += 1
-    return _whole_lanes(counts, total, least, cap, width)
-
-
-def _whole_lanes(
-    counts: list[list[int]], total: int, least: int, cap: int, width: int
-) -> list[list[int]]:
-    """``counts`` (``[B][H]``) rounded to multiples of ``width``: down, then the lanes left
-    of ``total // width`` to the largest remainders (ties: the lower head), within
-    ``[least, cap]``."""
-    out = []
-    for row in counts:
-        row = [min(max(c, least), cap) for c in row]
-        lanes = [c // width for c in row]
-        free = total // width - sum(lanes)
-        for h in sorted(range(len(row)), key=lambda h: -(row[h] - lanes[h] * width)):
-            if free <= 0:
-                break
-            if (lanes[h] + 1) * width <= cap:
-                lanes[h] += 1
-                free -= 1
-        out.append([c * width for c in lanes])
-    return out
 
 
 def cut(
@@ -300,7 +212,7 @@ def cut(
         raise ValueError(
             f"counts must be [B, H] = {(B, H)} whole lanes of {width} with equal row totals"
         )
-    rank = _ranks(scores, live.positions, protected)
+    rank = ranks(scores, live.positions, protected)
     keep = rank < mx.array(counts, dtype=mx.int32)[..., None]
     T = totals.pop()
     # kept rows first, head by head in slot order: flat index h * n + i
@@ -532,173 +444,6 @@ def attend_weights(
     return out.reshape(B, H_q, L, Dv).astype(queries.dtype), weights_per_row
 
 
-def global_totals(
-    scores: list[mx.array],
-    positions: list[mx.array],
-    protected: list[mx.array],
-    budget: int,
-    least: int,
-    width: int,
-) -> list[int]:
-    """Rows each layer keeps under a model-wide allocation: every head's ``least`` rows,
-    then the highest scores across every head of every layer (each layer's ``[1, H, n]``
-    ``scores``), ``budget`` rows per head on average in all; each layer's total rounded to
-    whole lanes of ``width`` (down, then the freed lanes handed back by largest remainder),
-    so the model holds at most ``budget`` rows per head, and exactly that when the budget
-    rows of the whole model fill whole lanes and no layer runs out of rows."""
-    if not scores:
-        raise ValueError("global_totals() needs the scores of at least one layer")
-    if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
-        raise ValueError("global_totals() takes [1, H_kv, n] scores (one sequence)")
-    pools, caps, heads = [], [], []
-    for s, pos, prot in zip(scores, positions, protected, strict=True):
-        H, n = int(s.shape[1]), int(s.shape[2])
-        cap = width * (n // width)
-        rank = _ranks(s, pos, prot)
-        w = mx.where(prot, mx.inf, s.astype(mx.float32))
-        pools.append(mx.where(rank >= min(least, cap), w, -mx.inf).reshape(-1))
-        caps.append(cap)
-        heads.append(H)
-    sizes = [int(p.shape[0]) for p in pools]
-    floors = [min(least, c) * h for c, h in zip(caps, heads, strict=True)]
-    k = max(0, budget * sum(heads) - sum(floors))
-    pool = mx.concatenate(pools)
-    k = min(k, int((pool > -mx.inf).sum().item()))  # type: ignore[arg-type]
-    won = [0] * len(scores)
-    if k > 0:
-        ends = mx.array([sum(sizes[: i + 1]) for i in range(len(sizes))])
-        best = mx.argsort(pool)[pool.shape[0] - k :]
-        layer = (best[:, None] >= ends[None, :]).sum(axis=-1)  # the layer of every row won
-        won = mx.stack([(layer == i).sum() for i in range(len(scores))]).tolist()  # type: ignore[assignment]
-    raw = [f + int(e) for f, e in zip(floors, won, strict=True)]
-    return _whole_lane_totals(raw, [h * c for h, c in zip(heads, caps, strict=True)], width)
-
-
-def _whole_lane_totals(raw: list[int], caps: list[int], width: int) -> list[int]:
-    """Each layer's ``raw`` row count rounded to whole lanes of ``width`` (at most its
-    ``caps``), the sum at most ``sum(raw)``: every layer rounded down, then the lanes the
-    rounding freed handed back, largest remainder first (no layer above its cap)."""
-    totals = [min(c, width * (r // width)) for r, c in zip(raw, caps, strict=True)]
-    spare = sum(raw) - sum(totals)
-    for i in sorted(range(len(raw)), key=lambda i: (totals[i] - raw[i], i)):
-        if spare < width:
-            break
-        if totals[i] + width <= caps[i]:
-            totals[i] += width
-            spare -= width
-    return totals
-
-
 def retained(lanes: Lanes | None) -> int:
     """Rows the lanes hold per batch row (0 without lanes)."""
     return 0 if lanes is None else lanes.n_lanes * lanes.width
-
-
-def check_allocation(allocation: object, floor: object) -> None:
-    """``allocation`` one of :data:`ALLOCATIONS`, ``0 <= floor <= 1`` (a float)."""
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {list(ALLOCATIONS)}, got {allocation!r}")
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
-        raise TypeError(f"allocation_floor must be a float in [0, 1], got {floor!r}")
-    if not 0.0 <= float(floor) <= 1.0:
-        raise ValueError(f"allocation_floor must be in [0, 1], got {floor!r}")
-
-
-def allot(
-    live: KVSlots,
-    scores: mx.array,
-    protected: mx.array,
-    *,
-    budget: int,
-    floor: float,
-    total: int | None = None,
-    keep_scores: mx.array | None = None,
-    spare: int = 0,
-) -> Lanes:
-    """``live`` (``[B, H, n]`` rows) cut to adaptive shares, as lanes of
-    :func:`lane_width` ``(budget)``: ``total`` rows per batch row across the heads (default
-    ``budget * H``: the uniform cut's bytes), every head at least ``floor`` of its uniform
-    share and its ``protected`` rows, the rest by ``scores`` (float ``[B, H, n]``)."""
-    H = int(live.positions.shape[1])
-    width = lane_width(budget)
-    n_protected = int(protected.astype(mx.int32).sum(axis=-1).max().item())  # type: ignore[arg-type]
-    least = floor_rows(budget, floor, n_protected + spare, width)
-    total = budget * H if total is None else total
-    counts = shares(scores, live.positions, protected, total, least, width)
-    return cut(live, scores, protected, counts, width, keep_scores)
-
-
-def linked_total(state: Any, total: int | None, name: str) -> int | None:
-    """``total`` (a layer's rows under a model-wide cut) for a cut about to share rows out:
-    under ``allocation="global"`` it must come from the linked layers (``ValueError``
-    :data:`UNLINKED` when a lone layer tries to cut by itself)."""
-    if total is None and state.allocation == "global":
-        raise ValueError(UNLINKED.format(name=name))
-    return total
-
-
-def cut_evicting(
-    state: Any,
-    live: KVSlots,
-    scores: mx.array,
-    protect: Callable[[mx.array], mx.array],
-    /,
-    *,
-    name: str,
-    keep_scores: bool,
-    total: int | None,
-    **changes: Any,
-) -> Any:
-    """``state`` with its held rows ``live`` cut into lanes by :func:`allot_evicting`
-    (``total``: the layer's rows under ``global``, from :func:`linked_total`), the slot store
-    emptied for what comes after, and the running ``changes`` applied (the arguments before
-    ``name`` are positional only: a policy's running field may be called ``scores``)."""
-    lanes = allot_evicting(
-        live,
-        scores,
-        protect,
-        budget=state.budget,
-        floor=state.allocation_floor,
-        keep_scores=keep_scores,
-        total=linked_total(state, total, name),
-    )
-    empty = KVSlots.empty_like(live.keys, live.values)
-    return replace(state, slots=empty, lanes=lanes, **changes)
-
-
-def allot_evicting(
-    live: KVSlots,
-    scores: mx.array,
-    protect: Callable[[mx.array], mx.array],
-    *,
-    budget: int,
-    floor: float,
-    keep_scores: bool,
-    total: int | None = None,
-) -> Lanes:
-    """:func:`allot` for a policy that evicts at every decode step: each head's share holds
-    one dead row (its weakest kept row, where the next token goes, as the slot store's dead
-    slot) and at least one row more than its protected ones (``protect(positions)``: bool,
-    the rows no decision may evict). ``keep_scores``: the lanes carry ``scores`` on as their
-    running scores (H2O's sums). ``total``: the layer's rows (default ``budget * H``)."""
-    H = int(live.positions.shape[1])
-    lanes = allot(
-        live,
-        scores,
-        protect(live.positions),
-        budget=budget,
-        floor=floor,
-        total=total,
-        keep_scores=scores,
-        spare=2,
-    )
-    assert lanes.scores is not None
-    free = victims(lanes, lanes.scores, protect(lanes.positions), H)
-    return Lanes(
-        lanes.keys,
-        lanes.values,
-        lanes.positions,
-        lanes.owner,
-        free=free,
-        scores=lanes.scores if keep_scores else None,
-    )

@@ -36,11 +36,11 @@ import mlx.core as mx
 from velox_cache_core import demoted as DM
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
-from velox_cache_core import lanes as LN
 from velox_cache_core import phase as PH
 from velox_cache_core import pins as PN
 from velox_cache_core import step_sums as SS
 from velox_cache_core import without_queries as WQ
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode import Hot
 from velox_cache_core.decode import switch as DS
@@ -519,7 +519,7 @@ class Layer:
         if not rule.pending(state):
             return False
         if self.shares is None:
-            raise ValueError(LN.UNLINKED.format(name=self.policy.name))
+            raise ValueError(AS.UNLINKED.format(name=self.policy.name))
         if when == "first_token":
             self.shares.cut_all()
         else:

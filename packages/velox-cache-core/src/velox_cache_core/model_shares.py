@@ -14,9 +14,10 @@ them all at once when the prompt has ended everywhere:
 The cut (:meth:`ModelShares.cut_all`): each layer's rows and scores
 (:attr:`~velox_cache_core.lanes.GlobalRule.scores`), every head's floor first, then one
 threshold over every other score of every head of every layer
-(:func:`~velox_cache_core.lanes.global_totals`, ``budget`` rows per head on average, each
-layer's total in whole lanes), then each layer cut to its total. Every new state is computed
-before any is taken, so an error leaves every layer as it was. One sequence only (batch 1).
+(:func:`~velox_cache_core.allocation.shares.global_totals`, ``budget`` rows per head on
+average, each layer's total in whole lanes), then each layer cut to its total. Every new state
+is computed before any is taken, so an error leaves every layer as it was. One sequence only
+(batch 1).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 
 
 class ModelShares:
@@ -90,12 +91,12 @@ class ModelShares:
                 "'uniform' for a batch"
             )
         budget, floor = budgets.pop(), floors.pop()
-        width = LN.lane_width(budget)
+        width = AS.lane_width(budget)
         protected = max(
             int(prot.astype(mx.int32).sum(axis=-1).max().item()) for _, _, prot in parts
         )
-        least = LN.floor_rows(budget, floor, protected + spare, width)
-        return LN.global_totals(
+        least = AS.floor_rows(budget, floor, protected + spare, width)
+        return AS.global_totals(
             [scores for _, scores, _ in parts],
             [live.positions for live, _, _ in parts],
             [prot for _, _, prot in parts],

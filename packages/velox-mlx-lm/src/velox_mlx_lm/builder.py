@@ -122,11 +122,7 @@ class KVCacheBuilder:
             return make
 
         caches = [_convert(base, maker(i), f"layer {i}") for i, base in enumerate(bases)]
-        if len(bases) == len(getattr(model, "layers", ())):  # a cache per layer: no KV sharing
-            for cache in caches:
-                for member in _members(cache):
-                    if isinstance(member, PolicyKVCache):
-                        member.shared_rows = False
+        _mark_unshared(model, bases, caches)
         _share_step_sums([c for base in caches for c in _members(base)])
         return link_shares(caches)
 
@@ -165,6 +161,18 @@ def _unbounded(cache: Any) -> bool:
     if type(cache) is CacheList:
         return any(_unbounded(c) for c in cache.caches)
     return type(cache) is KVCache
+
+
+def _mark_unshared(model: nn.Module, bases: list[Any], caches: list[Any]) -> None:
+    """A model with a cache per layer shares no layer's keys and values (mlx-lm's KV sharing,
+    gemma3n and afm7, gives some layers none): its caches may drop a call's copies once it is
+    attended (``PolicyKVCache.shared_rows``)."""
+    if len(bases) != len(getattr(model, "layers", ())):
+        return
+    for cache in caches:
+        for member in _members(cache):
+            if isinstance(member, PolicyKVCache):
+                member.shared_rows = False
 
 
 def _members(cache: Any) -> list[Any]:

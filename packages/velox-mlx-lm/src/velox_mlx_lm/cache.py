@@ -485,12 +485,18 @@ class PolicyKVCache(VeloxKVCache):
             out = self._layer.attend_rows(
                 queries, keys, values, scale=scale, scores=scores, sinks=sinks
             )
-        if not self.shared_rows and self._layer.hot is None:  # nothing reads the copies now
+        self._after_attend()
+        return out
+
+    def _after_attend(self) -> None:
+        """Once a call is attended: drop its copies when no other layer reads them
+        (``shared_rows``; the decode path holds none), and shift when the next token would
+        reach the context (compact positions)."""
+        if not self.shared_rows and self._layer.hot is None:
             self._returned = None
             self._layer.release()
         if self._compaction is not None:
             self._shift_after_call()
-        return out
 
     def _attend_split(
         self,

@@ -57,7 +57,9 @@ def measure(bits: int, budget: int, rounds: int) -> dict[str, float]:
     grouped = q.reshape(B, H_kv, H_q // H_kv, 1, D)
     row = mx.random.normal((B, H_kv, 1, D))
     at = mx.full((B, H_kv, 1), 10**6, dtype=mx.int32)
-    main = step.keys
+    from velox_cache_core.store import rows as R
+
+    main = R.dense(step.keys)  # float32 here: the main rows are not quantized
     dense = mx.random.normal((B, H_kv, tier.n_rows, D))
     probs = mx.ones((B, H_kv, H_q // H_kv, 1, tier.n_rows)) / tier.n_rows
     mx.eval(q, row, dense, probs)

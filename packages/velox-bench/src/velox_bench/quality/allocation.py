@@ -2,8 +2,8 @@
 that offers them, on the embedded model and real text.
 
 The variants come from the registry: every policy whose ``init`` takes ``allocation`` and
-accepts a mode (``velox_cache_core.lanes.ALLOCATIONS``) is run in that mode, so a policy that
-gains the setting joins by itself.
+accepts a mode (``velox_cache_core.allocation.shares.ALLOCATIONS``) is run in that mode, so a
+policy that gains the setting joins by itself.
 
 - **Perplexity against budget, after a cut.** A real-text document; its first ``prompt_tokens``
   are the prompt, cut once (the policy's prompt end, or KVzip's reconstruction pass), then the
@@ -42,7 +42,7 @@ from velox_bench.quality import corpus, retrieval  # noqa: E402
 from velox_bench.quality.run import Progress, environment  # noqa: E402
 from velox_bench.results import figures_dirs, save_figure, smoke, write_json  # noqa: E402
 from velox_cache_core import POLICIES  # noqa: E402
-from velox_cache_core.lanes import ALLOCATIONS  # noqa: E402
+from velox_cache_core.allocation.shares import ALLOCATIONS  # noqa: E402
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_mlx_lm.embedded import DEFAULT_MODEL, load  # noqa: E402
 from velox_mlx_lm.kvzip import compress, prefill  # noqa: E402

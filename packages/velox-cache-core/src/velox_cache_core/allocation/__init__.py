@@ -14,8 +14,12 @@ A policy takes part by declaring what its scores are, not by carrying the cut it
   and every later step evicts within each head's share by its step scores. It gives the
   policy record's ``lane_rule`` and ``global_rule``.
 - a policy whose cut runs at its prompt end (SnapKV, Expected Attention, KVzip) calls
-  :func:`velox_cache_core.lanes.allot` / :func:`~velox_cache_core.lanes.cut_evicting` from
-  its own cut and declares a ``GlobalRule`` for its scores.
+  :func:`velox_cache_core.allocation.shares.allot` /
+  :func:`~velox_cache_core.allocation.shares.cut_evicting` from its own cut and declares a
+  ``GlobalRule`` for its scores.
+
+:mod:`velox_cache_core.allocation.shares` computes the shares and cuts the rows into lanes;
+:mod:`velox_cache_core.lanes` holds the lanes and attends over them.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
 from velox_cache_core.store.slots import KVSlots
@@ -95,7 +96,7 @@ class HeldPrompt:
         if found is None:
             return replace(state, history=None) if holding(state) else state
         live, scores, _ = found
-        return LN.cut_evicting(
+        return AS.cut_evicting(
             state,
             live,
             scores,

@@ -46,6 +46,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History, align_scores
 from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
 from velox_cache_core.engine import Call, Decision
@@ -224,7 +225,7 @@ class ExpectedAttentionState(PolicyState):
     rope_traditional: bool
     rope_scale: float
     allocation: str = "uniform"
-    allocation_floor: float = LN.FLOOR
+    allocation_floor: float = AS.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: LN.Lanes | None = running()
@@ -302,7 +303,7 @@ def init_expected_attention_state(
     rope_traditional: bool = False,
     rope_scale: float = 1.0,
     allocation: str = "uniform",
-    allocation_floor: float = LN.FLOOR,
+    allocation_floor: float = AS.FLOOR,
 ) -> ExpectedAttentionState:
     """Empty Expected Attention state: ``0 <= n_sink < budget``; ``0 <= recent < budget -
     n_sink`` (``None``: 16, or ``budget - n_sink - 1`` when that is smaller); ``n_queries``,
@@ -311,7 +312,7 @@ def init_expected_attention_state(
     ``rope_scale > 0``; ``allocation`` ``uniform``, ``head`` or ``global`` (see the module
     doc), ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    LN.check_allocation(allocation, allocation_floor)
+    AS.check_allocation(allocation, allocation_floor)
     recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
     check_int("recent", recent, minimum=0)
     if recent >= budget - n_sink:
@@ -484,7 +485,7 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     scores = changes.pop("scores")
     if live.n_slots > state.budget and state.allocation != "uniform":
         newest = state.offset - 1
-        return LN.cut_evicting(
+        return AS.cut_evicting(
             done,
             live,
             scores,

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from velox_cache_core import lanes as LN
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History, Rule, align_scores, decide_by_weights
 from velox_cache_core.declarations import (
     PolicyState,
@@ -53,7 +54,7 @@ class H2OState(PolicyState):
     scope: Scope
     prefill: Prefill
     allocation: str = "uniform"
-    allocation_floor: float = LN.FLOOR
+    allocation_floor: float = AS.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: LN.Lanes | None = running()
@@ -92,13 +93,13 @@ def init_h2o_state(
     scope: Scope = "head",
     prefill: Prefill = "sequential",
     allocation: str = "uniform",
-    allocation_floor: float = LN.FLOOR,
+    allocation_floor: float = AS.FLOOR,
 ) -> H2OState:
     """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
     ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
     ``head`` or ``global`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    LN.check_allocation(allocation, allocation_floor)
+    AS.check_allocation(allocation, allocation_floor)
     if allocation != "uniform" and scope != "head":
         raise ValueError(
             f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.declarations import (
     Compressor,
@@ -66,7 +67,7 @@ from velox_cache_core.validation import check_budget_and_sinks, check_choice, ch
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
-ALLOCATIONS = LN.ALLOCATIONS
+ALLOCATIONS = AS.ALLOCATIONS
 Probe = Literal["reconstruct", "latest"]
 After = Literal["append", "tova"]
 Allocation = Literal["uniform", "head", "global"]
@@ -83,7 +84,7 @@ class KVzipState(PolicyState):
     signal: Signal
     after: After
     allocation: Allocation = "global"
-    allocation_floor: float = LN.FLOOR
+    allocation_floor: float = AS.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: LN.Lanes | None = running()
@@ -109,7 +110,7 @@ def init_kvzip_state(
     signal: Signal = "query",
     after: After = "append",
     allocation: Allocation | None = None,
-    allocation_floor: float = LN.FLOOR,
+    allocation_floor: float = AS.FLOOR,
 ) -> KVzipState:
     """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
     ``after`` ``append`` or ``tova``; ``allocation`` ``uniform``, ``head`` or ``global`` (how
@@ -121,7 +122,7 @@ def init_kvzip_state(
     check_choice("after", after, AFTERS)
     if allocation is None:
         allocation = "uniform" if after == "tova" else "global"
-    LN.check_allocation(allocation, allocation_floor)
+    AS.check_allocation(allocation, allocation_floor)
     if after == "tova" and allocation != "uniform":
         raise ValueError(
             f"after='tova' keeps exactly budget rows per KV head: it needs "
@@ -211,16 +212,16 @@ def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
     threshold over the other scores of every head of every layer (``scores``: one float
     ``[1, H_kv, n]`` per layer, the same ``n``, context rows in arrival order), so that the
     model keeps at most ``budget`` rows per head on average
-    (:func:`velox_cache_core.lanes.global_totals`). Batch size 1 only."""
+    (:func:`velox_cache_core.allocation.shares.global_totals`). Batch size 1 only."""
     if not scores:
         raise ValueError("global_totals() needs the scores of at least one layer")
     n = int(scores[0].shape[2])
-    width = LN.lane_width(state.budget)
+    width = AS.lane_width(state.budget)
     positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), s.shape) for s in scores]
     protected = [_protected(state, p) for p in positions]
     held = max(int(p.astype(mx.int32).sum(axis=-1).max().item()) for p in protected)  # type: ignore[arg-type]
-    least = LN.floor_rows(state.budget, state.allocation_floor, held, width)
-    return LN.global_totals(scores, positions, protected, state.budget, least, width)
+    least = AS.floor_rows(state.budget, state.allocation_floor, held, width)
+    return AS.global_totals(scores, positions, protected, state.budget, least, width)
 
 
 def kvzip_compress(
@@ -254,7 +255,7 @@ def kvzip_compress(
             raise ValueError(f"total must be >= 0, got {total}")
         if n <= state.budget:
             return done
-        lanes = LN.allot(
+        lanes = AS.allot(
             live,
             scores.astype(mx.float32),
             _protected(state, live.positions),

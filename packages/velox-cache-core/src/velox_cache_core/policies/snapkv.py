@@ -24,6 +24,7 @@ from operator import attrgetter
 import mlx.core as mx
 
 from velox_cache_core import lanes as LN
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
@@ -46,7 +47,7 @@ class SnapKVState(PolicyState):
     kernel: int
     signal: Signal
     allocation: str = "uniform"
-    allocation_floor: float = LN.FLOOR
+    allocation_floor: float = AS.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: LN.Lanes | None = running()
@@ -64,13 +65,13 @@ def init_snapkv_state(
     kernel: int = 5,
     signal: Signal = "query",
     allocation: str = "uniform",
-    allocation_floor: float = LN.FLOOR,
+    allocation_floor: float = AS.FLOOR,
 ) -> SnapKVState:
     """Empty SnapKV state: ``1 <= window < budget`` (``None``: ``min(32, budget - 1)``, so a
     small budget needs no window of its own), odd ``kernel >= 1``; ``allocation``
     ``uniform``, ``head`` or ``global`` (see the module doc), ``0 <= allocation_floor <=
     1``."""
-    LN.check_allocation(allocation, allocation_floor)
+    AS.check_allocation(allocation, allocation_floor)
     check_int("budget", budget, minimum=2)
     if window is None:
         window = min(WINDOW, budget - 1)
@@ -145,13 +146,13 @@ def _cut(state: SnapKVState, total: int | None) -> SnapKVState:
         return done
     live, full, window_rows = found
     if state.allocation != "uniform":
-        lanes = LN.allot(
+        lanes = AS.allot(
             live,
             full,
             window_rows,
             budget=state.budget,
             floor=state.allocation_floor,
-            total=LN.linked_total(state, total, "snapkv"),
+            total=AS.linked_total(state, total, "snapkv"),
         )
         return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     n, W = live.n_slots, state.window

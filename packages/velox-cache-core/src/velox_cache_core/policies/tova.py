@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from velox_cache_core import lanes as LN
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe
+from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
@@ -58,7 +59,7 @@ class TovaState(PolicyState):
     scope: Scope
     prefill: Prefill
     allocation: str = "uniform"
-    allocation_floor: float = LN.FLOOR
+    allocation_floor: float = AS.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: LN.Lanes | None = running()
@@ -89,14 +90,14 @@ def init_tova_state(
     prefill: Prefill | None = None,
     preset: str = "tova",
     allocation: str = "uniform",
-    allocation_floor: float = LN.FLOOR,
+    allocation_floor: float = AS.FLOOR,
 ) -> TovaState:
     """An empty TOVA state. ``signal``/``scope``/``prefill`` override the preset's values;
     ``allocation`` ``uniform`` or, with scope ``head``, ``head`` or ``global`` (see the
     module doc); ``0 <= allocation_floor <= 1``."""
     check_choice("preset", preset, PRESETS)
     check_budget_and_sinks(budget, n_sink)
-    LN.check_allocation(allocation, allocation_floor)
+    AS.check_allocation(allocation, allocation_floor)
     chosen = {**PRESETS[preset]}
     for name, value, options in (
         ("signal", signal, SIGNALS),
