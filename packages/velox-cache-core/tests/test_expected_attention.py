@@ -20,12 +20,8 @@ from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES
 from velox_cache_core.layer import Layer, Mode
-from velox_cache_core.policies.expected_attention import (
-    RoPE,
-    expected_attention_compress,
-    expected_scores,
-    query_stats,
-)
+from velox_cache_core.policies.expected_attention import expected_attention_compress
+from velox_cache_core.policies.expected_scores import RoPE, expected_scores, query_stats
 from velox_cache_core.undo import new_log
 
 POLICY = POLICIES["expected_attention"]

@@ -52,9 +52,9 @@ from velox_cache_core.policies.expected_attention import (
     ExpectedAttentionState,
     expected_attention_compress,
     expected_attention_update,
-    expected_scores,
     init_expected_attention_state,
 )
+from velox_cache_core.policies.expected_scores import expected_scores
 from velox_cache_core.policies.h2o import H2OState, h2o_update, init_h2o_state
 from velox_cache_core.policies.morphkv import MorphKVState, init_morphkv_state, morphkv_update
 from velox_cache_core.policies.snapkv import (
