@@ -1,4 +1,4 @@
-"""Packed rows (velox_cache_core.batch.pack / packed_update / unpack): a batch's decode steps
+"""Packed rows (velox_cache_core.packed: pack / packed_update / unpack): a batch's decode steps
 as one engine call with per-row positions give every row exactly what it gets decoding alone.
 
 Rows start from prompts of different lengths (so different positions), decode packed, and are
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from velox_cache_core import POLICIES
 from velox_cache_core.attention import attend
-from velox_cache_core.batch import can_pack, pack, packed_update, unpack
+from velox_cache_core.packed import can_pack, pack, packed_update, unpack
 from velox_cache_core.undo import new_log
 
 PACKABLE = sorted(name for name, p in POLICIES.items() if p.packs_rows)

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from test_policy_contract import CASES, NAMES, needs_queries, run_against_reference
 
 from velox_cache_core import POLICIES, Layer, new_log
-from velox_cache_core.batch import pack, packed_update, unpack
 from velox_cache_core.lanes import PAD
+from velox_cache_core.packed import pack, packed_update, unpack
 from velox_cache_core.pins import MAX_SPANS, count, merged, pin, pin_room, spans
 from velox_cache_core.selection import pinned, sinks
 from velox_cache_core.store.token_rows import Quant

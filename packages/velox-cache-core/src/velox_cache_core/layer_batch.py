@@ -8,7 +8,7 @@ padding), :meth:`LayerBatch.lay_out` hands each row only its span, and
 
 Packed rows: while every row decodes one token per step and their slots are laid out alike (a
 bounded policy's rows once each has evicted) or can be padded alike (rows below their budget),
-the rows are held as one B-row core state (:func:`velox_cache_core.batch.pack`) and each step is
+the rows are held as one B-row core state (:func:`velox_cache_core.packed.pack`) and each step is
 one engine call, not B. Anything else (a prefill, a row joining or leaving, a trim, reading a
 row, padded rows about to reach their budget) unpacks them first: each row gets back exactly
 the state and undo log it would have had alone.
@@ -24,20 +24,11 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.batch import (
-    Packed,
-    can_pack,
-    check_compatible,
-    detach,
-    pack,
-    packed_update,
-    row_signature,
-    scatter,
-    unpack,
-)
+from velox_cache_core.batch import check_compatible, row_signature, scatter
 from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import check_fits
 from velox_cache_core.layer import Layer
+from velox_cache_core.packed import Packed, can_pack, detach, pack, packed_update, unpack
 from velox_cache_core.pins import seen_pinned
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
@@ -121,7 +112,7 @@ class LayerBatch:
     # -- packed rows -------------------------------------------------------------------------
     # While every row decodes one token per step and their slots are laid out alike (a bounded
     # policy's rows once each has evicted) or can be padded alike (rows below their budget),
-    # the rows are held as one B-row core state (velox_cache_core.batch.pack) and each step is
+    # the rows are held as one B-row core state (velox_cache_core.packed.pack) and each step is
     # one engine call, not B. Anything else (a prefill, a row joining or leaving, a trim,
     # reading a row, padded rows about to reach their budget) unpacks them first: each row gets
     # back exactly the state and undo log it would have had alone.
