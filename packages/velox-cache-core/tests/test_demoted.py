@@ -293,26 +293,37 @@ def test_layer_refusals():
         layer.settle()
 
 
-@pytest.mark.parametrize(("method", "scoring", "extra"), CASES)
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    budget=st.integers(10, 20),
-    tier_budget=st.integers(1, 24),
-    bits=st.sampled_from([2, 4]),
-    prompt=st.integers(1, 40),
-    chunk=st.integers(2, STEPPED_CHUNK),
-    seed=st.integers(0, 2**16),
-)
+def _tier_examples(**more):
+    """Every policy case, over budgets, tier budgets, widths, prompts and seeds (and ``more``),
+    four examples each."""
+    cases = pytest.mark.parametrize(("method", "scoring", "extra"), CASES)
+    examples = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    drawn = given(
+        budget=st.integers(10, 20),
+        tier_budget=st.integers(1, 24),
+        bits=st.sampled_from([2, 4]),
+        prompt=st.integers(1, 40),
+        seed=st.integers(0, 2**16),
+        **more,
+    )
+    return lambda test: cases(examples(drawn(test)))
+
+
+def _tier_layer(method, scoring, extra, budget, tier_budget, bits, log=None):
+    spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
+    policy = POLICIES[method]
+    state = policy.init_for(method, budget=budget, n_sink=2, **extra)
+    return Layer(policy, state, log, demote=spec)
+
+
+@_tier_examples(chunk=st.integers(2, STEPPED_CHUNK))
 def test_a_short_chunk_is_decode_steps(
     method, scoring, extra, budget, tier_budget, bits, prompt, chunk, seed
 ):
     """A chunk of at most ``STEPPED_CHUNK`` tokens after the prompt (a speculative verify
     chunk) gives the outputs, main rows and tier of the same tokens fed one by one."""
-    spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
-    policy = POLICIES[method]
-    settings_ = {"budget": budget, "n_sink": 2, **extra}
     rows = _rows(seed, 1, 4, 2, 32, prompt + 6 + chunk)
-    layers = [Layer(policy, policy.init_for(method, **settings_), None, demote=spec) for _ in "ab"]
+    layers = [_tier_layer(method, scoring, extra, budget, tier_budget, bits) for _ in "ab"]
     chunked = _feed(layers[0], rows, [prompt, *[1] * 6, chunk])
     stepped = _feed(layers[1], rows, [prompt, *[1] * 6, *[1] * chunk])
     np.testing.assert_array_equal(
@@ -321,33 +332,18 @@ def test_a_short_chunk_is_decode_steps(
     _same_layers(*layers)
 
 
-@pytest.mark.parametrize(("method", "scoring", "extra"), CASES)
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    budget=st.integers(10, 20),
-    tier_budget=st.integers(1, 24),
-    bits=st.sampled_from([2, 4]),
-    prompt=st.integers(1, 40),
-    last=st.integers(1, 24),
-    data=st.data(),
-    seed=st.integers(0, 2**16),
-)
+@_tier_examples(last=st.integers(1, 24), data=st.data())
 def test_a_trim_equals_a_layer_that_never_saw_the_tokens(
     method, scoring, extra, budget, tier_budget, bits, prompt, last, data, seed
 ):
     """Fed a last call of ``last`` tokens (as steps or as one chunk) then trimmed by ``n``:
     bit for bit the layer fed ``last - n`` tokens instead, and it goes on alike."""
     n = data.draw(st.integers(0, last), label="n")
-    spec = TierSpec(bits, tier_budget, group_size=32, scoring=scoring)
-    policy = POLICIES[method]
-    settings_ = {"budget": budget, "n_sink": 2, **extra}
     rows = _rows(seed, 1, 4, 2, 32, prompt + 6 + last + 3)
     head = [prompt, *[1] * 6]
-
-    def layer():
-        return Layer(policy, policy.init_for(method, **settings_), new_log(32), demote=spec)
-
-    trimmed, fresh = layer(), layer()
+    trimmed, fresh = (
+        _tier_layer(method, scoring, extra, budget, tier_budget, bits, new_log(32)) for _ in "ab"
+    )
     _feed(trimmed, rows, [*head, last])
     assert trimmed.trimmable_tokens == last
     trimmed.trim(n)
