@@ -36,15 +36,15 @@ import mlx.core as mx
 from velox_cache_core import demoted as DM
 from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
+from velox_cache_core import model_shares as MS
 from velox_cache_core import phase as PH
 from velox_cache_core import pins as PN
 from velox_cache_core import step_sums as SS
 from velox_cache_core import without_queries as WQ
-from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode import Hot
 from velox_cache_core.decode import switch as DS
-from velox_cache_core.distributed import Group, StepSums, summing_over
+from velox_cache_core.distributed import StepSums, summing_over
 from velox_cache_core.engine import Step, check_fits
 from velox_cache_core.in_flight import (
     SUBCHUNK,
@@ -148,32 +148,8 @@ class Layer:
         return out
 
     # -- wiring (the builder decides the mode once) --------------------------------------------
-    def connect(self, group: Any) -> None:
-        """Decide layer-wide over ``group`` (an ``mx.distributed.Group``; ``None`` or a group
-        of one rank: alone); leaves ``STEP_SUMS``."""
-        if group is not None and not isinstance(group, Group):
-            raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
-        self.settle()
-        self.group = None if group is None or group.size() == 1 else group
-        self.sums = None
-        if self.mode is Mode.STEP_SUMS:
-            self.mode = Mode.QUERIES
-
-    def share_step_sums(self, sums: StepSums | None, index: int = 0) -> None:
-        """Mode ``STEP_SUMS`` through ``sums`` (over this layer's group) as layer ``index``
-        (``None``: back to ``QUERIES``)."""
-        if sums is not None:
-            if self.demote is not None:
-                raise ValueError(DM.NO_STEP_SUMS)
-            if not isinstance(sums, StepSums):
-                raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
-            if sums.group is not self.group:
-                raise ValueError("sums must communicate over this cache's group")
-            if not isinstance(index, int) or not 0 <= index < sums.layers:
-                raise ValueError(f"layer must be an int in [0, {sums.layers}), got {index!r}")
-        self.settle()
-        self.sums, self.index = sums, index
-        self.mode = Mode.QUERIES if sums is None else Mode.STEP_SUMS
+    connect = SS.connect
+    share_step_sums = SS.share_step_sums
 
     # -- the state, its undo log and the call in flight (built from the decode path's rows) ---
     @property
@@ -508,23 +484,7 @@ class Layer:
             return self._end_prompt(state)
         return state
 
-    def _cut_globally(self, when: str) -> bool:
-        """At ``when``, a state awaiting a model-wide cut (``allocation="global"``) takes part
-        in it: ``"first_token"`` cuts every linked layer now, ``"prompt_end"`` arrives (the
-        last layer to arrive cuts them all). Returns whether it did."""
-        rule = self.policy.global_rule
-        state = self.state
-        if rule is None or rule.when != when or state.allocation != "global":
-            return False
-        if not rule.pending(state):
-            return False
-        if self.shares is None:
-            raise ValueError(AS.UNLINKED.format(name=self.policy.name))
-        if when == "first_token":
-            self.shares.cut_all()
-        else:
-            self.shares.arrive(self)
-        return True
+    _cut_globally = MS.cut_globally
 
     def take_cut(self, state: Any) -> None:
         """Take ``state``, this layer cut by a model-wide allocation or a model-driven phase

@@ -104,3 +104,23 @@ class ModelShares:
             least,
             width,
         )
+
+
+def cut_globally(layer: Any, when: str) -> bool:
+    """``Layer._cut_globally``: at ``when``, a layer's state awaiting a model-wide cut
+    (``allocation="global"``) takes part in it: ``"first_token"`` cuts every linked layer now,
+    ``"prompt_end"`` arrives (the last layer to arrive cuts them all). Returns whether it
+    did."""
+    rule = layer.policy.global_rule
+    state = layer.state
+    if rule is None or rule.when != when or state.allocation != "global":
+        return False
+    if not rule.pending(state):
+        return False
+    if layer.shares is None:
+        raise ValueError(AS.UNLINKED.format(name=layer.policy.name))
+    if when == "first_token":
+        layer.shares.cut_all()
+    else:
+        layer.shares.arrive(layer)
+    return True

@@ -15,9 +15,10 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.distributed import Recorder, Replay, summing_over
+from velox_cache_core.demoted import NO_STEP_SUMS
+from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import decide, prepare
-from velox_cache_core.in_flight import Deferred, Waiting
+from velox_cache_core.in_flight import Deferred, Mode, Waiting
 
 
 def attend_deferring(
@@ -63,3 +64,33 @@ def finish(layer: Any, replay: Replay) -> list[mx.array]:
     if step.log is not None and step.log.entries:
         tied += step.log.entries[-1].arrays()
     return tied
+
+
+# -- wiring (the builder decides the mode once): Layer.connect, Layer.share_step_sums ----
+def connect(layer: Any, group: Any) -> None:
+    """``Layer.connect``: decide layer-wide over ``group`` (an ``mx.distributed.Group``;
+    ``None`` or a group of one rank: alone); leaves ``STEP_SUMS``."""
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
+    layer.settle()
+    layer.group = None if group is None or group.size() == 1 else group
+    layer.sums = None
+    if layer.mode is Mode.STEP_SUMS:
+        layer.mode = Mode.QUERIES
+
+
+def share_step_sums(layer: Any, sums: StepSums | None, index: int = 0) -> None:
+    """``Layer.share_step_sums``: mode ``STEP_SUMS`` through ``sums`` (over this layer's
+    group) as layer ``index`` (``None``: back to ``QUERIES``)."""
+    if sums is not None:
+        if layer.demote is not None:
+            raise ValueError(NO_STEP_SUMS)
+        if not isinstance(sums, StepSums):
+            raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
+        if sums.group is not layer.group:
+            raise ValueError("sums must communicate over this cache's group")
+        if not isinstance(index, int) or not 0 <= index < sums.layers:
+            raise ValueError(f"layer must be an int in [0, {sums.layers}), got {index!r}")
+    layer.settle()
+    layer.sums, layer.index = sums, index
+    layer.mode = Mode.QUERIES if sums is None else Mode.STEP_SUMS
