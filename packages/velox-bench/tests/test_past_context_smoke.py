@@ -88,3 +88,21 @@ def test_run_and_report(loaded: tuple[Any, Any], tmp_path: Path) -> None:
     doc = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert doc.count("<!-- past-context-smollm2-135m:start -->") == 1
     assert "figures/past_context_smollm2-135m.png" in doc
+
+
+def test_a_stopped_run_resumes_from_its_partial_file(
+    loaded: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from velox_bench.quality import past_context as pc
+
+    settings = pc.PastContextSettings(tokens=48, window=16, budget=24, chunk=16, methods=("tova",))
+    partial = tmp_path / "partial.json"
+    first = pc.evaluate(settings, loaded, partial)
+    assert set(pc.resumed(settings, partial)) == {"full", "tova(24)"}
+    runs: list[Any] = []
+    real = pc.token_nll
+    monkeypatch.setattr(pc, "token_nll", lambda *a, **k: runs.append(a) or real(*a, **k))
+    again = pc.evaluate(settings, loaded, partial)  # both methods read back, none run
+    assert runs == [] and again["rows"] == first["rows"]
+    other = pc.PastContextSettings(tokens=48, window=16, budget=20, chunk=16, methods=("tova",))
+    assert pc.resumed(other, partial) == {}  # other settings start over

@@ -128,10 +128,25 @@ def context_of(model: Any) -> int:
     return int(model.args.max_position_embeddings)
 
 
+def resumed(settings: PastContextSettings, partial: Path | None) -> dict[str, Any]:
+    """The rows a partial file (``--resume``) holds for the same settings (``{}``: none, or a
+    file of other settings, which is then started over)."""
+    if partial is None or not partial.is_file():
+        return {}
+    saved = json.loads(partial.read_text())
+    same = saved.get("settings") == json.loads(json.dumps(asdict(settings)))  # tuples as lists
+    return dict(saved["rows"]) if same else {}
+
+
 def evaluate(
-    settings: PastContextSettings, loaded: tuple[Any, Any] | None = None
+    settings: PastContextSettings,
+    loaded: tuple[Any, Any] | None = None,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
-    """Score every method's windows; return the JSON-ready results."""
+    """Score every method's windows; return the JSON-ready results. ``partial``: a file each
+    method's windows are written to as it finishes, whose methods (for the same settings) are
+    not run again: a run stopped between methods goes on from there."""
+    done = resumed(settings, partial)
     model, tokenizer = load(settings.model) if loaded is None else loaded
     tokens, names = corpus_tokens(tokenizer.encode, settings.tokens + 1)
     chosen, excluded = served_variants(settings.methods)
@@ -143,6 +158,11 @@ def evaluate(
     with tqdm(total=scored * len(runs), unit="tok", desc="past context", smoothing=0.05) as bar:
         for v in runs:
             label = "full" if v is FULL else f"{v.method}({settings.budget})"
+            if label in done:  # scored by an earlier run of the same settings
+                rows[label] = done[label]
+                bar.update(scored)
+                bar.write(f"{label}: from {partial}")
+                continue
             start = time.perf_counter()
             config = v.config(settings.budget)
             if compact and v is not FULL:
@@ -153,6 +173,9 @@ def evaluate(
                 "seconds": round(time.perf_counter() - start, 1),
             }
             bar.write(f"{label}: {' '.join(f'{p:.1f}' for p in rows[label]['windows'])}")
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"settings": asdict(settings), "rows": rows}) + "\n")
     edges = [[i, min(i + settings.window, scored)] for i in range(0, scored, settings.window)]
     return {
         "settings": asdict(settings),
@@ -330,6 +353,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="repository root to write into (default: print)")
     parser.add_argument("--from-json", type=Path, help="skip the run: report a saved one")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="PATH",
+        help="write each method's windows to PATH as it finishes, and skip the methods PATH "
+        "already holds for the same settings (a long run stopped between methods goes on)",
+    )
     args = parser.parse_args(argv)
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
@@ -343,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             methods=tuple(args.methods.split(",")) if args.methods else None,
             positions=args.positions,
         )
-        results = evaluate(settings)
+        results = evaluate(settings, partial=args.resume)
     print(summary(results))
     if suffix(results["settings"]):
         print(ratios(results))
