@@ -466,3 +466,27 @@ def test_active_memory_after_steady_steps_is_what_the_caches_report(cfg: KVCache
     # yet), against 2.04x before the release; the tier's cases stay within 1.05x
     bound = 1.1 if cfg.kv_bits else 1.05
     assert nbytes <= held <= bound * (nbytes + undo), (held, nbytes, undo)
+
+
+def test_trimmable_tokens_past_a_shift_are_what_a_trim_takes_back() -> None:
+    """Right after a shift that came after a single-token call, a tier's trim reaches back
+    over that call only (its undo record before the shift): ``trimmable_tokens`` says 1, a trim
+    of 1 works and one of 2 is refused, changing nothing."""
+    model = model_32()
+    cache = KVCacheBuilder.for_model(model, compact_tiered("tova"))
+    tokens = mx.array(np.random.default_rng(6).integers(0, 128, size=(1, 200)), dtype=mx.int32)
+    mx.eval(model(tokens[:, :30], cache=cache))
+    c = cache[0]
+    for t in range(30, 200):
+        mx.eval(model(tokens[:, t : t + 1], cache=cache))
+        if c.compaction.shifts and c.token_offset == c.compaction.shifted_at:
+            break
+    assert c.compaction.shifts == 1 and c.token_offset == c.compaction.shifted_at
+    assert all(layer.trimmable_tokens == 1 for layer in cache)
+    before = _tier_state(cache)
+    with pytest.raises(ValueError, match="cannot trim 2 tokens"):
+        c.trim(2)
+    for got, want in zip(_tier_state(cache), before, strict=True):
+        for p, q in zip(got, want, strict=True):
+            np.testing.assert_array_equal(p, q)
+    assert all(layer.trim(1) == 1 for layer in cache)

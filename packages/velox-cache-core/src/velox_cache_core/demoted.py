@@ -296,14 +296,15 @@ def trim(layer: Any, n: int) -> None:
     ``ValueError`` and no change beyond :func:`reach`."""
     if n == 0:
         return
+    back = reach(layer)
     undo: TierUndo | None = layer.tier_undo
-    if undo is None or n > reach(layer):
-        raise ValueError(NO_TRIM.format(n=n, name=layer.policy.name, reach=reach(layer)))
+    if undo is None or n > back:
+        raise ValueError(NO_TRIM.format(n=n, name=layer.policy.name, reach=back))
     with summing_over(layer.group):
         state, log = layer.policy.trim(layer.state, layer.log, undo.length)
     layer.state, layer.log, layer.tier = state, log, undo.tier
-    layer.tier_undo = layer.shared_tier = None
-    layer.fetched = layer.last = None
+    layer.tier_undo = None
+    layer.release()  # the trimmed call's copies
     keep = undo.length - n
     if keep:
         part = Waiting(undo.keys[:, :, :keep], undo.values[:, :, :keep])

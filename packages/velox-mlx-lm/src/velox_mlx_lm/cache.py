@@ -77,11 +77,10 @@ class PolicyKVCache(VeloxKVCache):
     # the queries of the call in flight still need (the model rotated them before the shift)
     _compaction: Compaction | None = None
     _query_shift: int = 0
-    # the layer's state, undo log and compaction just before the last shift, while a trim may
-    # still reach back past it (its undo window): such a trim undoes the shift
-    _before_shift: tuple[Any, Any, Compaction] | None = None
-    # with a demoted tier, its rows and undo record just before that shift (the same lifetime)
-    _tier_before_shift: tuple[Any, Any] | None = None
+    # the layer's state, undo log, compaction, and demoted tier with its undo record (None
+    # without one) just before the last shift, while a trim may still reach back past it (its
+    # undo window): such a trim undoes the shift
+    _before_shift: tuple[Any, Any, Compaction, Any, Any] | None = None
     # a call whose shift falls inside it: (tokens before the shift, keys, values); attend
     # runs it as two calls around the shift
     _split: tuple[int, mx.array, mx.array] | None = None
@@ -117,7 +116,6 @@ class PolicyKVCache(VeloxKVCache):
         out = type(self).from_layer(copy.copy(self._layer))
         out._compaction = self._compaction  # immutable: shared
         out._before_shift = self._before_shift
-        out._tier_before_shift = self._tier_before_shift
         out.shared_rows = self.shared_rows
         return out
 
@@ -264,18 +262,16 @@ class PolicyKVCache(VeloxKVCache):
         assert comp is not None
         layer = self._layer
         layer.settle()
-        before = (layer.state, layer.log, comp)
-        tier = (layer.tier, layer.tier_undo)
+        before = (layer.state, layer.log, comp, layer.tier, layer.tier_undo)
         self._compaction, delta = shift_layer(layer, comp, length)
         self._before_shift = before if layer.log is not None else None
-        self._tier_before_shift = tier if self._before_shift and layer.demote else None
         return delta
 
     def _forget_before_shift(self) -> None:
         """Drop the state before the last shift once no trim can reach back to it."""
         comp, log = self._compaction, self._layer.log
         if comp is None or log is None or self._layer.offset - comp.shifted_at > log.window:
-            self._before_shift = self._tier_before_shift = None
+            self._before_shift = None
 
     def _shift_after_call(self) -> None:
         """Shift now when the next token would reach the context, so that ``offset`` stays
@@ -386,17 +382,18 @@ class PolicyKVCache(VeloxKVCache):
     def trimmable_tokens(self) -> int:
         """How many of the last tokens ``trim`` can take back now (0 without a log)."""
         self._layer.view()
-        log = self._layer.log
-        tokens = 0 if log is None else log.tokens
-        if self._layer.demote is not None:  # within the last call (velox_cache_core.demoted)
-            tokens = min(tokens, self._layer.trimmable_tokens)
+        tokens = self._layer.trimmable_tokens  # with a tier, within the last call
         comp = self._compaction
         if comp is not None and comp.shifts:  # past a shift: only with the state before it
             since = self._layer.offset - comp.shifted_at
             tokens = min(tokens, since)
             before = self._before_shift
             if tokens == since and before is not None and before[1] is not None:
-                tokens = min(since + before[1].tokens, before[1].window)
+                back = before[1].tokens
+                if self._layer.demote is not None:  # the tier's last call before the shift
+                    undo = before[4]
+                    back = 0 if undo is None else min(back, undo.length)
+                tokens = min(since + back, before[1].window)
         return tokens
 
     # -- the model's calls -------------------------------------------------------------------
@@ -589,7 +586,7 @@ class PolicyKVCache(VeloxKVCache):
                 "tokens ago and the state before the shift is gone (beyond the undo window, or "
                 "a loaded prompt cache); a trim cannot reach back past it"
             )
-        state, old_log, old_comp = before
+        state, old_log, old_comp, tier, tier_undo = before
         if old_log is None or old_log.tokens < n - since:
             raise ValueError(
                 f"cannot trim {n} tokens: the undo log reaches back {since} tokens past the "
@@ -598,17 +595,14 @@ class PolicyKVCache(VeloxKVCache):
             )
         trimmed = copy.copy(self._layer)
         trimmed.restore(state, old_log)
-        if self._layer.demote is not None:  # the tier and its undo record before the shift
-            assert self._tier_before_shift is not None
-            trimmed.tier, trimmed.tier_undo = self._tier_before_shift
+        trimmed.tier, trimmed.tier_undo = tier, tier_undo  # the tier before the shift, if any
         trimmed.trim(n - since)  # raises, changing nothing here, when it cannot
         layer = self._layer
         layer.restore(trimmed.state, trimmed.log)
-        if layer.demote is not None:
-            layer.tier, layer.tier_undo = trimmed.tier, trimmed.tier_undo
-            layer.shared_tier = trimmed.shared_tier
+        layer.tier, layer.tier_undo = trimmed.tier, trimmed.tier_undo
+        layer.shared_tier = trimmed.shared_tier
         self._compaction = old_comp
-        self._before_shift = self._tier_before_shift = None
+        self._before_shift = None
         return n
 
     @property
@@ -658,7 +652,7 @@ class PolicyKVCache(VeloxKVCache):
         self._layer.tier = tier
         self._compaction = compaction
         self._query_shift = 0
-        self._before_shift = self._tier_before_shift = None
+        self._before_shift = None
         self._split = None
 
     @classmethod

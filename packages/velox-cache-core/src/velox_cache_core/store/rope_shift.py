@@ -260,12 +260,13 @@ class Compaction:
         kept = None if fixed is None else fixed(positions)
         anchors = mx.where(live, positions, -1).astype(mx.int32)
         S = int(positions.shape[-1])
-        if tier is not None and tier.n_rows:  # ranked together, in token order
-            none = mx.zeros(tier.positions.shape, dtype=mx.bool_)
-            positions = mx.concatenate([positions, tier.positions], axis=-1)
+        moving = tier if tier is not None and tier.n_rows else None
+        if moving is not None:  # ranked together, in token order
+            none = mx.zeros(moving.positions.shape, dtype=mx.bool_)
+            positions = mx.concatenate([positions, moving.positions], axis=-1)
             live = mx.concatenate([live, ~none], axis=-1)
             kept = None if kept is None else mx.concatenate([kept, none], axis=-1)
-            anchors = mx.concatenate([anchors, tier.positions], axis=-1)
+            anchors = mx.concatenate([anchors, moving.positions], axis=-1)
         old = self.rope_positions(positions)
         new = compacted(positions, live, self.n_sink, self.top, kept)
         if kept is not None:
@@ -274,8 +275,8 @@ class Compaction:
         shifted = replace(
             slots, keys=rotate_rows(slots.keys, moves[..., :S], self.rope), reserve=None
         )
-        if tier is not None and tier.n_rows:
-            tier = rotate_tier(tier, moves[..., S:], self.rope)
+        if moving is not None:
+            tier = rotate_tier(moving, moves[..., S:], self.rope)
         after = Compaction(
             context=self.context,
             rope=self.rope,
