@@ -37,4 +37,6 @@ The embedded model:
 The machine:
 
 - ``matmul_dtypes``: one MLP-sized matmul per dtype on this machine's MLX backend.
+
+``timing.alternating_medians`` times named pieces of work in alternating rounds (medians).
 """

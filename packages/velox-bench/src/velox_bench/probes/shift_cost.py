@@ -14,18 +14,10 @@ rounds of each, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
-def _time(fn: Callable[[], Any]) -> float:
-    import mlx.core as mx
-
-    start = time.perf_counter()
-    mx.eval(fn())
-    return time.perf_counter() - start
+from velox_bench.probes.timing import alternating_medians
 
 
 def measure(heads: int, dim: int, rows: int, tier_rows: int, rounds: int) -> dict[str, float]:
@@ -61,11 +53,7 @@ def measure(heads: int, dim: int, rows: int, tier_rows: int, rounds: int) -> dic
         f"tier, 2-bit ({tier_rows})": lambda: rotate_tier(tiers[2], tier_moves, rope).arrays(),
         f"tier, 4-bit ({tier_rows})": lambda: rotate_tier(tiers[4], tier_moves, rope).arrays(),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            times[name].append(_time(fn))
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return alternating_medians(cases, rounds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,10 +16,10 @@ cost per row, so a step with a tier costs about what its row count says.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from velox_bench.probes.timing import alternating_medians
 
 
 def measure(bits: int, budget: int, rounds: int) -> dict[str, float]:
@@ -78,13 +78,7 @@ def measure(bits: int, budget: int, rounds: int) -> dict[str, float]:
             grouped @ main[:, :, None].swapaxes(-1, -2)
         ),
     }
-    times: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(rounds):
-        for name, fn in parts.items():
-            began = time.perf_counter()
-            mx.eval(fn())
-            times[name].append(time.perf_counter() - began)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return alternating_medians(parts, rounds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
