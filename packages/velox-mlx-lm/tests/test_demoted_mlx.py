@@ -490,3 +490,18 @@ def test_trimmable_tokens_past_a_shift_are_what_a_trim_takes_back() -> None:
         for p, q in zip(got, want, strict=True):
             np.testing.assert_array_equal(p, q)
     assert all(layer.trim(1) == 1 for layer in cache)
+
+
+def test_held_bytes_count_the_tier_kept_for_trims() -> None:
+    """``held_nbytes`` (what the server's prompt cache counts) includes the tier a layer keeps
+    from before its last call while trims are on; with ``trim_window=0`` there is none."""
+    model = model_32()
+    cfg = tiered("tova", rows=16, bits=2)
+    on = KVCacheBuilder.for_model(model, cfg)
+    off = KVCacheBuilder.for_model(model, cfg.replace(trim_window=0))
+    for cache in (on, off):
+        run(model, cache, LONG, CHUNKS)
+    for a, b in zip(on, off, strict=True):
+        kept = a.layer.tier_undo.tier
+        assert kept is not None and kept.nbytes > 0 and b.layer.tier_undo is None
+        assert a.held_nbytes - a.undo_nbytes - b.held_nbytes == kept.nbytes

@@ -371,11 +371,14 @@ class PolicyKVCache(VeloxKVCache):
     @property
     def held_nbytes(self) -> int:
         """Every byte the cache holds: the state's (rows held, their positions, running
-        arrays) and the undo log's."""
+        arrays), the undo log's and the demoted tier's, with the tier kept for trims (counted
+        whole, though it shares arrays with the tier now: a bound)."""
         held = int(self._layer.view().held_nbytes) + self.undo_nbytes + self.tier_nbytes
+        held += _tier_bytes(self._layer.tier_undo)
         before = self._before_shift
         if before is not None:  # the state before a shift, kept for trims past it
             held += int(before[0].held_nbytes) + (0 if before[1] is None else before[1].nbytes)
+            held += (0 if before[3] is None else before[3].nbytes) + _tier_bytes(before[4])
         return held
 
     @property
@@ -731,3 +734,8 @@ class KVzipKVCache(PolicyKVCache):
     cuts at the prompt's end by its last query."""
 
     policy_name = "kvzip"
+
+
+def _tier_bytes(undo: Any) -> int:
+    """Bytes of the tier a ``TierUndo`` keeps for trims (0 without one)."""
+    return 0 if undo is None or undo.tier is None else int(undo.tier.nbytes)
