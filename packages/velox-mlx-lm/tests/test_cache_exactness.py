@@ -164,7 +164,7 @@ def test_long_chunk_equals_small_chunks(tiny_model, h, method):
     """mlx-lm feeds 2048-token chunks; a sequential-mode cache splits a long chunk internally
     (SUBCHUNK queries at a time), which must not change anything: one 4096-token chunk and
     256-token chunks leave the same state and give the same last logits."""
-    import velox_cache_core.layer as vcache
+    import velox_cache_core.in_flight as vcache
 
     model = tiny_model("llama")
     policy = "tova" if method.startswith("tova") else method

@@ -33,13 +33,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import between_calls as BC
 from velox_cache_core import demoted as DM
-from velox_cache_core import fast_step as FS
 from velox_cache_core import in_flight as IF
 from velox_cache_core import model_shares as MS
 from velox_cache_core import phase as PH
-from velox_cache_core import pins as PN
 from velox_cache_core import step_sums as SS
+from velox_cache_core import waiting as WT
 from velox_cache_core import without_queries as WQ
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode import Hot
@@ -47,7 +47,6 @@ from velox_cache_core.decode import switch as DS
 from velox_cache_core.distributed import StepSums, summing_over
 from velox_cache_core.engine import Step, check_fits
 from velox_cache_core.in_flight import (
-    SUBCHUNK,
     Decided,
     Deferred,
     Mode,
@@ -60,7 +59,6 @@ from velox_cache_core.store import rows as R
 from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
-from velox_cache_core.validation import check_int
 
 
 class Layer:
@@ -301,33 +299,10 @@ class Layer:
         self.quant.check_width(int(values.shape[3]), "the values' width")
         return self.quant.quantize_keys(keys), self.quant.quantize(values)
 
-    def _waits(self, length: int) -> bool:
-        """Whether a call waits for ``attend``: a chunk (which ``attend`` may split and mask
-        per head) or a state scoring by the true queries, unless the mode decides at once."""
-        if self.mode is Mode.AT_ONCE:
-            return False
-        return (
-            length > 1
-            or self.demote is not None
-            or self.policy.traits.signal(self.state) == "query"
-        )
-
-    def _wait(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
-        check_fits(self.state.slots, keys, values)
-        self.pending = Waiting(keys, values)
-        return self._with_new(keys, values)
-
-    def _with_new(self, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
-        """``retained + new``: what :meth:`lay_out` returns for a call that waits for its
-        queries (``keys``/``values`` already checked against the store)."""
-        slots = self.state.slots
-        if slots is None:
-            return keys, values
-        if keys.shape[2] == 1 and slots.free is not None:
-            # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
-            laid_out = slots.write_free(keys, values, self.state.offset)
-            return laid_out.keys, laid_out.values
-        return FS.retained_plus_new(slots, keys, values)
+    # a call waiting for its queries (velox_cache_core.waiting)
+    _waits = WT.waits
+    _wait = WT.wait
+    _with_new = WT.with_new
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -364,41 +339,7 @@ class Layer:
     # attention over the model's own derived rows (velox_cache_core.without_queries)
     attend_rows = WQ.attend_rows
 
-    def _decide_waiting(
-        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
-        keys, values = pending.keys, pending.values
-        L = int(keys.shape[2])
-        if self.demote is not None:
-            return DM.decide(self, pending, queries, scale, sinks)
-        if L > SUBCHUNK and self.policy.traits.prefill(self.state) == "sequential":
-            return self._attend_subchunks(pending, queries, scale, sinks)
-        if L == 1 and self.mode is Mode.STEP_SUMS:
-            return SS.attend_deferring(self, pending, queries, scale, sinks)
-        step = self._feed(self.state, keys=keys, values=values, queries=queries, scale=scale)
-        self.state = self._after_call(step.state, L)
-        self.last = step
-        return attend_step(queries, step, scale, sinks)
-
-    def _attend_subchunks(
-        self, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
-        outs = []
-        L = int(pending.keys.shape[2])
-        for s in range(0, L, SUBCHUNK):
-            part = slice(s, s + SUBCHUNK)
-            q = queries[:, :, part]
-            step = self._feed(
-                self.state,
-                keys=pending.keys[:, :, part],
-                values=pending.values[:, :, part],
-                queries=q,
-                scale=scale,
-            )
-            self.state = step.state
-            outs.append(attend_step(q, step, scale, sinks))
-        self.state = self._after_call(self.state, L)
-        return mx.concatenate(outs, axis=2)
+    _decide_waiting = WT.decide
 
     # -- 3. settle with the group's sums, or without the queries -------------------------------
     # a deferred decode step decided with the group's sums (velox_cache_core.step_sums)
@@ -412,34 +353,9 @@ class Layer:
             assert self.sums is not None
             self.sums.flush()
         pending = self.pending
-        if pending is None:
-            return
-        self.pending = None
-        if self.must_attend:
-            self.pending = pending
-            raise RuntimeError(
-                f"{self.serves or 'the model'} uses this {self.policy.name} cache outside its "
-                "attention call (the attention hook never saw the call), so Velox cannot "
-                "evict it consistently with the model's other uses of it; serve this model "
-                "with method='full'"
-            )
-        if self.demote is not None:
-            self.pending = pending
-            raise RuntimeError(DM.NEEDS_HOOK.format(name=self.policy.name))
-        if self.policy.traits.hides_rows(self.state) or self.state.lanes is not None:
-            # The model attended by itself: over rows only the hook's masks hide, or without
-            # the rows an adaptive allocation keeps per head (lanes), which only it reads.
-            raise RuntimeError(
-                f"this {self.policy.name} cache holds rows that only the attention hook "
-                "attends correctly (pad slots or per-head lanes), and the last call ran "
-                "without it: install it (velox_mlx_lm.install_attention_hook(model); "
-                "KVCacheBuilder.for_model does)"
-            )
-        if isinstance(pending, Decided):  # attention never came back
-            self.state = self._after_call(self.state, pending.length)
-            return
-        assert isinstance(pending, Waiting)
-        WQ.decide_unseen(self, pending)
+        if pending is not None:
+            assert not isinstance(pending, Deferred)  # the flush decided it
+            WQ.settle(self, pending)
 
     def keys_and_values(self) -> tuple[R.Rows, R.Rows]:
         """What the last call attended over (``retained + new``; the retained rows between
@@ -486,103 +402,18 @@ class Layer:
 
     _cut_globally = MS.cut_globally
 
-    def take_cut(self, state: Any) -> None:
-        """Take ``state``, this layer cut by a model-wide allocation or a model-driven phase
-        (the cut cannot be undone: the log is cleared)."""
-        before, self.state = self.state, state
-        DM.cut(self, before)
-        self._forget_call()
-        if self.log is not None:
-            self.log = self.log.cleared()
-
-    def _end_prompt(self, state: Any) -> Any:
-        self.state = state
-        if self._cut_globally("prompt_end"):
-            return self.state
-        ended = self.policy.end_prompt(state)
-        if ended is not state and self.log is not None:  # the cut cannot be undone
-            self.log = self.log.cleared()
-        return ended
-
-    def _forget_call(self) -> None:
-        """Drop what the last call attended over: after a cut outside a forward pass it is
-        the whole uncut context, which nothing reads any more (a layer sharing these keys
-        reads them within the same pass)."""
-        self.fetched = None
-        self.last = None
-
-    def release(self) -> None:
-        """Drop what only a layer sharing this one's keys and values reads after a call (the
-        call's ``retained + new`` rows and, with a tier, the tier it attended): a caller whose
-        model shares no layer's rows calls it once a call is attended, so that between calls
-        the layer holds its rows, tier and undo log, not copies of them."""
-        self.fetched = self.last = self.shared_tier = None
-
-    def end_prompt(self) -> None:
-        """End the prompt now (a no-op for policies without a prompt-end step)."""
-        self.settle()
-        before = self.state
-        self.state = self._end_prompt(before)
-        DM.cut(self, before)
-        self._forget_call()
-
-    def pin(self, start: int, stop: int) -> None:
-        """Never evict tokens ``[start, stop)`` (token indices, 0 = the sequence's first; in
-        every row of a batch): seen ones must all still be kept, future ones are kept as they
-        come. They count in the budget; ``ValueError`` and no change when they do not fit
-        (:mod:`velox_cache_core.pins`)."""
-        self.settle()
-        self.state = PN.pin(self.policy, self.state, start, stop)
-
-    @property
-    def trimmable_tokens(self) -> int:
-        """With a demoted tier: how many of the last tokens :meth:`trim` takes back now (within
-        the last call); without one, the undo log's reach."""
-        if self.demote is not None:
-            return DM.reach(self)
-        return 0 if self.log is None else self.log.tokens
-
-    def trim(self, n: int) -> None:
-        """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo
-        log does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned."""
-        self.settle()
-        if self.log is None:
-            raise ValueError(
-                f"cannot trim a {self.policy.name} cache: it keeps no undo log (trim_window=0)"
-            )
-        if self.state.holds_prompt:
-            raise ValueError(
-                f"cannot trim a {self.policy.name} cache that still holds its prompt for the "
-                f"allocation={self.state.allocation!r} cut, which comes with the first "
-                "single-token call: speculative decoding (mlx-lm's verifies drafts in chunks) "
-                "never makes one, so the cache would grow without bound; use "
-                "allocation='uniform' with a draft model"
-            )
-        if self.demote is not None:  # within the last call (velox_cache_core.demoted)
-            check_int("n", n, minimum=0)
-            DM.trim(self, n)
-            return
-        with summing_over(self.group):
-            self.state, self.log = self.policy.trim(self.state, self.log, n)
-
-    def restore(self, state: Any, log: UndoLog | None) -> None:
-        """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded
-        prompt cache); nothing stays pending."""
-        self.state, self.log = state, log
-        self.tier_undo = None
-        self.pending = None
-        self.phase = None
-        self.fetched = self.last = None
-        self.stepped = []
-
-    def tie(self, value: mx.array) -> None:
-        """Tie ``value`` to the stored keys without changing them (pipeline-parallel sends)."""
-        self.settle()
-        slots = self.state.slots
-        if slots is None:
-            return
-        tied = R.tie(slots.keys, [value])
-        self.state = replace(self.state, slots=replace(slots, keys=tied))
+    # between calls: the prompt's end, cuts, pins, trims, restores
+    # (velox_cache_core.between_calls)
+    take_cut = BC.take_cut
+    _end_prompt = BC.end_prompt_now
+    _forget_call = BC.forget_call
+    release = BC.release
+    end_prompt = BC.end_prompt
+    pin = BC.pin
+    trimmable_tokens = property(BC.trimmable_tokens)
+    trim = BC.trim
+    restore = BC.restore
+    tie = BC.tie
 
     # -- the model-driven phase: velox_cache_core.phase's functions ------------------------------
     compressor = property(PH.layer_compressor)

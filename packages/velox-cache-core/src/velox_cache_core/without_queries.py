@@ -1,8 +1,9 @@
 """Calls decided without their true queries.
 
 - A call the queries never reached (the attention hook did not see it: a model that computes
-  attention by hand, or no hook installed): :func:`decide_unseen` decides it as the hook would
-  have, with signal ``key`` standing in for ``query`` (a warning once per policy).
+  attention by hand, or no hook installed): :func:`settle` decides it as the hook would
+  have, with signal ``key`` standing in for ``query`` (a warning once per policy), or refuses
+  where that cannot be consistent.
 - Attention over the model's own keys and values derived row by row from what the cache
   returned (absorbed latent attention), plus scores of its own: :func:`attend_rows` decides the
   call with signal ``key`` (the policy's scoring cannot read those queries) and the policy's mask
@@ -20,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.demoted import NEEDS_HOOK
 from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import Decided, Waiting
 
@@ -107,6 +109,36 @@ def decide_for_rows(layer: Any) -> Step:
     layer.state = layer._after_call(after, L)
     layer.last = replace(step, state=layer.state)
     return step
+
+
+def settle(layer: Any, pending: Decided | Waiting) -> None:
+    """Settle ``pending``, a call whose queries never came: a decided call ends as its
+    attention would have ended it, a waiting one is decided without them. ``RuntimeError``,
+    the call left pending, where the model's own attention cannot have been consistent with
+    the cache: a cache nested where only the hook may reach it, a demoted tier, rows only the
+    hook's masks hide, or an adaptive allocation's per-head lanes."""
+    name = layer.policy.name
+    if layer.must_attend:
+        raise RuntimeError(
+            f"{layer.serves or 'the model'} uses this {name} cache outside its attention call "
+            "(the attention hook never saw the call), so Velox cannot evict it consistently "
+            "with the model's other uses of it; serve this model with method='full'"
+        )
+    if layer.demote is not None:
+        raise RuntimeError(NEEDS_HOOK.format(name=name))
+    if layer.policy.traits.hides_rows(layer.state) or layer.state.lanes is not None:
+        # The model attended by itself: over rows only the hook's masks hide, or without the
+        # rows an adaptive allocation keeps per head (lanes), which only it reads.
+        raise RuntimeError(
+            f"this {name} cache holds rows that only the attention hook attends correctly (pad "
+            "slots or per-head lanes), and the last call ran without it: install it "
+            "(velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model does)"
+        )
+    layer.pending = None
+    if isinstance(pending, Decided):  # attention never came back
+        layer.state = layer._after_call(layer.state, pending.length)
+        return
+    decide_unseen(layer, pending)
 
 
 def decide_unseen(layer: Any, pending: Waiting) -> None:

@@ -50,12 +50,14 @@ from velox_cache_core.allocation import shares as AS
 from velox_cache_core.attention_rule import History, align_scores
 from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.policies.expected_lanes import EA_LANES
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
     RoPE,
     expected_logits,
     log_normalizer,
     query_stats,
+    remember,
     scores_from_logits,
 )
 from velox_cache_core.policy import Policy
@@ -217,19 +219,6 @@ def init_expected_attention_state(
     )
 
 
-def _remember(state: ExpectedAttentionState, call: Call) -> History:
-    """The query window after ``call``: its queries un-rotated at their positions, appended."""
-    assert call.queries is not None
-    D = int(call.queries.shape[3])
-    latest = call.queries[:, :, -state.n_queries :].astype(mx.float32)
-    positions = call.positions()[-state.n_queries :]
-    unrotated = state.rope(D).unrotate(latest, positions)
-    past = state.queries or History(unrotated[:, :, :0], positions[:0])
-    window = past.extend(unrotated, positions, state.n_queries)
-    assert window is not None
-    return window
-
-
 def _rescore(
     state: ExpectedAttentionState, window: History, slots: KVSlots, *, offset: int, scale: float
 ) -> dict[str, Any]:
@@ -302,7 +291,7 @@ def expected_attention_rule(
     """Before the prompt's end keep everything and remember the queries; after it score the new
     keys and evict the lowest (one token) or cut to ``budget`` (a chunk), re-scoring every
     candidate with fresh statistics every ``refresh_every`` tokens."""
-    window = _remember(state, call)
+    window = remember(state, call)
     if not state.compressed:
         return Decision(candidates, changes={"queries": window, "scale": call.scale})
     steps = state.steps + call.length
@@ -370,126 +359,12 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     return replace(done, slots=live, scores=scores, **changes)
 
 
-def _kv_heads(state: ExpectedAttentionState) -> int:
-    """KV heads of a state cut into lanes (its slot store, emptied by the cut, keeps them)."""
-    assert state.slots is not None
-    return int(state.slots.keys.shape[1])
-
-
-def _lane_stats(state: ExpectedAttentionState, stats: QueryStats, lanes: LN.Lanes) -> QueryStats:
-    """``stats`` of each lane's owner: mean ``[B, N * G, D]`` (cov ``[B, N * G, D, D]``), so
-    :func:`expected_logits` scores the lanes as ``N`` heads."""
-    B, H_q, D = stats.mean.shape
-    H = _kv_heads(state)
-    G, N = H_q // H, lanes.n_lanes
-    at = lanes.owner[:, :, None, None]
-    mean = mx.take_along_axis(stats.mean.reshape(B, H, G, D), at, axis=1)
-    cov = None
-    if stats.cov is not None:
-        cov = mx.take_along_axis(stats.cov.reshape(B, H, G, D, D), at[..., None], axis=1)
-        cov = cov.reshape(B, N * G, D, D)
-    return QueryStats(mean.reshape(B, N * G, D), cov)
-
-
-def _rescore_lanes(
-    state: ExpectedAttentionState, window: History, lanes: LN.Lanes, *, offset: int, scale: float
-) -> dict[str, Any]:
-    """Fresh statistics from ``window`` and every row of ``lanes`` (none dead) re-scored, the
-    softmax normalised per head across its lanes (non-sinks counted): the fields that change."""
-    keys = R.dense(lanes.keys)  # [B, N, W, D]
-    B, D = int(keys.shape[0]), int(keys.shape[3])
-    stats = query_stats(
-        window.probes,
-        window.positions,
-        n_sink=state.n_sink,
-        rope=state.rope(D),
-        start=offset,
-        n_future=state.n_future,
-        use_covariance=state.use_covariance,
-    )
-    H_q, H = int(stats.mean.shape[1]), _kv_heads(state)
-    logits = expected_logits(_lane_stats(state, stats, lanes), keys, scale)  # [B, N, G, W]
-    counted = ~sinks(lanes.positions, state.n_sink)[:, :, None]
-    per_lane = mx.logsumexp(mx.where(counted, logits, -mx.inf), axis=-1)  # [B, N, G]
-    member = lanes.member(H)[..., None]  # [B, H, N, 1]
-    per_head = mx.logsumexp(mx.where(member, per_lane[:, None], -mx.inf), axis=2)  # [B, H, G]
-    lane_norm = mx.take_along_axis(per_head, lanes.owner[:, :, None], axis=1)[..., None]
-    scores = scores_from_logits(
-        logits, lane_norm, lanes.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
-    )
-    return {
-        "mean": stats.mean,
-        "cov": stats.cov,
-        "log_norm": per_head.reshape(B, H_q),
-        "scores": scores,
-        "steps": 0,
-    }
-
-
-def _lanes_observe(state: ExpectedAttentionState, call: Call) -> dict[str, Any]:
-    """A call over lanes: its queries join the window; when the statistics are due, they are
-    recomputed with the call's first token written into its heads' dead rows, every row
-    re-scored (``scores``, read by :func:`_lane_score` at that token)."""
-    window = _remember(state, call)
-    steps = state.steps + call.length
-    changes: dict[str, Any] = {
-        "queries": window,
-        "scale": call.scale,
-        "steps": steps,
-        "refreshed_at": None,
-    }
-    if steps < state.refresh_every or state.lanes is None:
-        return changes
-    at = call.start if call.row_start is None else call.row_start
-    written = LN.write(state.lanes, call.keys[:, :, :1], call.values[:, :, :1], at)
-    end = call.start + call.length
-    changes.update(_rescore_lanes(state, window, written, offset=end, scale=call.scale))
-    changes["refreshed_at"] = call.start
-    return changes
-
-
-def _lane_score(
-    state: ExpectedAttentionState, lanes: LN.Lanes, weights: mx.array | None
-) -> tuple[mx.array, mx.array]:
-    """The lanes' scores with the newest token's row (one per head) scored on arrival with the
-    current statistics, or every row's fresh scores at the step that refreshed them."""
-    assert lanes.scores is not None and state.log_norm is not None and state.scale is not None
-    B, N, W = lanes.positions.shape
-    H = _kv_heads(state)
-    flat = lanes.positions.reshape(B, N * W)
-    newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
-    mine = lanes.row_heads()[:, None, :] == mx.arange(H, dtype=mx.int32)[None, :, None]
-    idx = mx.argmax(mx.where(mine & (flat == newest)[:, None], 1, 0), axis=-1)  # [B, H]
-    new = LN.rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
-    fresh = scores_from_logits(
-        expected_logits(state.stats, R.dense(new.keys), state.scale),
-        state.log_norm.reshape(B, H, -1, 1),
-        new.values,
-        use_vnorm=state.use_vnorm,
-        epsilon=state.epsilon,
-    )  # [B, H, 1]
-    scores = mx.put_along_axis(lanes.scores.reshape(B, N * W), idx, fresh.reshape(B, H), axis=1)
-    scores = scores.reshape(B, N, W)
-    if state.refreshed_at is not None and state.scores is not None:
-        scores = mx.where(newest.reshape(B, 1, 1) == state.refreshed_at, state.scores, scores)
-    return scores, scores
-
-
 EA_GLOBAL = LN.GlobalRule(
     pending=lambda state: not state.compressed,
     scores=_cut_scores,
     cut=_cut,
     spare=2,
     when="prompt_end",
-)
-
-
-EA_LANES = LN.LaneRule(
-    cut=lambda state, call: state,  # the prompt's end cuts (expected_attention_compress)
-    probe=lambda state: None,
-    protect=lambda state, positions, newest: state.protect(positions, newest),
-    score=_lane_score,
-    observe=_lanes_observe,
 )
 
 

@@ -11,9 +11,12 @@ averaged over its GQA group, times ``||v||`` (:func:`expected_scores`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.attention_rule import History
+from velox_cache_core.engine import Call
 from velox_cache_core.store import rows as R
 
 
@@ -159,3 +162,16 @@ def expected_scores(
     logits = expected_logits(stats, keys, scale)
     log_norm = log_normalizer(logits, counted)
     return scores_from_logits(logits, log_norm, values, use_vnorm=use_vnorm, epsilon=epsilon)
+
+
+def remember(state: Any, call: Call) -> History:
+    """The query window after ``call``: its queries un-rotated at their positions, appended."""
+    assert call.queries is not None
+    D = int(call.queries.shape[3])
+    latest = call.queries[:, :, -state.n_queries :].astype(mx.float32)
+    positions = call.positions()[-state.n_queries :]
+    unrotated = state.rope(D).unrotate(latest, positions)
+    past = state.queries or History(unrotated[:, :, :0], positions[:0])
+    window = past.extend(unrotated, positions, state.n_queries)
+    assert window is not None
+    return window

@@ -1,0 +1,93 @@
+"""A call that waits for its queries on a :class:`velox_cache_core.layer.Layer`: laid out now
+(``retained + new`` returned to the model), decided when ``attend`` brings them.
+
+A chunk waits (``attend`` may split it and mask per head), as does a call whose state scores by
+the true queries or a layer with a demoted tier, unless the layer's mode decides at once. Each
+function is bound as a method of ``Layer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from velox_cache_core import demoted as DM
+from velox_cache_core import fast_step as FS
+from velox_cache_core import step_sums as SS
+from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.engine import check_fits
+from velox_cache_core.in_flight import SUBCHUNK, Mode, Waiting
+from velox_cache_core.store import rows as R
+
+
+def waits(layer: Any, length: int) -> bool:
+    """Whether a call of ``length`` tokens waits for ``attend``: a chunk or a state scoring by
+    the true queries (or a layer with a tier), unless the mode decides at once."""
+    if layer.mode is Mode.AT_ONCE:
+        return False
+    return (
+        length > 1 or layer.demote is not None or layer.policy.traits.signal(layer.state) == "query"
+    )
+
+
+def wait(layer: Any, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
+    """Leave the call pending and return ``retained + new``."""
+    check_fits(layer.state.slots, keys, values)
+    layer.pending = Waiting(keys, values)
+    return with_new(layer, keys, values)
+
+
+def with_new(layer: Any, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
+    """``retained + new``: what ``lay_out`` returns for a call that waits for its queries
+    (``keys``/``values`` already checked against the store)."""
+    slots = layer.state.slots
+    if slots is None:
+        return keys, values
+    if keys.shape[2] == 1 and slots.free is not None:
+        # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
+        laid_out = slots.write_free(keys, values, layer.state.offset)
+        return laid_out.keys, laid_out.values
+    return FS.retained_plus_new(slots, keys, values)
+
+
+def decide(
+    layer: Any, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+) -> mx.array:
+    """Decide the waiting call with its ``[B, H_q, L, D]`` queries and attend: with the tier,
+    in sub-chunks (a sequential prefill), deferred for the group's sums, or in one update."""
+    keys, values = pending.keys, pending.values
+    L = int(keys.shape[2])
+    if layer.demote is not None:
+        return DM.decide(layer, pending, queries, scale, sinks)
+    if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
+        return subchunks(layer, pending, queries, scale, sinks)
+    if L == 1 and layer.mode is Mode.STEP_SUMS:
+        return SS.attend_deferring(layer, pending, queries, scale, sinks)
+    step = layer._feed(layer.state, keys=keys, values=values, queries=queries, scale=scale)
+    layer.state = layer._after_call(step.state, L)
+    layer.last = step
+    return attend_step(queries, step, scale, sinks)
+
+
+def subchunks(
+    layer: Any, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
+) -> mx.array:
+    """A long sequential chunk decided ``SUBCHUNK`` queries at a time (the same decisions,
+    the scan and attention over ``retained + SUBCHUNK`` keys instead of ``retained + L``)."""
+    outs = []
+    L = int(pending.keys.shape[2])
+    for s in range(0, L, SUBCHUNK):
+        part = slice(s, s + SUBCHUNK)
+        q = queries[:, :, part]
+        step = layer._feed(
+            layer.state,
+            keys=pending.keys[:, :, part],
+            values=pending.values[:, :, part],
+            queries=q,
+            scale=scale,
+        )
+        layer.state = step.state
+        outs.append(attend_step(q, step, scale, sinks))
+    layer.state = layer._after_call(layer.state, L)
+    return mx.concatenate(outs, axis=2)
