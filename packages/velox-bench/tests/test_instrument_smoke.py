@@ -109,3 +109,26 @@ def test_many_facts_are_distinct_and_placed_around_each_depth() -> None:
         assert all(abs(w - depth) <= grid.SPREAD / 2 for w in chunk)
     with pytest.raises(ValueError, match="n_per_depth"):
         grid.many_facts(100)
+
+
+def test_every_task_runs_the_cells_own_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A perplexity cell with a tier or quantized rows runs them (it once ran the method's
+    plain config: both tier cells gave plain TOVA's perplexity)."""
+    import numpy as np
+
+    seen: list[object] = []
+
+    def nll(model: object, config: object, tokens: list[int], **_: object) -> np.ndarray:
+        seen.append(config)
+        return np.ones(len(tokens) - 1)
+
+    monkeypatch.setattr(grid, "token_nll", nll)
+    monkeypatch.setattr(grid, "_text", lambda task, length, encode: list(range(length + 1)))
+    tokenizer = type("Tokenizer", (), {"encode": staticmethod(lambda text: [])})()
+    for cell in grid.tier_cells(8192, 8):
+        if cell.task == "ppl_code":
+            grid.run_cell(None, tokenizer, cell)
+            assert seen.pop() == cell.config() and cell.config().demote is not None
+    quantized = grid.Cell("ppl_code", 64, "tova", 16, kv_bits=4)
+    grid.run_cell(None, tokenizer, quantized)
+    assert seen.pop() == quantized.config()

@@ -358,7 +358,7 @@ def _perplexity(
     model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]
 ) -> dict[str, Any]:
     tokens = _text(cell.task, cell.length, tokenizer.encode)
-    config = _variant(cell.method).config(max(cell.budget, 1))
+    config = cell.config()
     nll = token_nll(model, config, tokens, chunk=256, on_chunk=step)
     windows = [perplexity(nll[i : i + 1024]) for i in range(0, len(nll), 1024)]
     return {"perplexity": perplexity(nll), "per_1024": windows}
