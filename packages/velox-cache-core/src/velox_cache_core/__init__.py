@@ -16,8 +16,8 @@ imports a core submodule:
 - pinned spans, never evicted (:func:`pin` a state, :func:`spans` of it, :data:`MAX_SPANS`;
   ``Layer.pin`` on a layer);
 - what a saved state holds (:class:`KVSlots`, :class:`QRows`, :class:`KRows`,
-  :class:`Lanes`, :class:`History`, :class:`UndoLog`, :class:`Entry`, :class:`LaneStep`,
-  :func:`running_fields`, :func:`stored_fields`), for prompt-cache files;
+  :class:`Lanes`, :class:`History`, :class:`HistoryBefore`, :class:`UndoLog`, :class:`Entry`,
+  :class:`LaneStep`, :func:`running_fields`, :func:`stored_fields`), for prompt-cache files;
 - the batch functions (:mod:`batch <velox_cache_core.batch>`: ``batch.stack``,
   ``batch.update``, ``batch.attend``) and each policy's functional API (``init_tova_state``,
   ``tova_update``, ...).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import (
     Compressor,
     PolicyState,
@@ -46,6 +45,7 @@ from velox_cache_core.declarations import (
     setting_fields,
 )
 from velox_cache_core.engine import Call, Decision, Step
+from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.lanes import GlobalRule, LaneRule, Lanes
 from velox_cache_core.pins import MAX_SPANS, pin, pin_room, seen_pinned, spans
 from velox_cache_core.policies.expected_attention import (
@@ -140,6 +140,7 @@ __all__ = [
     "GlobalRule",
     "H2OState",
     "History",
+    "HistoryBefore",
     "KRows",
     "KVSlots",
     "LaneRule",

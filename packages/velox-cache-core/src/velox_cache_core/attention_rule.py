@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from velox_cache_core.distributed import decision_mean
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.history import History
 from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
@@ -46,22 +47,6 @@ class Rule:
         if self.recent:
             out = out | (positions > newest - self.recent)
         return out
-
-
-@dataclass(frozen=True)
-class History:
-    """The last probe rows, for windowed rules. probes ``[B, H_p, h, D]``, positions ``[h]``."""
-
-    probes: mx.array
-    positions: mx.array
-
-    def extend(self, probes: mx.array, positions: mx.array, keep: int) -> History | None:
-        if keep == 0:
-            return None
-        return History(
-            mx.concatenate([self.probes, probes], axis=2)[:, :, -keep:],
-            mx.concatenate([self.positions, positions])[-keep:],
-        )
 
 
 def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.array, mx.array]:

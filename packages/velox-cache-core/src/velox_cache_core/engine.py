@@ -389,7 +389,7 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
-        values = R.tie(values, entry.arrays())
+        values = R.tie(values, [*entry.arrays(), *log.compacted()])
     return Step(
         candidates.keys, values, mask, after, log, decision.probs, state.lanes,
         positions=candidates.positions,
@@ -462,7 +462,7 @@ def _decide_on_lanes(policy: Policy, laid: Laid, log: UndoLog | None) -> Step:
             entry = record_lanes(laid.state, call.start, L, steps, inputs)
             log = log.push(entry)
             if out is not None:  # read the victims with the output, before the next write
-                out = mx.depends([out], entry.arrays())[0]
+                out = mx.depends([out], [*entry.arrays(), *log.compacted()])[0]
     return Step(tail.keys, tail.values, None, after, log, None, lanes, out)
 
 

@@ -36,9 +36,9 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend_row, weights_times_values
-from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import fresh, running_fields, setting_fields
 from velox_cache_core.engine import Call
+from velox_cache_core.history import History
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.slots import KVSlots
@@ -89,6 +89,7 @@ class Kernels:
     # and run_steps' chunk kernels, by ("steps", L, prefetched, ...): the kernel, and [False]
     # once its trace found a step of the chunk leaving the steady state
     decide: dict[tuple[Any, ...], tuple[Kernel, list[bool]]]
+    histories: tuple[int, ...] = ()  # indices of the running fields that are histories
 
 
 _KERNELS: dict[tuple[Any, ...], Kernels] = {}
@@ -116,10 +117,16 @@ def eligible(policy: Policy, state: Any, *, queries_needed: bool) -> Kernels | N
     key = (policy.name, values, kinds, queries_needed)
     found = _KERNELS.get(key)
     if found is None:
-        names = running_names(state_type(state))
-        query = policy.traits.signal(state) == "query"
-        found = _KERNELS[key] = Kernels(key, queries_needed, query, running, names, {}, {})
+        found = _KERNELS[key] = _kernels(policy, state, key, running)
     return found
+
+
+def _kernels(policy: Policy, state: Any, key: tuple[Any, ...], running: tuple[str, ...]) -> Kernels:
+    """The :class:`Kernels` of a new key (``eligible``)."""
+    names = running_names(state_type(state))
+    query = policy.traits.signal(state) == "query"
+    histories = tuple(i for i, kind in enumerate(key[2]) if kind == "history")
+    return Kernels(key, key[3], query, running, names, {}, {}, histories)
 
 
 def appends(policy: Policy, state: Any) -> bool:
@@ -137,7 +144,8 @@ def _flat(value: Any) -> Any:
 
 
 def _unflat(kind: str | None, value: Any) -> Any:
-    return History(*value) if kind == "history" else value
+    # an undo entry's history may be kept compact (velox_cache_core.history.HistoryBefore)
+    return History(*value) if kind == "history" and value.__class__ is tuple else value
 
 
 def write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:

@@ -11,7 +11,10 @@ so every call records what it destroyed, relative to the slots it leaves behind:
 - a chunk: how many live rows came before it, the dead slot it compacted away (with its row),
   and, when it evicted, the evicted candidates' rows and where every candidate went;
 - the running fields (H2O's scores, MorphKV's probe rows, counters) as they were before (not
-  the pinned spans: a trim keeps the spans pinned now, and a chunk fed again respects them);
+  the pinned spans: a trim keeps the spans pinned now, and a chunk fed again respects them); a
+  history only as the rows the call pushed out of it (``HistoryBefore``,
+  :mod:`velox_cache_core.history`: the rest is the history after the call), but in the newest
+  entry;
 - a token over lanes (heads with different row counts that evict at every step,
   :mod:`velox_cache_core.lanes`): each head's dead row before it, the lanes' running scores
   before it, and the rows it chose to evict (:class:`LaneStep`): undoing it puts the previous
@@ -33,8 +36,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core import history as HI
 from velox_cache_core import lanes as LN
 from velox_cache_core.declarations import PolicyState, fresh, running_fields
+from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
@@ -104,6 +109,19 @@ class Entry:
             out += [*R.arrays(k), *R.arrays(v), *([] if q is None else [q])]
         return out
 
+    def running_arrays(self) -> list[mx.array]:
+        """The arrays of the running fields it keeps (H2O's scores, a history's rows); some
+        may be shared with other entries or with the state."""
+        out: list[mx.array] = []
+        for value in self.running.values():
+            if isinstance(value, mx.array):
+                out.append(value)
+            elif isinstance(value, History):
+                out += [value.probes, value.positions]
+            elif isinstance(value, HistoryBefore):
+                out += value.arrays()
+        return out
+
 
 @dataclass(frozen=True)
 class UndoLog:
@@ -120,8 +138,20 @@ class UndoLog:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays the log holds (reported apart from the kept rows)."""
-        return sum(a.nbytes for e in self.entries for a in e.arrays())
+        """Bytes of the arrays the log holds (reported apart from the kept rows): the rows and
+        indices it records and the running fields it keeps, each array once (one the state
+        still holds too is counted here as well: a bound)."""
+        rows = sum(a.nbytes for e in self.entries for a in e.arrays())
+        running = {id(a): a.nbytes for e in self.entries for a in e.running_arrays()}
+        return rows + sum(running.values())
+
+    def compacted(self) -> list[mx.array]:
+        """The arrays :meth:`push` just copied out of the entry before the newest (histories'
+        pushed-out rows): evaluate them with the call, so that the old rows can be freed."""
+        if len(self.entries) < 2:
+            return []
+        kept = self.entries[-2].running.values()
+        return [a for v in kept if isinstance(v, HistoryBefore) for a in v.arrays()]
 
     def arrays(self) -> list[mx.array]:
         return [a for e in self.entries for a in e.arrays()]
@@ -129,7 +159,11 @@ class UndoLog:
     def push(self, entry: Entry) -> UndoLog:
         if entry.length > self.window:
             return UndoLog(self.window)
-        entries = (*self.entries, entry)
+        entries = (
+            (*self.entries[:-1], _compacted(self.entries[-1], entry.running), entry)
+            if self.entries
+            else (entry,)
+        )
         tokens = self.tokens + entry.length
         while tokens - entries[0].length >= self.window:
             tokens -= entries[0].length
@@ -140,8 +174,38 @@ class UndoLog:
         log.__dict__.update(window=self.window, entries=entries, _tokens=tokens)
         return log
 
+    def compact_newest(self, state: Any) -> UndoLog:
+        """The log with its newest entry's histories kept compact against ``state``, the state
+        right after that entry's call (:meth:`push` compacts the others): for a log that
+        entries made elsewhere (the decode path's) are pushed onto, compacted already."""
+        if not self.entries:
+            return self
+        newest = self.entries[-1]
+        after = {k: getattr(state, k) for k in newest.running}
+        entries = (*self.entries[:-1], _compacted(newest, after))
+        log = object.__new__(UndoLog)
+        log.__dict__.update(window=self.window, entries=entries, _tokens=self.tokens)
+        return log
+
     def cleared(self) -> UndoLog:
         return UndoLog(self.window)
+
+
+def _compacted(entry: Entry, after: dict[str, Any]) -> Entry:
+    """``entry`` keeping its histories as the rows its call pushed out
+    (:func:`velox_cache_core.history.compact`); ``after``: the running fields after its call
+    (the next entry's, when they are kept whole)."""
+    running = entry.running
+    if not any(v.__class__ is History for v in running.values()):
+        return entry
+    kept = {k: HI.compact(v, after.get(k), entry.length) for k, v in running.items()}
+    return replace(entry, running=kept)
+
+
+def _running_before(entry: Entry, state: Any) -> dict[str, Any]:
+    """``entry``'s running fields as they were before its call, from ``state`` (the state
+    right after it)."""
+    return {k: HI.before(v, getattr(state, k)) for k, v in entry.running.items()}
 
 
 def new_log(window: int) -> UndoLog | None:
@@ -261,7 +325,7 @@ def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
     prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
     for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
         lanes = LN.unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
-    return replace(state, lanes=lanes, **entry.running)
+    return replace(state, lanes=lanes, **_running_before(entry, state))
 
 
 def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
@@ -295,7 +359,9 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         slots = live
     if entry.keys_before is not None:  # the same rows as they were held, bit for bit
         slots = KVSlots(entry.keys_before, slots.values, slots.positions, slots.free)
-    return replace(state, slots=None if entry.slots_none else slots, **entry.running)
+    return replace(
+        state, slots=None if entry.slots_none else slots, **_running_before(entry, state)
+    )
 
 
 def _one_token_write(entry: Entry) -> bool:
@@ -332,11 +398,14 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     else:
         for slot, row in puts:
             arrays = _put_row(*arrays, slot, row.keys, row.values, row.positions)
-    oldest = entries[-steps]
+    undone = entries[-steps:]
     del entries[-steps:]
-    slots = KVSlots(*arrays, oldest.free)
-    # the running fields the entry kept, as they were (fresh: no frozen __init__ per layer)
-    return fresh(state, slots=slots, **oldest.running), n - steps
+    slots = KVSlots(*arrays, undone[0].free)
+    # the running fields as they were before the oldest (fresh: no frozen __init__ per layer)
+    running = _running_before(undone[-1], state)
+    for entry in reversed(undone[:-1]):
+        running = {k: HI.before(v, running[k]) for k, v in entry.running.items()}
+    return fresh(state, slots=slots, **running), n - steps
 
 
 def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:

@@ -16,6 +16,7 @@ import mlx.core as mx
 from velox_cache_core import (
     Entry,
     History,
+    HistoryBefore,
     KRows,
     KVSlots,
     Lanes,
@@ -55,9 +56,11 @@ def _pack(value: Any, key: str, arrays: dict[str, mx.array]) -> Any:
 
 
 # Lanes: for files whose undo entries still carried the lanes among their running fields
-# (before LaneStep); LaneStep: an undo entry of a call over lanes holds one per token
+# (before LaneStep); LaneStep: an undo entry of a call over lanes holds one per token;
+# HistoryBefore: an undo entry's history, as the rows its call pushed out
 _PACKED_TYPES = {
-    t.__name__: t for t in (KVSlots, History, Entry, UndoLog, QRows, KRows, Lanes, LaneStep)
+    t.__name__: t
+    for t in (KVSlots, History, HistoryBefore, Entry, UndoLog, QRows, KRows, Lanes, LaneStep)
 }
 
 

@@ -17,9 +17,11 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core import fast_step as FS
+from velox_cache_core import history as HI
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
+from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.undo import Entry, UndoLog
 from velox_cache_core.validation import check_queries, check_scale
 
@@ -227,19 +229,7 @@ class Evicting(Store):
         entries = self.entries
         values = v
         if entries is not None:
-            raw: Raw = (
-                self.offset,
-                self.tokens_seen,
-                self.running,
-                self.free,
-                written,
-                row,
-                victim,
-            )
-            entries.append(raw)
-            if len(entries) == entries.maxlen:
-                self.base_log = None  # the log now holds only these (see cool)
-            read = victim if row is None else [*victim, *row]
+            read = self._record(entries, written, row, victim)
             if ahead:
                 self.ahead = ahead
                 read = [*read, *ahead]
@@ -257,6 +247,19 @@ class Evicting(Store):
         if not same[0] or (self.free is None and self.policy.evict_before is None):
             self.steady = False  # the next step is checked again on the general side
         return values, (out[0] if out else None), (probs[0] if probs else None)
+
+    def _record(self, entries: Any, written: Any, row: Any, victim: Any) -> list[mx.array]:
+        """Keep the step's raw undo entry (the previous one's history made compact); the
+        arrays the step's output must read."""
+        raw: Raw = (self.offset, self.tokens_seen, self.running, self.free, written, row, victim)
+        entries.append(raw)
+        if len(entries) == entries.maxlen:
+            self.base_log = None  # the log now holds only these (see cool)
+        read = victim if row is None else [*victim, *row]
+        if self.kernels.histories and len(entries) > 1:
+            entries[-2], copied = _compact_raw(self.kernels, entries[-2], raw[2])
+            read = [*read, *copied]
+        return list(read)
 
     # -- a short chunk, as that many decode steps ---------------------------------------------
     def lay_out_chunk(self, keys: Any, values: Any) -> tuple[Any, Any] | None:
@@ -399,6 +402,20 @@ class Evicting(Store):
         if decided is not None:
             decided = Step(decided.keys, decided.values, None, state, log, probs=decided.probs)
         return state, log, waiting, decided
+
+
+def _compact_raw(kernels: FS.Kernels, raw: Raw, after: list[list[Any]]) -> tuple[Raw, list[Any]]:
+    """``raw`` keeping its histories as the rows its step pushed out
+    (:func:`velox_cache_core.history.compact`; ``after``: the running fields after the step),
+    and the arrays copied for that."""
+    running, copied = list(raw[2]), []
+    for i in kernels.histories:
+        if running[i] and after[i]:
+            kept = HI.compact(History(*running[i][0]), History(*after[i][0]), 1)
+            if kept.__class__ is HistoryBefore:
+                running[i] = [kept]
+                copied += kept.arrays()
+    return (raw[0], raw[1], running, *raw[3:]), copied
 
 
 def _entry(kernels: FS.Kernels, raw: Raw) -> Entry:

@@ -64,7 +64,8 @@ class Store:
             slots.keys.dtype,
             slots.values.dtype,
         )
-        self.base_log = log
+        # its newest entry compact now: the entries this path pushes on are compact already
+        self.base_log = None if log is None else log.compact_newest(state)
         self.entries: deque[Any] | None = None if log is None else deque(maxlen=log.window)
         self.here = mx.default_device() == mx.cpu
         self.flight: Any = None

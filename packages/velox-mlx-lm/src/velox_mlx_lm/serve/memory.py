@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from velox_cache_core import POLICIES
+from velox_cache_core import POLICIES, running_fields
 from velox_mlx_lm.cache import PolicyKVCache
 from velox_mlx_lm.serve.cache import VeloxPromptCache, cache_nbytes
 from velox_mlx_lm.serve.errors import BadRequest
@@ -182,7 +182,9 @@ class AdmissionCost:
     growing store sets aside, and one with a prompt-end step (a cut once the prompt is in)
     holds the whole prompt until then, as does an adaptive allocation that holds it for its cut
     (``holds_prompt``: TOVA and H2O with ``allocation="head"``). The undo log adds up to
-    ``2 * trim_window`` rows with their queries; a demoted tier its bound
+    ``2 * trim_window`` rows with their queries, and for a policy with running scores per
+    row (H2O) ``trim_window`` copies of them; a window of probe rows (MorphKV, Expected
+    Attention) is held by the state and the log's newest entry; a demoted tier its bound
     (:meth:`velox_cache_core.TierSpec.max_nbytes`), twice while trims are on (the tier before
     the last call is kept for them). An mlx-lm ``KVCache`` (``--method full``)
     holds ``prompt + max_tokens`` rows in 256-row steps; a window ``max_size`` rows. The sum
@@ -196,9 +198,22 @@ class AdmissionCost:
         self.grows = bool(policy is not None and policy.grows_after_prompt_end)
         # a prompt-end step, or an adaptive allocation that holds the prompt until its end
         held = False
+        self.scored = self.statistics = False
+        self.history_rows = 0
         if policy is not None and config.policy is not None:
             state = policy.init_for(config.method, **config.settings())
             held = bool(state.holds_prompt)
+            running = running_fields(state)
+            # running scores per row (H2O's): the undo log keeps them as they were before
+            # each of its steps
+            self.scored = "scores" in running
+            # a window of probe rows (MorphKV's, Expected Attention's queries and their
+            # statistics): the state's and the undo log's newest entry hold one each
+            settings = config.settings()
+            keep = settings.get("n_queries" if "queries" in running else "window")
+            if "history" in running or "queries" in running:
+                self.history_rows = int(keep) if isinstance(keep, int) else 0
+            self.statistics = "cov" in running
         self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
         budget = config.settings().get("budget") if policy is not None else None
         self.budget = int(budget) if isinstance(budget, int) else 0
@@ -223,7 +238,16 @@ class AdmissionCost:
             rows = math.ceil((prompt_tokens + max_tokens) / FULL_STEP) * FULL_STEP
             return rows * per_row
         undo = 2 * self.window * (layer.row_bytes + layer.query_row_bytes + layer.position_bytes)
-        rows = self.velox_rows(prompt_tokens, max_tokens) * per_row + undo
+        held_rows = self.velox_rows(prompt_tokens, max_tokens)
+        if self.scored:  # float32 scores of every row, per KV head, before each step
+            undo += self.window * 4 * layer.kv_heads * held_rows
+        copies = 2 if self.window else 1
+        probe_row = layer.query_row_bytes
+        if self.statistics:  # float32 queries, their mean and covariance
+            probe_row = layer.query_row_bytes * 4 // max(layer.itemsize, 1)
+            undo += (1 + layer.head_dim) * probe_row
+        undo += copies * self.history_rows * probe_row
+        rows = held_rows * per_row + undo
         tier = self.config.demote
         if tier is not None:  # the demoted tier's rows, and its copy before the last call
             copies = 2 if self.window else 1  # while trims can take that call back
