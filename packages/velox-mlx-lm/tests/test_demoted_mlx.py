@@ -485,8 +485,8 @@ def test_the_undo_log_holds_what_it_reports(cfg: KVCacheConfig) -> None:
     """Every byte the caches hold is in their ``held_nbytes``: the undo log counts the running
     fields it keeps (H2O's scores before each step), and keeps a history (MorphKV's probe
     rows, Expected Attention's query window) as the rows each step pushed out, not a copy of
-    the whole window per step (which held 2x (MorphKV) and 18x (Expected Attention) the
-    cache's rows here, unreported)."""
+    the whole window per step (which held 1.9x (MorphKV) and 6.3x (Expected Attention) their
+    ``held_nbytes``: ``python -m velox_bench.probes.undo_memory``)."""
     held, nbytes, _, every = _held(cfg)
     # H2O's 8-bit rows hold 1.08x alone, up to 1.11x after other tests in the process (as the
     # 8-bit case above: not found yet); 1.33x before the log counted its scores

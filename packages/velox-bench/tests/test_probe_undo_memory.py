@@ -1,0 +1,12 @@
+"""velox_bench.probes.undo_memory at a small size: a method with a probe window (MorphKV) holds
+about what it reports."""
+
+from __future__ import annotations
+
+from velox_bench.probes import undo_memory
+
+
+def test_a_small_model_is_measured() -> None:
+    r = undo_memory.measure("morphkv", budget=64, steps=4)
+    assert r["held"] > 0 and r["undo_nbytes"] > 0
+    assert r["nbytes"] < r["held_nbytes"] and r["held"] <= 1.1 * r["held_nbytes"]
