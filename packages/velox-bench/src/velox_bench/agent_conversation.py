@@ -72,6 +72,13 @@ CONFIGS = {
     "tova-pinned-absolute": [
         *("--method", "tova", "--budget", "512", "--beyond-context", "--positions", "absolute"),
     ],
+    # the recommended tier (4 bits, docs/quantized.md) at the bytes of 512 float32 rows: 384
+    # rows (room for the 154 pinned tokens under the default --max-pinned, half the budget)
+    # and a tier of 509 rows in the other 128 rows' bytes (TierSpec.max_nbytes)
+    "tova-pinned-compact-tier4": [
+        *("--method", "tova", "--budget", "384", "--demote-bits", "4", "--demote-budget", "509"),
+        *("--beyond-context", "--positions", "compact"),
+    ],
 }
 ASK_EVERY = 3  # a question after every third tool output
 
