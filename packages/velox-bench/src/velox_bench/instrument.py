@@ -159,7 +159,7 @@ def _retrieval_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
 def _perplexity_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     ratio = f"{row['perplexity'] / ref['perplexity']:.3f}" if ref else ""
     return (
-        f"| {row['task'][4:]} | {row['length']} | {row['method']} | {row['budget'] or '-'} "
+        f"| {row['task'][4:]} | {row['length']} | {_label(row)} | {row['budget'] or '-'} "
         f"| {row['perplexity']:.3f} | {ratio} | {row['seconds'] / 60:.0f} |"
     )
 
@@ -168,7 +168,7 @@ def _ruler_line(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     scores = " | ".join(f"{row['tasks'][k]['score']:.2f}" for k in RULER_KINDS)
     share = f"{row['mean'] / ref['mean']:.2f}" if ref and ref["mean"] else ""
     return (
-        f"| {row['length']} | {row['method']} | {row['budget'] or '-'} | {scores} "
+        f"| {row['length']} | {_label(row)} | {row['budget'] or '-'} | {scores} "
         f"| {row['mean']:.2f} | {share} | {row['seconds'] / 60:.0f} |"
     )
 
@@ -217,7 +217,11 @@ def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     lengths = sorted({r["length"] for r in found})
     if not lengths:
         raise ValueError("no retrieval rows to draw")
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.2), squeeze=False)
+    counts = [max(4, sum(r["length"] == n for r in found)) for n in lengths]
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(0.75 * sum(counts) + 1.5, 5.2), squeeze=False,
+        gridspec_kw={"width_ratios": counts},
+    )  # fmt: skip
     width = 0.8 / len(grid.DEPTHS)
     for ax, length in zip(axes[0], lengths, strict=True):
         cells = sorted(
@@ -228,8 +232,8 @@ def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
             acc = [r["depths"][str(depth)]["accuracy"] for r in cells]
             xs = [i + (j - (len(grid.DEPTHS) - 1) / 2) * width for i in range(len(cells))]
             ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
-        labels = [f"{_label(r)}\n{r['budget'] or 'full'}".replace(" + ", "\n+ ") for r in cells]
-        ax.set_xticks(range(len(cells)), labels, fontsize=8)
+        labels = [f"{_label(r)}, {r['budget'] or 'all'}" for r in cells]
+        ax.set_xticks(range(len(cells)), labels, fontsize=8, rotation=35, ha="right")
         ax.set_xlim(-0.6, max(len(cells), 4) - 0.4)  # bars keep their width in a thin panel
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("retrieval accuracy")
