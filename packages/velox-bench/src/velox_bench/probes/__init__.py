@@ -34,6 +34,11 @@ The embedded model:
 - ``quantized_memory``: bytes held and peak memory of quantized rows over a long prefill;
 - ``serve_heap``: where ``velox-serve``'s RSS goes over a soak (glibc's heap, sampled inside).
 
+Memory, a small model's caches (MLX active memory against what the caches report):
+
+- ``tier_memory``: one layer with a demoted tier after steady decode steps;
+- ``undo_memory``: every method's caches, undo log on, after steady decode steps.
+
 The machine:
 
 - ``matmul_dtypes``: one MLP-sized matmul per dtype on this machine's MLX backend.
