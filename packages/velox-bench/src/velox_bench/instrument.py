@@ -205,6 +205,23 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _panel(ax: Any, found: list[dict[str, Any]], length: int) -> None:
+    """One length's bars: a group per cell (the full cache first), a bar per depth."""
+    cells = sorted(found, key=lambda r: (r["method"] != "full", r["budget"] or 0, r["method"]))
+    width = 0.8 / len(grid.DEPTHS)
+    for j, depth in enumerate(grid.DEPTHS):
+        acc = [r["depths"][str(depth)]["accuracy"] for r in cells]
+        xs = [i + (j - (len(grid.DEPTHS) - 1) / 2) * width for i in range(len(cells))]
+        ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
+    labels = [f"{_label(r)}, {r['budget'] or 'all'}" for r in cells]
+    ax.set_xticks(range(len(cells)), labels, fontsize=8, rotation=35, ha="right")
+    ax.set_xlim(-0.6, max(len(cells), 4) - 0.4)  # bars keep their width in a thin panel
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("retrieval accuracy")
+    ax.set_title(f"{MODEL}, {length} tokens")
+    ax.legend(fontsize=8)
+
+
 def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Retrieval accuracy by depth, one panel per measured length, one group of bars per
     method (its budget in the label), the full cache first."""
@@ -222,23 +239,8 @@ def figure(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         1, len(lengths), figsize=(0.75 * sum(counts) + 1.5, 5.2), squeeze=False,
         gridspec_kw={"width_ratios": counts},
     )  # fmt: skip
-    width = 0.8 / len(grid.DEPTHS)
     for ax, length in zip(axes[0], lengths, strict=True):
-        cells = sorted(
-            (r for r in found if r["length"] == length),
-            key=lambda r: (r["method"] != "full", r["budget"] or 0, r["method"]),
-        )
-        for j, depth in enumerate(grid.DEPTHS):
-            acc = [r["depths"][str(depth)]["accuracy"] for r in cells]
-            xs = [i + (j - (len(grid.DEPTHS) - 1) / 2) * width for i in range(len(cells))]
-            ax.bar(xs, acc, width, label=f"{depth:.0%} depth")
-        labels = [f"{_label(r)}, {r['budget'] or 'all'}" for r in cells]
-        ax.set_xticks(range(len(cells)), labels, fontsize=8, rotation=35, ha="right")
-        ax.set_xlim(-0.6, max(len(cells), 4) - 0.4)  # bars keep their width in a thin panel
-        ax.set_ylim(0, 1.05)
-        ax.set_ylabel("retrieval accuracy")
-        ax.set_title(f"{MODEL}, {length} tokens")
-        ax.legend(fontsize=8)
+        _panel(ax, [r for r in found if r["length"] == length], length)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -30,7 +30,7 @@ inputs are kept for that). The log holds the last ``window`` tokens' worth of ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -42,7 +42,7 @@ from velox_cache_core.declarations import PolicyState, fresh, running_fields
 from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
-from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.store.slots import TRANSIENT, KVSlots
 from velox_cache_core.validation import check_int
 
 
@@ -129,12 +129,18 @@ class UndoLog:
 
     window: int
     entries: tuple[Entry, ...] = ()
+    # the entries' tokens (they never change), counted once: a decode step asks every token;
+    # neither saved nor compared
+    known_tokens: int = field(default=-1, compare=False, repr=False, metadata={TRANSIENT: True})
+
+    def __post_init__(self) -> None:
+        if self.known_tokens < 0:
+            object.__setattr__(self, "known_tokens", sum(e.length for e in self.entries))
 
     @property
     def tokens(self) -> int:
         """How many of the last fed tokens a trim can take back."""
-        known = self.__dict__.get("_tokens")  # remembered by push (the entries never change)
-        return sum(e.length for e in self.entries) if known is None else known
+        return self.known_tokens
 
     @property
     def nbytes(self) -> int:
@@ -168,11 +174,7 @@ class UndoLog:
         while tokens - entries[0].length >= self.window:
             tokens -= entries[0].length
             entries = entries[1:]
-        # built without the frozen __init__ (a decode step pushes once per layer per token);
-        # ``_tokens`` remembered: a decode step asks every token
-        log = object.__new__(UndoLog)
-        log.__dict__.update(window=self.window, entries=entries, _tokens=tokens)
-        return log
+        return UndoLog(self.window, entries, tokens)
 
     def compact_newest(self, state: Any) -> UndoLog:
         """The log with its newest entry's histories kept compact against ``state``, the state
@@ -182,10 +184,7 @@ class UndoLog:
             return self
         newest = self.entries[-1]
         after = {k: getattr(state, k) for k in newest.running}
-        entries = (*self.entries[:-1], _compacted(newest, after))
-        log = object.__new__(UndoLog)
-        log.__dict__.update(window=self.window, entries=entries, _tokens=self.tokens)
-        return log
+        return UndoLog(self.window, (*self.entries[:-1], _compacted(newest, after)), self.tokens)
 
     def cleared(self) -> UndoLog:
         return UndoLog(self.window)

@@ -44,7 +44,8 @@ def measure(method: str, budget: int = 256, steps: int = 24, kv_bits: int = 0) -
         np.random.default_rng(0).integers(0, 128, (1, prompt + steps)), dtype=mx.int32
     )
     policy = policy_for_method(method).name
-    config = KVCacheConfig(method=method, **{f"{policy}_budget": budget})
+    settings: dict[str, Any] = {f"{policy}_budget": budget}
+    config = KVCacheConfig(method=method, **settings)
     if kv_bits:
         config = config.replace(kv_bits=kv_bits)
     caches: Any = KVCacheBuilder.for_model(model, config)

@@ -24,13 +24,14 @@ import mlx.core as mx
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.rows import Rows
 
-_TRANSIENT = "velox_transient"
+# field metadata: working storage that saving and equality ignore (stored_fields)
+TRANSIENT = "velox_transient"
 
 
 def stored_fields(value: Any) -> tuple[dataclasses.Field[Any], ...]:
     """The fields of a dataclass (or dataclass type) that make up its content: every field
     but working storage such as :attr:`KVSlots.reserve`, which saving and equality ignore."""
-    return tuple(f for f in dataclasses.fields(value) if not f.metadata.get(_TRANSIENT))
+    return tuple(f for f in dataclasses.fields(value) if not f.metadata.get(TRANSIENT))
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class KVSlots:
     free: mx.array | None = None
     # buffers the slots are the first rows of, with room for more tokens (see the module doc)
     reserve: Reserve | None = field(
-        default=None, compare=False, repr=False, metadata={_TRANSIENT: True}
+        default=None, compare=False, repr=False, metadata={TRANSIENT: True}
     )
 
     @classmethod
