@@ -16,9 +16,10 @@ saw, for layers that share this one's keys: ``release`` no) and dropping them on
 from __future__ import annotations
 
 import argparse
-import gc
 from collections.abc import Sequence
 from typing import Any
+
+from velox_bench.probes.held import freed_by_dropping
 
 
 def measure(
@@ -54,16 +55,15 @@ def measure(
         feed(256)
     for _ in range(steps):
         feed(1)
-    mx.synchronize()
-    gc.collect()
-    alive = mx.get_active_memory()
-    nbytes = layer.view().nbytes + (0 if layer.tier is None else layer.tier.nbytes)
-    log_bytes = 0 if layer.log is None else layer.log.nbytes
     bound = spec.max_nbytes(H_kv, D, 4)
-    layer = None  # nothing holds the layer now
-    gc.collect()
-    mx.synchronize()
-    held = alive - mx.get_active_memory()
+    box, layer = [layer], None  # the box holds the only reference (feed's too)
+
+    def report(held: Any) -> dict[str, Any]:
+        nbytes = held.view().nbytes + (0 if held.tier is None else held.tier.nbytes)
+        return {"nbytes": nbytes, "log": 0 if held.log is None else held.log.nbytes}
+
+    r = freed_by_dropping(box, report)
+    held, nbytes, log_bytes = r["held"], r["nbytes"], r["log"]
     return {
         "method": method,
         "bits": bits,

@@ -12,9 +12,10 @@ in chunks of 128, then ``--steps`` decode steps with mlx-lm's generate loop's re
 from __future__ import annotations
 
 import argparse
-import gc
 from collections.abc import Sequence
 from typing import Any
+
+from velox_bench.probes.held import freed_by_dropping
 
 METHODS = ("tova", "h2o", "streaming_llm", "snapkv", "morphkv", "expected_attention")
 
@@ -53,25 +54,22 @@ def measure(method: str, budget: int = 256, steps: int = 24, kv_bits: int = 0) -
         mx.eval(model(tokens[:, s : s + 128], cache=caches))
     for t in range(prompt, prompt + steps):
         mx.eval(model(tokens[:, t : t + 1], cache=caches), [c.state for c in caches])
-    mx.synchronize()
-    gc.collect()
-    alive = mx.get_active_memory()
-    reported = sum(c.held_nbytes for c in caches)
-    undo = sum(c.undo_nbytes for c in caches)
-    nbytes = sum(c.nbytes for c in caches)
-    caches = None  # nothing holds the caches now
-    gc.collect()
-    mx.synchronize()
-    held = alive - mx.get_active_memory()
+    box = [caches]
+    caches = None  # the box holds the only reference
+    r = freed_by_dropping(
+        box,
+        lambda held: {
+            "held_nbytes": sum(c.held_nbytes for c in held),
+            "nbytes": sum(c.nbytes for c in held),
+            "undo_nbytes": sum(c.undo_nbytes for c in held),
+        },
+    )
     return {
         "method": method,
         "kv_bits": kv_bits,
-        "held": held,
-        "held_nbytes": reported,
-        "nbytes": nbytes,
-        "undo_nbytes": undo,
-        "held / held_nbytes": held / reported,
-        "held / nbytes": held / nbytes,
+        **r,
+        "held / held_nbytes": r["held"] / r["held_nbytes"],
+        "held / nbytes": r["held"] / r["nbytes"],
     }
 
 
