@@ -218,18 +218,23 @@ class PolicyState:
         return self.offset / kept if kept else 1.0
 
 
-def arrays_nbytes(value: Any) -> int:
-    """Bytes of every array in ``value``: an array, a dataclass of arrays (its stored
-    fields), or tuples, lists and dicts of them; anything else counts 0."""
+def arrays_in(value: Any) -> list[mx.array]:
+    """Every array in ``value``: an array, a dataclass of arrays (its stored fields), or
+    tuples, lists and dicts of them; anything else holds none."""
     if isinstance(value, mx.array):
-        return int(value.nbytes)
+        return [value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(arrays_nbytes(getattr(value, f.name)) for f in stored_fields(value))
+        return [a for f in stored_fields(value) for a in arrays_in(getattr(value, f.name))]
     if isinstance(value, (tuple, list)):
-        return sum(arrays_nbytes(v) for v in value)
+        return [a for v in value for a in arrays_in(v)]
     if isinstance(value, dict):
-        return sum(arrays_nbytes(v) for v in value.values())
-    return 0
+        return [a for v in value.values() for a in arrays_in(v)]
+    return []
+
+
+def arrays_nbytes(value: Any) -> int:
+    """Bytes of every array in ``value`` (:func:`arrays_in`)."""
+    return sum(int(a.nbytes) for a in arrays_in(value))
 
 
 # -- settings --------------------------------------------------------------------------------

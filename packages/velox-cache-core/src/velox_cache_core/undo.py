@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from velox_cache_core import history as HI
 from velox_cache_core import lanes as LN
-from velox_cache_core.declarations import PolicyState, fresh, running_fields
+from velox_cache_core.declarations import PolicyState, arrays_in, fresh, running_fields
 from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
@@ -112,15 +112,7 @@ class Entry:
     def running_arrays(self) -> list[mx.array]:
         """The arrays of the running fields it keeps (H2O's scores, a history's rows); some
         may be shared with other entries or with the state."""
-        out: list[mx.array] = []
-        for value in self.running.values():
-            if isinstance(value, mx.array):
-                out.append(value)
-            elif isinstance(value, History):
-                out += [value.probes, value.positions]
-            elif isinstance(value, HistoryBefore):
-                out += value.arrays()
-        return out
+        return arrays_in(self.running)
 
 
 @dataclass(frozen=True)
@@ -201,10 +193,14 @@ def _compacted(entry: Entry, after: dict[str, Any]) -> Entry:
     return replace(entry, running=kept)
 
 
-def _running_before(entry: Entry, state: Any) -> dict[str, Any]:
-    """``entry``'s running fields as they were before its call, from ``state`` (the state
-    right after it)."""
-    return {k: HI.before(v, getattr(state, k)) for k, v in entry.running.items()}
+def _running_before(entries: list[Entry], state: Any) -> dict[str, Any]:
+    """The running fields as they were before the oldest of ``entries`` (consecutive calls,
+    oldest first), from ``state``, the state right after the newest: each entry's compact
+    histories rebuilt from the fields after its call, newest first."""
+    running = {k: getattr(state, k) for k in entries[-1].running}
+    for entry in reversed(entries):
+        running = {k: HI.before(v, running[k]) for k, v in entry.running.items()}
+    return running
 
 
 def new_log(window: int) -> UndoLog | None:
@@ -324,7 +320,7 @@ def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
     prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
     for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
         lanes = LN.unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
-    return replace(state, lanes=lanes, **_running_before(entry, state))
+    return replace(state, lanes=lanes, **_running_before([entry], state))
 
 
 def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
@@ -359,7 +355,7 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
     if entry.keys_before is not None:  # the same rows as they were held, bit for bit
         slots = KVSlots(entry.keys_before, slots.values, slots.positions, slots.free)
     return replace(
-        state, slots=None if entry.slots_none else slots, **_running_before(entry, state)
+        state, slots=None if entry.slots_none else slots, **_running_before([entry], state)
     )
 
 
@@ -401,10 +397,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     del entries[-steps:]
     slots = KVSlots(*arrays, undone[0].free)
     # the running fields as they were before the oldest (fresh: no frozen __init__ per layer)
-    running = _running_before(undone[-1], state)
-    for entry in reversed(undone[:-1]):
-        running = {k: HI.before(v, running[k]) for k, v in entry.running.items()}
-    return fresh(state, slots=slots, **running), n - steps
+    return fresh(state, slots=slots, **_running_before(undone, state)), n - steps
 
 
 def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:

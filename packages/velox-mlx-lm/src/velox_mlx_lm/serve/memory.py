@@ -200,8 +200,9 @@ class AdmissionCost:
         held = False
         self.scored = self.statistics = False
         self.history_rows = 0
+        settings = config.settings()  # {} for the full cache
         if policy is not None and config.policy is not None:
-            state = policy.init_for(config.method, **config.settings())
+            state = policy.init_for(config.method, **settings)
             held = bool(state.holds_prompt)
             running = running_fields(state)
             # running scores per row (H2O's): the undo log keeps them as they were before
@@ -209,13 +210,12 @@ class AdmissionCost:
             self.scored = "scores" in running
             # a window of probe rows (MorphKV's, Expected Attention's queries and their
             # statistics): the state's and the undo log's newest entry hold one each
-            settings = config.settings()
             keep = settings.get("n_queries" if "queries" in running else "window")
             if "history" in running or "queries" in running:
                 self.history_rows = int(keep) if isinstance(keep, int) else 0
             self.statistics = "cov" in running
         self.holds_prompt = bool(policy is not None and (policy.prompt_end is not None or held))
-        budget = config.settings().get("budget") if policy is not None else None
+        budget = settings.get("budget")
         self.budget = int(budget) if isinstance(budget, int) else 0
         self.window = int(config.trim_window)
 
@@ -241,6 +241,8 @@ class AdmissionCost:
         held_rows = self.velox_rows(prompt_tokens, max_tokens)
         if self.scored:  # float32 scores of every row, per KV head, before each step
             undo += self.window * 4 * layer.kv_heads * held_rows
+        # the state's, and one more while trims are on (the log's newest entry; the tier
+        # before the last call)
         copies = 2 if self.window else 1
         probe_row = layer.query_row_bytes
         if self.statistics:  # float32 queries, their mean and covariance
@@ -250,7 +252,6 @@ class AdmissionCost:
         rows = held_rows * per_row + undo
         tier = self.config.demote
         if tier is not None:  # the demoted tier's rows, and its copy before the last call
-            copies = 2 if self.window else 1  # while trims can take that call back
             rows += copies * tier.max_nbytes(layer.kv_heads, layer.head_dim, layer.itemsize)
         return rows
 
