@@ -3,6 +3,7 @@ MLX active memory freed by dropping them against their ``held_nbytes`` (rows, po
 policy's running arrays, the undo log) and the undo log's ``undo_nbytes``.
 
     python -m velox_bench.probes.undo_memory [--budget 256] [--steps 24] [--methods ...]
+        [--kv-bits 8]
 
 A 2-layer llama with 32 query / 8 KV heads of 128 (float32, random weights): a 512-token prompt
 in chunks of 128, then ``--steps`` decode steps with mlx-lm's generate loop's reads, through
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=256, help="rows per KV head (default 256)")
     parser.add_argument("--steps", type=int, default=24, help="decode steps (default 24)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    parser.add_argument("--kv-bits", type=int, default=0, help="quantized rows (0: float32)")
     args = parser.parse_args(argv)
     for name, value in (("--budget", args.budget), ("--steps", args.steps)):
         if value < 1:
@@ -85,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = ("method", "held MB", "held_nbytes MB", "undo MB", "held/held_nbytes", "held/nbytes")
     print(" ".join(f"{h:>18}" for h in head))
     for method in (m for m in args.methods.split(",") if m):
-        r = measure(method, args.budget, args.steps)
+        r = measure(method, args.budget, args.steps, args.kv_bits)
         cells = (method, f"{r['held'] / 1e6:.2f}", f"{r['held_nbytes'] / 1e6:.2f}",
                  f"{r['undo_nbytes'] / 1e6:.2f}", f"{r['held / held_nbytes']:.2f}",
                  f"{r['held / nbytes']:.2f}")  # fmt: skip
