@@ -63,17 +63,6 @@ def setting_fields(state: Any) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(state) if not f.metadata.get(_RUNNING))
 
 
-def fresh(like: Any, **changes: Any) -> Any:
-    """``dataclasses.replace(like, **changes)`` without re-running the frozen ``__init__``
-    (a few microseconds per object: the decode fast path and trims build states once per layer
-    per token). Only for changes of the fields' own types, taken from states the general path
-    made, and for dataclasses that cache nothing in their ``__dict__``."""
-    out = object.__new__(type(like))
-    out.__dict__.update(like.__dict__)
-    out.__dict__.update(changes)
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class PolicyState:
     """Base of every policy's layer state.

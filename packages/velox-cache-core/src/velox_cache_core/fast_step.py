@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend_row, weights_times_values
-from velox_cache_core.declarations import fresh, running_fields, setting_fields
+from velox_cache_core.declarations import running_fields, setting_fields
 from velox_cache_core.engine import Call
 from velox_cache_core.history import History
 from velox_cache_core.policy import Policy
@@ -169,7 +169,7 @@ def write_kernel(policy: Policy, template: Any, *, prefetched: bool) -> Kernel:
         if policy.evict_before is not None:
             call = Call(new_keys, new_values, None, 1.0, start)  # type: ignore[arg-type]
             # the pinned spans are an input (a running array), the settings the trace's
-            state = fresh(template, pins=pins[0]) if pins else template
+            state = replace(template, pins=pins[0]) if pins else template
             slots = policy.evict_before(state, before, call)
         assert slots.free is not None
         laid = slots.write_free(new_keys, new_values, start)
@@ -342,7 +342,7 @@ def state_of(
 ) -> Any:
     """A frozen state like ``template`` holding these rows, counters and running fields."""
     fields = dict(zip(kernels.running, unflat_running(kernels, running), strict=True))
-    return fresh(template, slots=slots, offset=offset, tokens_seen=tokens_seen, **fields)
+    return replace(template, slots=slots, offset=offset, tokens_seen=tokens_seen, **fields)
 
 
 def _joined_kernel(

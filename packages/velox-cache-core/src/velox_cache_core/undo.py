@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from velox_cache_core import history as HI
 from velox_cache_core import lanes as LN
-from velox_cache_core.declarations import PolicyState, arrays_in, fresh, running_fields
+from velox_cache_core.declarations import PolicyState, arrays_in, running_fields
 from velox_cache_core.history import History, HistoryBefore
 from velox_cache_core.store import rows as R
 from velox_cache_core.store.channel_keys import KRows
@@ -396,8 +396,8 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     undone = entries[-steps:]
     del entries[-steps:]
     slots = KVSlots(*arrays, undone[0].free)
-    # the running fields as they were before the oldest (fresh: no frozen __init__ per layer)
-    return fresh(state, slots=slots, **_running_before(undone, state)), n - steps
+    # the running fields as they were before the oldest
+    return replace(state, slots=slots, **_running_before(undone, state)), n - steps
 
 
 def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:

@@ -9,13 +9,13 @@ buffers here instead of a new frozen store, state and entry per token.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.attention import compiled_row
-from velox_cache_core.declarations import fresh
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
 from velox_cache_core.fast_step import state_type
@@ -117,7 +117,9 @@ class Appending(Store):
         log = self.leave(self._entry)
         buf_k, buf_v, buf_p = self.buffers
         slots = KVSlots.in_reserve(buf_k, buf_v, buf_p, self.n)
-        state = fresh(self.template, slots=slots, offset=self.offset, tokens_seen=self.tokens_seen)
+        state = replace(
+            self.template, slots=slots, offset=self.offset, tokens_seen=self.tokens_seen
+        )
         decided = None
         if self.decided is not None:
             decided = Step(slots.keys, slots.values, None, state, log)
