@@ -3,11 +3,16 @@ MLX active memory freed by dropping them against their ``held_nbytes`` (rows, po
 policy's running arrays, the undo log) and the undo log's ``undo_nbytes``.
 
     python -m velox_bench.probes.undo_memory [--budget 256] [--steps 24] [--methods ...]
-        [--kv-bits 8]
+        [--kv-bits 8] [--no-buffer-cache]
 
 A 2-layer llama with 32 query / 8 KV heads of 128 (float32, random weights): a 512-token prompt
 in chunks of 128, then ``--steps`` decode steps with mlx-lm's generate loop's reads, through
 ``KVCacheBuilder`` caches with the default undo log (``trim_window`` 16).
+
+MLX's CPU allocator keeps freed buffers (up to 32 MB) and gives a new array of ``n`` bytes any
+cached buffer smaller than ``min(2n, n + 8 KiB)``, counting the whole buffer as active memory;
+so what a cache holds also depends on what the process freed before. ``--no-buffer-cache``
+(``mx.set_cache_limit(0)``) measures the caches' own arrays.
 """
 
 from __future__ import annotations
@@ -80,7 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps (default 24)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     parser.add_argument("--kv-bits", type=int, default=0, help="quantized rows (0: float32)")
+    parser.add_argument(
+        "--no-buffer-cache", action="store_true", help="MLX's buffer cache off (set_cache_limit 0)"
+    )
     args = parser.parse_args(argv)
+    if args.no_buffer_cache:
+        import mlx.core as mx
+
+        mx.set_cache_limit(0)
     for name, value in (("--budget", args.budget), ("--steps", args.steps)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
