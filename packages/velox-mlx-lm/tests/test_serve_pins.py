@@ -46,9 +46,9 @@ TOOLS = [
 ]
 RECORDING = """
 import json, os, sys
+import velox_mlx_lm.serve as serve  # first: it loads OpenBLAS before mlx is imported
 import mlx.core as mx
 import numpy as np
-import velox_mlx_lm.serve as serve
 from velox_mlx_lm.serve.cache import VeloxPromptCache
 from velox_mlx_lm.pins import velox_layers
 out = os.environ["VELOX_PIN_RECORD"]
