@@ -90,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.no_buffer_cache:
+        from velox_blas import preload_openblas
+
+        preload_openblas()  # before mlx, as measure() does
         import mlx.core as mx
 
         mx.set_cache_limit(0)
