@@ -4,6 +4,7 @@ about what it reports."""
 from __future__ import annotations
 
 from velox_bench.probes import undo_memory
+from velox_bench.probes.held import without_buffer_cache
 
 
 def test_a_small_model_is_measured() -> None:
@@ -13,11 +14,6 @@ def test_a_small_model_is_measured() -> None:
 
 
 def test_without_the_buffer_cache_8_bit_rows_hold_what_they_report() -> None:
-    import mlx.core as mx
-
-    previous = mx.set_cache_limit(0)
-    try:
+    with without_buffer_cache():
         r = undo_memory.measure("h2o", budget=64, steps=4, kv_bits=8)
-    finally:
-        mx.set_cache_limit(previous)
     assert r["held_nbytes"] <= 1.05 * r["held"] and r["held"] <= 1.05 * r["held_nbytes"]

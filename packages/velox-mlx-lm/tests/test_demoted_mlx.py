@@ -410,9 +410,10 @@ def _held(cfg: KVCacheConfig) -> tuple[int, int, int, int]:
 
     Run with MLX's buffer cache off, so the figure is the caches' own arrays: with it on, MLX's
     CPU allocator gives an array of ``n`` bytes any cached buffer smaller than
-    ``min(2n, n + 8 KiB)`` and counts the whole buffer as active, which adds up to 11% here
-    depending on what the process freed before (``python -m velox_bench.probes.undo_memory``
-    measures both)."""
+    ``min(2n, n + 8 KiB)`` and counts the whole buffer as active, which reads up to 1.15x for
+    8-bit rows depending on what the process freed before
+    (``python -m velox_bench.probes.undo_memory`` measures both; this package's tests do not
+    import velox-bench, so its ``without_buffer_cache`` is not used here)."""
     previous = mx.set_cache_limit(0)
     mx.clear_cache()
     try:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -20,3 +21,19 @@ def freed_by_dropping(box: list[Any], report: Callable[[Any], dict[str, Any]]) -
     gc.collect()
     mx.synchronize()
     return {**out, "held": alive - mx.get_active_memory()}
+
+
+@contextmanager
+def without_buffer_cache() -> Iterator[None]:
+    """MLX's buffer cache emptied and off inside (``set_cache_limit(0)``), its limit restored
+    after: arrays made inside get buffers of their own size, not a recycled larger one (MLX's
+    CPU allocator hands an array of ``n`` bytes any cached buffer under ``min(2n, n + 8 KiB)``
+    and counts all of it as active memory)."""
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(0)
+    mx.clear_cache()  # buffers cached before would still be handed out
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)

@@ -18,19 +18,21 @@ so what a cache holds also depends on what the process freed before. ``--no-buff
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from velox_bench.probes.held import freed_by_dropping
+from velox_blas import preload_openblas
+
+preload_openblas()  # before mlx is imported
+
+from velox_bench.probes.held import freed_by_dropping, without_buffer_cache  # noqa: E402
 
 METHODS = ("tova", "h2o", "streaming_llm", "snapkv", "morphkv", "expected_attention")
 
 
 def measure(method: str, budget: int = 256, steps: int = 24, kv_bits: int = 0) -> dict[str, Any]:
     """One method's figures (module docstring)."""
-    from velox_blas import preload_openblas
-
-    preload_openblas()
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models import llama
@@ -89,24 +91,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-buffer-cache", action="store_true", help="MLX's buffer cache off (set_cache_limit 0)"
     )
     args = parser.parse_args(argv)
-    if args.no_buffer_cache:
-        from velox_blas import preload_openblas
-
-        preload_openblas()  # before mlx, as measure() does
-        import mlx.core as mx
-
-        mx.set_cache_limit(0)
+    cache = without_buffer_cache() if args.no_buffer_cache else contextlib.nullcontext()
     for name, value in (("--budget", args.budget), ("--steps", args.steps)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     head = ("method", "held MB", "held_nbytes MB", "undo MB", "held/held_nbytes", "held/nbytes")
     print(" ".join(f"{h:>18}" for h in head))
-    for method in (m for m in args.methods.split(",") if m):
-        r = measure(method, args.budget, args.steps, args.kv_bits)
-        cells = (method, f"{r['held'] / 1e6:.2f}", f"{r['held_nbytes'] / 1e6:.2f}",
-                 f"{r['undo_nbytes'] / 1e6:.2f}", f"{r['held / held_nbytes']:.2f}",
-                 f"{r['held / nbytes']:.2f}")  # fmt: skip
-        print(" ".join(f"{c:>18}" for c in cells))
+    with cache:
+        for method in (m for m in args.methods.split(",") if m):
+            r = measure(method, args.budget, args.steps, args.kv_bits)
+            cells = (method, f"{r['held'] / 1e6:.2f}", f"{r['held_nbytes'] / 1e6:.2f}",
+                     f"{r['undo_nbytes'] / 1e6:.2f}", f"{r['held / held_nbytes']:.2f}",
+                     f"{r['held / nbytes']:.2f}")  # fmt: skip
+            print(" ".join(f"{c:>18}" for c in cells))
     return 0
 
 
