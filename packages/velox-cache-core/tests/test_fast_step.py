@@ -487,3 +487,78 @@ def test_arrays_reads_the_decode_path_store_without_leaving_it() -> None:
     assert layer.hot is None
     pairs = zip(held, slots.arrays(), strict=True)
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in pairs)
+
+
+def _drive_hot_trims(
+    case: str, *, B: int, H: int, group: int, budget: int, calls: list[tuple[int, int]],
+    seed: int, window: int = 8,
+) -> int:  # fmt: skip
+    """``calls``: (tokens, trim after) pairs, a decode step (1) or a short chunk, as a
+    speculative round makes them. The fast layer is never read between calls (its state, log
+    and pending are not touched, so it stays on the decode path and trims there); the general
+    one takes the same tokens one by one and the same trims. Outputs equal at every call, the
+    layers equal at the end (and their trims back into the log). Returns how many trims the
+    decode path took in place."""
+    fast_layer, slow_layer = _layers(case, budget, 1, window, Mode.QUERIES)
+    draw = _drawer(np.random.default_rng(seed), B, H, group, 4)
+    k, v, q = draw(budget + 3)
+    for layer, on in ((fast_layer, True), (slow_layer, False)):
+        with fast(on):
+            _call(layer, k, v, q)
+    in_place = 0
+    for i, (L, n) in enumerate(calls):
+        k, v, q = draw(L)
+        with fast(True):
+            out_fast = _call(fast_layer, k, v, q)
+        with fast(False):
+            if L == 1 or fast_layer.stepped:  # as decode steps: each token as its own array
+                one = [[mx.contiguous(x[:, :, j : j + 1]) for x in (k, v, q)] for j in range(L)]
+                out_slow = mx.concatenate([_call(slow_layer, *token) for token in one], axis=2)
+            else:  # the general path took the chunk on both
+                out_slow = _call(slow_layer, k, v, q)
+        _equal(out_fast, out_slow, f"attention output, call {i}")
+        log = slow_layer.log
+        if n and log is not None and n <= log.tokens:
+            hot = fast_layer.hot
+            with fast(True):
+                fast_layer.trim(n)
+            in_place += int(hot is not None and fast_layer.hot is hot)
+            with fast(False):
+                slow_layer.trim(n)
+            assert fast_layer.offset == slow_layer.offset
+    _same_layers(fast_layer, slow_layer)
+    for n in (1, 2):  # and the logs left reach back alike
+        _trim_both(fast_layer, slow_layer, n)
+    return in_place
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trims_on_the_decode_path_equal_the_general_path(case: str) -> None:
+    """A speculative pattern: verify chunks, each followed by a trim, and decode steps."""
+    calls = [(1, 0), (1, 0), (4, 2), (5, 4), (1, 1), (3, 0), (5, 3), (1, 0), (1, 0), (2, 1)]
+    in_place = _drive_hot_trims(case, B=1, H=2, group=2, budget=8, calls=calls, seed=7)
+    opted_in = POLICIES[CASES[case][0]].compiled_decode and case != "snapkv"
+    if opted_in and case not in ("morphkv", "morphkv_head_max"):  # histories: general trim
+        assert in_place >= 4, f"{case}: {in_place} trims in place"
+    elif case.startswith("snapkv"):  # chunks take the general path; a decode step's trim not
+        assert in_place >= 1, f"{case}: {in_place} trims in place"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    case=st.sampled_from(sorted(CASES)),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    group=st.integers(1, 3),
+    budget=st.integers(4, 10),
+    calls=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=10),
+    window=st.integers(1, 10),
+    seed=st.integers(0, 2**16),
+)
+def test_trims_on_the_decode_path_property(
+    case: str, B: int, H: int, group: int, budget: int, calls: list[tuple[int, int]],
+    window: int, seed: int,
+) -> None:  # fmt: skip
+    _drive_hot_trims(
+        case, B=B, H=H, group=group, budget=budget, calls=calls, seed=seed, window=window
+    )

@@ -86,7 +86,12 @@ def trimmable_tokens(layer: Any) -> int:
 
 def trim(layer: Any, n: int) -> None:
     """Forget the last ``n`` tokens exactly; ``ValueError`` and no change when the undo log
-    does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned."""
+    does not reach back ``n`` tokens (or there is none). Pinned spans stay pinned. A
+    decoding layer takes back decode steps in place (``trim`` of
+    :mod:`velox_cache_core.decode`'s stores), without leaving the decode path."""
+    hot = layer.hot
+    if hot is not None and n.__class__ is int and n >= 0 and hot.trim(n):
+        return
     layer.settle()
     name = layer.policy.name
     if layer.log is None:

@@ -177,6 +177,12 @@ class Layer:
         self._log = value
 
     @property
+    def keeps_log(self) -> bool:
+        """Whether the layer keeps an undo log (read without leaving the decode path)."""
+        hot = self.hot
+        return self._log is not None if hot is None else hot.entries is not None
+
+    @property
     def pending(self) -> Pending:
         """The call in flight, if any."""
         hot = self.hot

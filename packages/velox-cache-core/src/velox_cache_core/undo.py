@@ -389,7 +389,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
     plain = all(a.__class__ is mx.array for r in (arrays, *rows_in) for a in r)
     if plain and puts:  # one compiled call
-        arrays = _puts_kernel(len(puts))(*arrays, [slot for slot, _ in puts], rows_in)
+        arrays = puts_kernel(len(puts))(*arrays, [slot for slot, _ in puts], rows_in)
     else:
         for slot, row in puts:
             arrays = _put_row(*arrays, slot, row.keys, row.values, row.positions)
@@ -433,7 +433,7 @@ def _put_row(
 
 
 @cache
-def _puts_kernel(n: int) -> Callable[..., Any]:
+def puts_kernel(n: int) -> Callable[..., Any]:
     """``n`` rows put back in turn (:func:`_put_row`), compiled: full-precision rows only."""
 
     def kernel(

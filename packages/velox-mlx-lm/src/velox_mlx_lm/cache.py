@@ -554,7 +554,7 @@ class PolicyKVCache(VeloxKVCache):
     def is_trimmable(self) -> bool:
         """True when the cache keeps an undo log: ``trim(n)`` then works for up to the last
         ``trim_window`` tokens (more raises ``ValueError``)."""
-        return self._layer.log is not None
+        return self._layer.keeps_log
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens exactly; raises ``ValueError`` and changes nothing if

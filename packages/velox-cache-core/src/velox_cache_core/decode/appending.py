@@ -91,6 +91,29 @@ class Appending(Store):
             mirror["offset"] = self.offset
         return self.decided
 
+    def trim(self, n: int) -> bool:
+        """Take back the last ``n`` appended tokens in place (the rows after them become
+        reserved rows again, as :func:`velox_cache_core.undo.undo` leaves them); ``False``
+        (nothing changed) when the store cannot: a token whose attention has not come, no undo
+        log, or fewer raw entries here than ``n``."""
+        entries = self.entries
+        if n == 0:
+            return True
+        if entries is None or n > len(entries) or self.decided is not None:
+            return False
+        self.drop_as_pushed()
+        for _ in range(n - 1):
+            entries.pop()
+        self.offset, self.tokens_seen, n_live = entries.pop()
+        self.n = n_live
+        buf_k, buf_v, _ = self.buffers
+        self.keys, self.values = buf_k[:, :, :n_live], buf_v[:, :, :n_live]
+        self.shared = None
+        self.stepped = []
+        if self.mirror is not None:
+            self.mirror["offset"] = self.offset
+        return True
+
     def lay_out_chunk(self, keys: Any, values: Any) -> None:
         """Chunks take the general path."""
         return None

@@ -10,6 +10,7 @@ same step, traced into one call when the whole chunk stays steady.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import replace
 from typing import Any
@@ -22,7 +23,7 @@ from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
 from velox_cache_core.history import History, HistoryBefore
-from velox_cache_core.undo import Entry, UndoLog
+from velox_cache_core.undo import Entry, UndoLog, puts_kernel
 from velox_cache_core.validation import check_queries, check_scale
 
 # A raw undo entry: (offset, tokens_seen, running fields before, dead slot before, slot
@@ -260,6 +261,48 @@ class Evicting(Store):
             entries[-2], copied = _compact_raw(self.kernels, entries[-2], raw[2])
             read = [*read, *copied]
         return list(read)
+
+    # -- a trim within the steps taken here ---------------------------------------------------
+    def trim(self, n: int) -> bool:
+        """Take back the last ``n`` decode steps in place, as the general path's trim does
+        (:func:`velox_cache_core.undo.trim`: each step's overwritten row, or the row the step
+        before it evicted, put back in its slot; the dead slot, running fields and counters as
+        they were before the oldest); ``False`` (nothing changed) when the store cannot: a call
+        in flight, no undo log, running histories, or fewer raw entries here than ``n + 1``
+        (the step before the oldest names the row its dead slot held)."""
+        entries = self.entries
+        if n == 0:
+            return True
+        if (
+            entries is None
+            or n >= len(entries)
+            or not self.idle
+            or not self.steady
+            or self.kernels.histories
+        ):
+            return False
+        raws = [entries[-1 - i] for i in range(n + 1)]  # newest first, and the one before
+        slots, rows = [], []
+        for raw, before in itertools.pairwise(raws):
+            row = raw[5] or before[6]
+            if row:  # else the slot was dead and stays dead
+                slots.append(raw[4])
+                rows.append(list(row))
+        if slots:
+            kernel = puts_kernel(len(slots))
+            self.keys, self.values, self.positions = kernel(
+                self.keys, self.values, self.positions, slots, rows
+            )
+        oldest = raws[n - 1]
+        self.offset, self.tokens_seen, self.running, self.free = oldest[:4]
+        self.drop_as_pushed()
+        for _ in range(n):
+            entries.pop()
+        self.ahead = self.shared = None
+        self.stepped = []
+        if self.mirror is not None:
+            self.mirror["offset"] = self.offset
+        return True
 
     # -- a short chunk, as that many decode steps ---------------------------------------------
     def lay_out_chunk(self, keys: Any, values: Any) -> tuple[Any, Any] | None:

@@ -76,6 +76,21 @@ class Store:
         self.steady = True
         self.mirror: dict[str, Any] | None = None
 
+    def drop_as_pushed(self) -> None:
+        """Drop the oldest entries of ``base_log`` that pushing the raw entries onto it would
+        drop (:meth:`velox_cache_core.undo.UndoLog.push` keeps the newest entries covering
+        ``window`` tokens): before a trim pops raw entries, so that the log left reaches back
+        as far as the general path's would."""
+        base, entries = self.base_log, self.entries
+        if base is None or entries is None or not base.entries:
+            return
+        kept, tokens = base.entries, base.tokens + len(entries)
+        while kept and tokens - kept[0].length >= base.window:
+            tokens -= kept[0].length
+            kept = kept[1:]
+        if len(kept) != len(base.entries):
+            self.base_log = UndoLog(base.window, kept)
+
     def leave(self, to_entry: Callable[[Any], Entry]) -> UndoLog | None:
         """Stop mirroring the offset; the undo log the general path would hold now: the
         entries (each made by ``to_entry`` from its raw form) pushed onto the log the layer
