@@ -40,5 +40,6 @@ def test_allocation_quality_smoke(tmp_path: Path, run_bench_smoke: Any) -> None:
         ("tova", "global"),
     } <= modes
     rows = {(r["method"], r["allocation"]) for r in out["retrieval"]["rows"]}
-    assert ("full", None) in rows and modes - {("full", None)} <= rows
+    asked = {("kvzip", "global"), ("snapkv", "global"), ("tova", "global")}
+    assert rows == {("full", None)} | asked  # the smoke run asks only the global modes
     assert (tmp_path / "figures" / "allocation_quality.png").stat().st_size > 0

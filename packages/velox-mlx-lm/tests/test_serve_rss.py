@@ -37,7 +37,7 @@ MIB = 1 << 20
 BASE_MARGIN = 384 * MIB
 ACTIVATION_MARGIN = 192 * MIB
 IDLE_MARGIN = 48 * MIB
-CONVERSATIONS = 16
+CONVERSATIONS = 10
 
 
 def converse(server: Server, i: int, outcomes: list[tuple[int, Any]]) -> None:

@@ -65,13 +65,16 @@ class AllocationSettings:
     modes: tuple[str, ...] | None = None  # None: every mode a method accepts
     # (method, allocation) pairs to run, when not every one of ``methods`` x ``modes``
     only: tuple[tuple[str, str], ...] | None = None
+    # the pairs retrieval runs (beside the full cache), when not every pair perplexity runs
+    retrieval_only: tuple[tuple[str, str], ...] | None = None
     model: str = DEFAULT_MODEL  # an embedded model (velox_mlx_lm.embedded)
 
     @classmethod
     def smoke_run(cls) -> AllocationSettings:
         """CI size: one budget, a 200-token prompt, one retrieval trial; KVzip in every mode,
         SnapKV (its prompt end cuts) and TOVA (its first single token cuts) uniform and
-        ``global`` (the bench checks every mode's bytes against the method's uniform cut)."""
+        ``global`` (the bench checks every mode's bytes against the method's uniform cut);
+        retrieval for the ``global`` ones only (the CI time of a run is mostly its questions)."""
         return cls(
             methods=("kvzip", "snapkv", "tova"),
             only=(
@@ -83,6 +86,7 @@ class AllocationSettings:
                 ("tova", "uniform"),
                 ("tova", "global"),
             ),
+            retrieval_only=(("kvzip", "global"), ("snapkv", "global"), ("tova", "global")),
             budgets=(64,),
             prompt_tokens=200,
             continuation=32,
@@ -181,7 +185,8 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
     n_ppl = (1 + len(rows) * len(settings.budgets)) * (
         settings.prompt_tokens + settings.continuation
     )
-    n_ret = (1 + len(rows)) * settings.n_trials * settings.retrieval_tokens if chat else 0
+    asked = [r for r in rows if settings.retrieval_only is None or r in settings.retrieval_only]
+    n_ret = (1 + len(asked)) * settings.n_trials * settings.retrieval_tokens if chat else 0
     progress = Progress(n_ppl + n_ret)
     total = settings.prompt_tokens + settings.continuation
     document = corpus.most_recent(1, total, encode)[0]
@@ -214,7 +219,7 @@ def evaluate(settings: AllocationSettings) -> dict[str, Any]:
                 }
             )
             progress.advance(total)
-    by_depth = _retrieval(model, tokenizer, rows, settings, progress) if chat else []
+    by_depth = _retrieval(model, tokenizer, asked, settings, progress) if chat else []
     progress.close()
     return {
         "settings": asdict(settings),
