@@ -442,8 +442,3 @@ def attend_weights(
     lane_total = mx.take_along_axis(total, owner[:, :, None], axis=1)  # [B, N, M]
     weights_per_row = (p / lane_total[..., None]).mean(axis=2)  # [B, N, W]
     return out.reshape(B, H_q, L, Dv).astype(queries.dtype), weights_per_row
-
-
-def retained(lanes: Lanes | None) -> int:
-    """Rows the lanes hold per batch row (0 without lanes)."""
-    return 0 if lanes is None else lanes.n_lanes * lanes.width
