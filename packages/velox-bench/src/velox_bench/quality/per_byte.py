@@ -65,7 +65,7 @@ class PerByteSettings:
             methods=("tova",),
             retrieval_budget=8,
             retrieval_methods=("tova",),
-            retrieval_tokens=200,
+            retrieval_tokens=120,
             trials=1,
             chunk=32,
             smoke=True,
