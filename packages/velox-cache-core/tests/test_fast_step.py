@@ -45,6 +45,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# the shapes every property test here draws: policy case, batch rows, KV heads, GQA ratio
+SHAPES = {
+    "case": st.sampled_from(sorted(CASES)),
+    "B": st.integers(1, 2),
+    "H": st.integers(1, 3),
+    "group": st.integers(1, 3),
+}
+
+
 @contextmanager
 def fast(on: bool) -> Iterator[None]:
     before = FS.ENABLED
@@ -215,10 +224,7 @@ def test_fast_path_decides_at_once_without_queries(case: str) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    case=st.sampled_from(sorted(CASES)),
-    B=st.integers(1, 2),
-    H=st.integers(1, 3),
-    group=st.integers(1, 3),
+    **SHAPES,
     budget=st.integers(4, 12),
     n_sink=st.integers(0, 3),
     prompt=st.integers(1, 20),
@@ -403,10 +409,7 @@ def test_a_chunk_whose_trace_leaves_the_steady_state_runs_its_steps_one_by_one(
 
 @settings(max_examples=20, deadline=None)
 @given(
-    case=st.sampled_from(sorted(CASES)),
-    B=st.integers(1, 2),
-    H=st.integers(1, 3),
-    group=st.integers(1, 3),
+    **SHAPES,
     budget=st.integers(4, 10),
     chunks=st.lists(st.integers(2, 7), min_size=1, max_size=8),
     trims=st.lists(st.integers(0, 6), max_size=8),
@@ -546,10 +549,7 @@ def test_trims_on_the_decode_path_equal_the_general_path(case: str) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    case=st.sampled_from(sorted(CASES)),
-    B=st.integers(1, 2),
-    H=st.integers(1, 3),
-    group=st.integers(1, 3),
+    **SHAPES,
     budget=st.integers(4, 10),
     calls=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=10),
     window=st.integers(1, 10),
