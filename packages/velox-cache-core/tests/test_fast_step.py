@@ -326,6 +326,20 @@ def test_bad_queries_on_the_fast_path_change_nothing() -> None:
     assert layer.state.offset == before.offset + 1
 
 
+def _as_fast_took(
+    fast_layer: Layer, slow_layer: Layer, k: mx.array, v: mx.array, q: mx.array
+) -> mx.array:
+    """The call the fast layer just took, on the general layer: token by token (each token as
+    its own array, as a decode step gets it) when the fast one ran it as decode steps, else
+    whole (the general path took the chunk on both); its attention output."""
+    with fast(False):
+        if not fast_layer.stepped:
+            return _call(slow_layer, k, v, q)
+        L = int(k.shape[2])
+        one = [[mx.contiguous(x[:, :, j : j + 1]) for x in (k, v, q)] for j in range(L)]
+        return mx.concatenate([_call(slow_layer, *token) for token in one], axis=2)
+
+
 def _drive_chunks(
     case: str, *, B: int, H: int, group: int, budget: int, chunks: list[int], trims: list[int],
     seed: int,
@@ -351,13 +365,9 @@ def _drive_chunks(
             if fast_layer.stepped:  # one undo entry per token: a trim only pops entries
                 entries = fast_layer.log.entries if fast_layer.log is not None else ()
                 assert all(e.length == 1 and e.inputs is None for e in entries[-L:])
-        with fast(False):
-            if fast_layer.stepped:  # each token as its own array, as a decode step gets it
-                one = [[mx.contiguous(x[:, :, j : j + 1]) for x in (k, v, q)] for j in range(L)]
-                outs = [_call(slow_layer, *token) for token in one]
-            else:  # the general path took the chunk on both
-                outs = [_call(slow_layer, k, v, q)]
-        _equal(out_fast, mx.concatenate(outs, axis=2), f"attention output, chunk {i}")
+        _equal(
+            out_fast, _as_fast_took(fast_layer, slow_layer, k, v, q), f"attention output, chunk {i}"
+        )
         _same_layers(fast_layer, slow_layer)
         _trim_both(fast_layer, slow_layer, trims[i] if i < len(trims) else 0, L)
     return stepped
@@ -513,13 +523,9 @@ def _drive_hot_trims(
         k, v, q = draw(L)
         with fast(True):
             out_fast = _call(fast_layer, k, v, q)
-        with fast(False):
-            if L == 1 or fast_layer.stepped:  # as decode steps: each token as its own array
-                one = [[mx.contiguous(x[:, :, j : j + 1]) for x in (k, v, q)] for j in range(L)]
-                out_slow = mx.concatenate([_call(slow_layer, *token) for token in one], axis=2)
-            else:  # the general path took the chunk on both
-                out_slow = _call(slow_layer, k, v, q)
-        _equal(out_fast, out_slow, f"attention output, call {i}")
+        _equal(
+            out_fast, _as_fast_took(fast_layer, slow_layer, k, v, q), f"attention output, call {i}"
+        )
         log = slow_layer.log
         if n and log is not None and n <= log.tokens:
             hot = fast_layer.hot
