@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from velox_cache_core import fast_step
+from velox_cache_core.decode.evicting import Evicting
 from velox_mlx_lm import KVCacheBuilder, KVCacheConfig
 
 METHODS = {
@@ -21,10 +22,15 @@ METHODS = {
 }
 
 
-def _decode(model, method: str, on: bool, prompt: mx.array, steps: int) -> tuple[list, list]:
+def _decode(
+    model, method: str, on: bool, prompt: mx.array, steps: int, defer: bool = True
+) -> tuple[list, list]:
     fast_step.ENABLED = on
     try:
         caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **METHODS[method]))
+        if not defer:  # rows another layer may read: every step writes before it attends
+            for c in caches:
+                c.shared_rows = True
         logits = model(prompt, cache=caches)[:, -1:]
         outs = []
         y = mx.argmax(logits, axis=-1)
@@ -61,3 +67,57 @@ def test_fast_decode_is_the_general_path(tiny_model, h, arch: str, method: str) 
                 assert np.array_equal(np.array(a[name]), np.array(b[name])), name
             else:
                 assert a[name] == b[name], name
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming_llm", "morphkv"])
+def test_deferred_writes_equal_written_ones(tiny_model, h, monkeypatch, method: str) -> None:
+    """A model that hands update_and_fetch's arrays back to the hook untouched gets decode steps
+    that write their token in attend, with the decision, in one compiled call: the same logits,
+    states and trims as steps that write first (both on the decode path)."""
+    deferred: list[bool] = []
+    write = Evicting.write
+
+    def spy(self, *args, **kwargs):
+        out = write(self, *args, **kwargs)
+        deferred.append(self.deferred is not None)
+        return out
+
+    monkeypatch.setattr(Evicting, "write", spy)
+    model = tiny_model("llama")
+    prompt = h.random_tokens(17, seed=6)
+    one_out, one_states = _decode(model, method, True, prompt, 12)
+    n_deferred = sum(deferred)
+    deferred.clear()
+    two_out, two_states = _decode(model, method, True, prompt, 12, defer=False)
+    assert not any(deferred)
+    layers = len(one_states) - 1
+    # every layer's steps but its first on the decode path (it learns how the model attends)
+    # and the one after the trim (the layer left the path) write in attend
+    assert n_deferred >= layers * (12 - 4)
+    assert all(one_states[-1]) and all(two_states[-1])
+    for a, b in zip(one_out, two_out, strict=True):
+        assert np.array_equal(a, b)
+    for a, b in zip(one_states[:-1], two_states[:-1], strict=True):
+        for name in a:
+            if isinstance(a[name], mx.array):
+                assert np.array_equal(np.array(a[name]), np.array(b[name])), name
+            else:
+                assert a[name] == b[name], name
+
+
+def test_a_model_attending_otherwise_after_deferred_writes_is_an_error(tiny_model, h) -> None:
+    """After decode steps that handed the rows back untouched, a step whose attention brings
+    keys of its own cannot be served (its token is not written yet): a RuntimeError saying so."""
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="tova", tova_budget=10))
+    y = mx.argmax(model(h.random_tokens(17, seed=7), cache=caches)[:, -1:], axis=-1)
+    for _ in range(3):
+        y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
+    cache = caches[0]
+    hot = cache.layer.hot
+    assert hot is not None
+    keys = mx.zeros(hot.token[0])
+    k, v = cache.update_and_fetch(keys, keys)
+    assert hot.deferred is not None
+    with pytest.raises(RuntimeError, match="update_and_fetch"):
+        cache.attend(keys, 0.25, None, None, keys=k + 0, values=v)

@@ -236,6 +236,38 @@ def steps_kernel(
     return kernel
 
 
+def joined_kernel(
+    policy: Policy,
+    template: Any,
+    kernels: Kernels,
+    settings: tuple[float, bool, float | None, bool],
+    prefetched: bool,
+) -> Kernel:
+    """One decode step's write kernel and decision kernel traced into one call (a deferred
+    write, :meth:`velox_cache_core.decode.evicting.Evicting.write`): (the write's outputs, the
+    decision's)."""
+    write = write_kernel(policy, template, prefetched=prefetched)
+    decide = decide_kernel(policy, template, kernels.running, kernels.key[2], settings)
+    pins_at = kernels.running.index("pins")
+
+    def kernel(
+        keys: mx.array,
+        values: mx.array,
+        positions: mx.array,
+        free: list[mx.array],
+        new_keys: mx.array,
+        new_values: mx.array,
+        query: list[mx.array],
+        start: mx.array,
+        old: list[list[Any]],
+    ) -> Any:
+        wrote = write(keys, values, positions, free, new_keys, new_values, start, old[pins_at])
+        k, v, p, written, _ = wrote
+        return wrote, decide(k, v, p, written, new_keys, new_values, query, start, old)
+
+    return kernel
+
+
 def kinds_after(changes: list[list[Any]]) -> tuple[str | None, ...]:
     """The kinds of a decision kernel's running fields (flat: a history is a tuple)."""
     return tuple(

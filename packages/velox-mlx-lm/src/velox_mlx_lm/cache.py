@@ -73,6 +73,11 @@ class PolicyKVCache(VeloxKVCache):
     # gemma3n, afm7): the builder says no for a model with a cache per layer; if not, a call
     # off the decode path drops its copies once attended (Layer.release)
     shared_rows: bool = True
+    # whether the model hands what update_and_fetch returned back to attend untouched (seen
+    # at a decode step: True; keys of its own or an additive mask: False for good): a decode
+    # step that waits for its queries then writes its token in attend, with the decision
+    # (velox_cache_core.decode.evicting.Evicting.write's defer)
+    _as_returned: bool | None = None
     # positions="compact": the layer's compaction (None: absolute positions), and the shift
     # the queries of the call in flight still need (the model rotated them before the shift)
     _compaction: Compaction | None = None
@@ -429,7 +434,8 @@ class PolicyKVCache(VeloxKVCache):
         layer = self._layer
         hot = layer.hot
         if hot is not None and keys.shape[2] == 1:  # decoding: the decode path's own step
-            fetched = hot.write(keys, values)
+            defer = self._as_returned is True and not self.shared_rows and comp is None
+            fetched = hot.write(keys, values, defer=defer)
             if fetched is not None:
                 self._returned = fetched
                 return fetched
@@ -479,8 +485,19 @@ class PolicyKVCache(VeloxKVCache):
             out = None if hot is None else hot.attend(queries, scale, sinks)
             if out is None:
                 out = self._layer.attend(queries, scale, sinks)
+            elif keys is not None and self._as_returned is None:
+                self._as_returned = True
         else:
             assert keys is not None and values is not None
+            self._as_returned = False
+            hot = self._layer.hot
+            if hot is not None and hot.deferred is not None:
+                raise RuntimeError(
+                    "the model attended over keys/values other than what update_and_fetch "
+                    "returned, at a decode step after steps that handed them back untouched "
+                    "(the step's token was not written yet): a model must attend the same "
+                    "way at every decode step"
+                )
             scores = mask if additive(mask) else None
             out = self._layer.attend_rows(
                 queries, keys, values, scale=scale, scores=scores, sinks=sinks

@@ -8,7 +8,8 @@ entry per token:
 
 - :class:`~velox_cache_core.decode.evicting.Evicting`: an evicting policy at its budget (TOVA,
   H2O, StreamingLLM, MorphKV: ``Policy.compiled_decode``): write into the dead slot, score,
-  pick the next one, attend, in two compiled kernels;
+  pick the next one, attend, in two compiled kernels (one, when the caller hands the written
+  rows back untouched: ``Evicting.write``'s ``defer``);
 - :class:`~velox_cache_core.decode.appending.Appending`: a policy that only appends after its
   prompt (SnapKV after its cut: ``Policy.appends_now``): the token written in place into
   reserved rows, nothing to decide.

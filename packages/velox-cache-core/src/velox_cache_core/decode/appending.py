@@ -50,10 +50,13 @@ class Appending(Store):
         """The buffers, to evaluate them in place."""
         return list(self.buffers)
 
-    def write(self, keys: Any, values: Any, decide: bool = True) -> tuple[Any, Any] | None:
+    def write(
+        self, keys: Any, values: Any, decide: bool = True, defer: bool = False
+    ) -> tuple[Any, Any] | None:
         """Append the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` in place; the
         store with it out, or ``None`` when it is not a token of the store's shape and dtype
-        or the reserve is full (nothing changed)."""
+        or the reserve is full (nothing changed). ``defer`` changes nothing here (nothing is
+        decided)."""
         token = self.token
         n = self.n
         buf_k, buf_v, buf_p = self.buffers

@@ -101,12 +101,20 @@ class Evicting(Store):
             v_dtype,
         )
 
-    def write(self, keys: Any, values: Any, decide: bool = True) -> tuple[Any, Any] | None:
+    def write(
+        self, keys: Any, values: Any, decide: bool = True, defer: bool = False
+    ) -> tuple[Any, Any] | None:
         """Write the decode token ``keys``/``values`` ``[B, H_kv, 1, D]`` into its slot (the
         one the last step freed, or the one ``evict_before`` frees) as :attr:`flight`, the
         store unchanged until the decision; what the model attends over (the store with it,
         in slot order) out, or ``None`` when the step is not one this path takes (nothing
-        changed). A step that does not wait for its queries is decided now (``decide``)."""
+        changed). A step that does not wait for its queries is decided now (``decide``).
+
+        ``defer``: the caller hands the returned arrays back to :meth:`attend` untouched
+        (mlx-lm's attention through the hook), so a step that waits for its queries returns
+        the token's own ``keys``/``values`` and writes it in :meth:`attend`, in the same
+        compiled call as the decision (:func:`velox_cache_core.fast_step.joined_kernel`):
+        one compiled call a step instead of two, the same rows and decisions."""
         if not self.steady or not (self.flight is self.decided is self.chunk is None):
             return None  # not steady, or a call in flight
         if keys.__class__ is not mx.array or values.__class__ is not mx.array:
@@ -116,24 +124,31 @@ class Evicting(Store):
         kernels = self.kernels
         ahead = self.ahead
         prefetched = ahead is not None
-        kernel = kernels.write.get(prefetched) or self._compile_write(prefetched)
         free = [] if self.free is None else [self.free]
         if ahead is not None:  # evict_before's slot and its row, read by the step before
             free = [ahead[0]]
         start = mx.array(self.offset, dtype=mx.int32)
-        pins = self.running[self.pins_at]
-        k, v, p, written, row = kernel(
-            self.keys, self.values, self.positions, free, keys, values, start, pins
-        )
-        if ahead is not None:
-            row = ahead[1:]
-        self.flight = (keys, values, k, v, p, written, row or None, start)
+        deferring = defer and decide and kernels.waits
+        if deferring:  # written in attend, with the decision
+            self.deferred = (free, prefetched)
+            self.flight = (keys, values, None, None, None, None, ahead and ahead[1:], start)
+        else:
+            kernel = kernels.write.get(prefetched) or self._compile_write(prefetched)
+            pins = self.running[self.pins_at]
+            k, v, p, written, row = kernel(
+                self.keys, self.values, self.positions, free, keys, values, start, pins
+            )
+            if ahead is not None:
+                row = ahead[1:]
+            self.flight = (keys, values, k, v, p, written, row or None, start)
         self.ahead = self.shared = self.decided = None
         mirror = self.mirror
         if mirror is not None:
             mirror["offset"] = self.offset + 1
         if decide:  # a decode token, not one of a chunk's
             self.stepped = []
+        if deferring:
+            return keys, values
         if kernels.waits or not decide:
             return k, v
         own = 1.0 / math.sqrt(int(keys.shape[3]))
@@ -201,10 +216,36 @@ class Evicting(Store):
         the kernel attended, the query's weights when the rule computed them)."""
         flight = self.flight
         assert flight is not None
-        keys, values, k, v, p, written, _, start = flight
+        keys, values, k, v, p, written, row, start = flight
         full = (*settings, self.prefetch_next, queries is None)
-        kernel, same = self.kernels.decide.get(full) or self._compile_decide(full)
         query = [] if queries is None else [queries]
+        if k is None:  # a deferred write: the write and the decision in one call
+            assert self.deferred is not None
+            free, prefetched = self.deferred
+            self.deferred = None
+            joined_key = ("joined", prefetched, *full)
+            found = self.kernels.decide.get(joined_key)
+            if found is None:
+                made = FS.joined_kernel(
+                    self.policy, self.template, self.kernels, full[:4], prefetched
+                )
+                found = self.kernels.decide[joined_key] = (mx.compile(made), [])
+            kernel, same = found
+            wrote, outputs = kernel(
+                self.keys,
+                self.values,
+                self.positions,
+                free,
+                keys,
+                values,
+                query,
+                start,
+                self.running,
+            )
+            k, v, p, written, made_row = wrote
+            flight = self.flight = (keys, values, k, v, p, written, row or made_row or None, start)
+            return self._take(flight, outputs, same)
+        kernel, same = self.kernels.decide.get(full) or self._compile_decide(full)
         outputs = kernel(k, v, p, written, keys, values, query, start, self.running)
         return self._take(flight, outputs, same)
 

@@ -34,6 +34,7 @@ class Store:
         "base_log",
         "chunk",
         "decided",
+        "deferred",
         "entries",
         "flight",
         "heads",
@@ -71,6 +72,9 @@ class Store:
         self.flight: Any = None
         self.chunk: tuple[Any, Any] | None = None
         self.decided: Any = None
+        # a decode token whose write waits for its queries (Evicting.write's defer): the
+        # write's inputs beside the token (the dead slot, whether evict_before's was read ahead)
+        self.deferred: tuple[list[mx.array], bool] | None = None
         self.shared: tuple[Any, Any] | None = None
         self.stepped: list[tuple[int, int, Step]] = []
         self.steady = True
