@@ -26,7 +26,7 @@ from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.declarations import PolicyState
 from velox_cache_core.engine import Step
 from velox_cache_core.policy import Policy
-from velox_cache_core.store import rows as R
+from velox_cache_core.store.rows import quant_of
 from velox_cache_core.undo import UndoLog
 from velox_cache_core.validation import check_kv
 
@@ -39,7 +39,7 @@ def row_signature(state: PolicyState) -> dict[str, Any]:
     sig: dict[str, Any] = {"policy state": type(state).__name__, **state.settings}
     if state.slots is not None:
         _, H, _, D = state.slots.keys.shape
-        quant = R.quant_of(state.slots.keys)
+        quant = quant_of(state.slots.keys)
         sig.update({"H_kv": H, "D": D, "dtype": str(state.slots.keys.dtype), "quant": quant})
     return sig
 

@@ -12,10 +12,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import demoted as DM
-from velox_cache_core import pins as PN
+from velox_cache_core import demoted, pins
 from velox_cache_core.distributed import summing_over
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.undo import UndoLog
 from velox_cache_core.validation import check_int
 
@@ -24,7 +23,7 @@ def take_cut(layer: Any, state: Any) -> None:
     """Take ``state``, this layer cut by a model-wide allocation or a model-driven phase (the
     cut cannot be undone: the log is cleared)."""
     before, layer.state = layer.state, state
-    DM.cut(layer, before)
+    demoted.cut(layer, before)
     forget_call(layer)
     if layer.log is not None:
         layer.log = layer.log.cleared()
@@ -47,7 +46,7 @@ def end_prompt(layer: Any) -> None:
     layer.settle()
     before = layer.state
     layer.state = end_prompt_now(layer, before)
-    DM.cut(layer, before)
+    demoted.cut(layer, before)
     forget_call(layer)
 
 
@@ -73,14 +72,14 @@ def pin(layer: Any, start: int, stop: int) -> None:
     count in the budget; ``ValueError`` and no change when they do not fit
     (:mod:`velox_cache_core.pins`)."""
     layer.settle()
-    layer.state = PN.pin(layer.policy, layer.state, start, stop)
+    layer.state = pins.pin(layer.policy, layer.state, start, stop)
 
 
 def trimmable_tokens(layer: Any) -> int:
     """With a demoted tier: how many of the last tokens :meth:`trim` takes back now (within the
     last call); without one, the undo log's reach."""
     if layer.demote is not None:
-        return DM.reach(layer)
+        return demoted.reach(layer)
     return 0 if layer.log is None else int(layer.log.tokens)
 
 
@@ -106,7 +105,7 @@ def trim(layer: Any, n: int) -> None:
         )
     if layer.demote is not None:  # within the last call (velox_cache_core.demoted)
         check_int("n", n, minimum=0)
-        DM.trim(layer, n)
+        demoted.trim(layer, n)
         return
     with summing_over(layer.group):
         layer.state, layer.log = layer.policy.trim(layer.state, layer.log, n)
@@ -129,5 +128,5 @@ def tie(layer: Any, value: mx.array) -> None:
     slots = layer.state.slots
     if slots is None:
         return
-    tied = R.tie(slots.keys, [value])
+    tied = rows.tie(slots.keys, [value])
     layer.state = replace(layer.state, slots=replace(slots, keys=tied))

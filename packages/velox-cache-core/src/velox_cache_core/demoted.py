@@ -38,7 +38,7 @@ from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import STEPPED_CHUNK, SUBCHUNK, Waiting
 from velox_cache_core.scoring import grouped_logits
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.tier import Tier, TierSpec, demote, demote_one
@@ -68,8 +68,8 @@ class TierUndo:
     and ``sinks`` (to decide its first tokens again)."""
 
     tier: Tier | None
-    keys: R.Rows
-    values: R.Rows
+    keys: rows.Rows
+    values: rows.Rows
     queries: mx.array
     scale: float
     sinks: mx.array | None
@@ -141,8 +141,8 @@ def scores_of(spec: TierSpec, probs: mx.array) -> mx.array:
 
 def victims(
     before: KVSlots | None,
-    keys: R.Rows | None,
-    values: R.Rows | None,
+    keys: rows.Rows | None,
+    values: rows.Rows | None,
     start: int,
     after: KVSlots | None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
@@ -152,13 +152,13 @@ def victims(
     ks, vs, ps = [], [], []
     if before is not None:
         live = before.compact()
-        ks.append(R.dense(live.keys))
-        vs.append(R.dense(live.values))
+        ks.append(rows.dense(live.keys))
+        vs.append(rows.dense(live.values))
         ps.append(live.positions)
     if keys is not None and values is not None and int(keys.shape[2]):
         B, H, L = (int(s) for s in keys.shape[:3])
-        ks.append(R.dense(keys))
-        vs.append(R.dense(values))
+        ks.append(rows.dense(keys))
+        vs.append(rows.dense(values))
         ps.append(mx.broadcast_to(start + mx.arange(L, dtype=mx.int32), (B, H, L)))
     if not ps:
         return None
@@ -189,8 +189,8 @@ def demote_gone(
     tier: Tier | None,
     before: Any,
     after: Any,
-    keys: R.Rows | None = None,
-    values: R.Rows | None = None,
+    keys: rows.Rows | None = None,
+    values: rows.Rows | None = None,
     weights: tuple[mx.array, mx.array] | None = None,
 ) -> Tier | None:
     """``tier`` with what went between states ``before`` and ``after`` demoted into it
@@ -215,7 +215,7 @@ def demote_gone(
 
 
 def _evicted_by_step(
-    keys: R.Rows | None, after: KVSlots | None
+    keys: rows.Rows | None, after: KVSlots | None
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """A decode step's victim where the step left it, without comparing positions: the dead
     slot of the state after a single-token call that evicted (its row is still in place)."""
@@ -225,8 +225,8 @@ def _evicted_by_step(
         return None  # keys per channel: a row is read through the groups (the general way)
     at = after.free[:, :, None]
     return (
-        R.dense(R.take(after.keys, at)),
-        R.dense(R.take(after.values, at)),
+        rows.dense(rows.take(after.keys, at)),
+        rows.dense(rows.take(after.values, at)),
         mx.take_along_axis(after.positions, at, axis=2),
     )
 

@@ -18,7 +18,7 @@ from velox_cache_core.declarations import PolicyState, Traits
 from velox_cache_core.lanes import LaneRule, Lanes, attend_weights, rows_at, victims
 from velox_cache_core.lanes import write as write_row
 from velox_cache_core.masks import chunk_causal, expand_heads
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
@@ -41,8 +41,8 @@ class Step:
     (per KV head, no queries given: repeat each row over its query group).
     """
 
-    keys: R.Rows
-    values: R.Rows
+    keys: rows.Rows
+    values: rows.Rows
     mask: mx.array | None
     state: Any
     log: UndoLog | None = None  # the undo log after the call, when one was given
@@ -65,8 +65,8 @@ class Call:
     """One validated update call. keys/values ``[B, H_kv, L, D]`` (full precision, or
     quantized as the store is), queries ``[B, H_q, L, D]``."""
 
-    keys: R.Rows
-    values: R.Rows
+    keys: rows.Rows
+    values: rows.Rows
     queries: mx.array | None
     scale: float
     start: int  # absolute position of the first new token
@@ -89,7 +89,7 @@ class Call:
         if signal == "query":
             assert self.queries is not None
             return self.queries
-        return R.dense(self.keys)
+        return rows.dense(self.keys)
 
     def positions(self) -> mx.array:
         """int32 ``[L]`` positions of the new tokens (``[B, 1, L]`` with per-row starts)."""
@@ -160,7 +160,7 @@ def check_fits(slots: KVSlots | None, keys: Any, values: Any, *, stored: bool = 
         dtype=slots.keys.dtype,
         value_dim=int(slots.values.shape[3]),
     )
-    held, given = R.quant_of(slots.keys), R.quant_of(keys)
+    held, given = rows.quant_of(slots.keys), rows.quant_of(keys)
     if stored and held != given:
         raise TypeError(
             f"keys are {'quantized as ' + str(given) if given else 'full precision'}, but the "
@@ -389,7 +389,7 @@ def decide(policy: Policy, laid: Laid, log: UndoLog | None = None) -> Step:
         log = log.push(entry)
         # Evaluate the entry's rows with this call's attention (which reads the values), so they
         # hold no lazy reference to slots the next call overwrites in place.
-        values = R.tie(values, [*entry.arrays(), *log.compacted()])
+        values = rows.tie(values, [*entry.arrays(), *log.compacted()])
     return Step(
         candidates.keys, values, mask, after, log, decision.probs, state.lanes,
         positions=candidates.positions,
@@ -414,7 +414,7 @@ def _lane_token(
         out, weights = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)
     else:
         if probe == "key":
-            key = R.dense(call.keys[:, :, i : i + 1])
+            key = rows.dense(call.keys[:, :, i : i + 1])
             weights = attend_weights(key, lanes, tail.keys, tail.values, None, call.scale)[1]
         if q is not None:
             out = attend_weights(q, lanes, tail.keys, tail.values, None, call.scale)[0]

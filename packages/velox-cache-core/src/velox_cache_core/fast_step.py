@@ -40,7 +40,7 @@ from velox_cache_core.declarations import running_fields, setting_fields
 from velox_cache_core.engine import Call
 from velox_cache_core.history import History
 from velox_cache_core.policy import Policy
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import _gather, running_names
 
@@ -387,7 +387,9 @@ def _joined_kernel(
 ) -> tuple[Any, Any]:
     """``retained + new``: the live rows of a store with a dead slot, then a call's rows."""
     live = KVSlots(keys, values, positions, free).compact()
-    return R.concat([live.keys, new_keys], axis=2), R.concat([live.values, new_values], axis=2)
+    return rows.concat([live.keys, new_keys], axis=2), rows.concat(
+        [live.values, new_values], axis=2
+    )
 
 
 _joined = mx.compile(_joined_kernel)
@@ -402,4 +404,4 @@ def retained_plus_new(slots: KVSlots, keys: Any, values: Any) -> tuple[Any, Any]
     ):
         return _joined(slots.keys, slots.values, slots.positions, slots.free, keys, values)
     live = slots.compact()
-    return R.concat([live.keys, keys], axis=2), R.concat([live.values, values], axis=2)
+    return rows.concat([live.keys, keys], axis=2), rows.concat([live.values, values], axis=2)

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from velox_cache_core.engine import Laid, Step
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 
 # Queries per internal sub-chunk of a long sequential-mode chunk (mlx-lm prefills 2048 at once):
 # sequential mode does not depend on how a chunk is split, and sub-chunks keep the scan and the
@@ -34,8 +34,8 @@ class Mode(enum.Enum):
 class Waiting:
     """A call laid out and waiting for its queries. keys/values ``[B, H_kv, L, D]``."""
 
-    keys: R.Rows
-    values: R.Rows
+    keys: rows.Rows
+    values: rows.Rows
 
 
 # A chunk of at most this many tokens, at the budget on the decode path, runs as decode steps

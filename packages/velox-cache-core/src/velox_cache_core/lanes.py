@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.scoring import exp
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import LANES_REFUSED, KRows
 from velox_cache_core.store.rows import QUANTIZED, Rows
 from velox_cache_core.store.slots import KVSlots
@@ -119,7 +119,12 @@ class Lanes:
         return int(self.positions.shape[2])
 
     def arrays(self) -> list[mx.array]:
-        out = [*R.arrays(self.keys), *R.arrays(self.values), self.positions, self.owner]
+        out = [
+            *store_rows.arrays(self.keys),
+            *store_rows.arrays(self.values),
+            self.positions,
+            self.owner,
+        ]
         return out + [a for a in (self.free, self.scores) if a is not None]
 
     def row_heads(self) -> mx.array:
@@ -138,7 +143,7 @@ class Lanes:
     def nbytes(self) -> int:
         """Bytes of the keys and values held (every lane's rows, nothing padded)."""
         # row_bytes is one row in every (batch row, lane); a lane holds ``width`` of them
-        return self.width * (R.row_bytes(self.keys) + R.row_bytes(self.values))
+        return self.width * (store_rows.row_bytes(self.keys) + store_rows.row_bytes(self.values))
 
     def per_head(self, heads: int) -> KVSlots:
         """The rows as an ordinary store, each head padded to the fullest one (keys and
@@ -166,7 +171,7 @@ class Lanes:
             idx = index.reshape(B, heads * cap, *([1] * len(tail)))
             return mx.take_along_axis(flat_rows, idx, axis=1).reshape(B, heads, cap, *tail)
 
-        keys, values = R.dense(self.keys), R.dense(self.values)
+        keys, values = store_rows.dense(self.keys), store_rows.dense(self.values)
         live = self.positions
         if self.free is not None:  # a dead row is no row of the head's
             dead = mx.arange(N * W)[None, None, :] == self.free[..., None]  # [B, H, N * W]
@@ -229,8 +234,8 @@ def cut(
 
     owner = (idx[:, ::width] // n).astype(mx.int32)
     return Lanes(
-        keys=R.apply(live.keys, gather),
-        values=R.apply(live.values, gather),
+        keys=store_rows.apply(live.keys, gather),
+        values=store_rows.apply(live.values, gather),
         positions=gather(live.positions),
         owner=owner,
         scores=None if keep_scores is None else gather(keep_scores.astype(mx.float32)),
@@ -288,8 +293,8 @@ def write(
     if scores is not None:
         scores = put(scores[..., None], mx.full((B, H, 1), score, dtype=mx.float32))[..., 0]
     return Lanes(
-        keys=R.write(lanes.keys, keys, put),
-        values=R.write(lanes.values, values, put),
+        keys=store_rows.write(lanes.keys, keys, put),
+        values=store_rows.write(lanes.values, values, put),
         positions=put(lanes.positions[..., None], pos[..., None])[..., 0],
         owner=lanes.owner,
         free=None,
@@ -323,7 +328,11 @@ def rows_at(lanes: Lanes, idx: mx.array) -> KVSlots:
         at = idx.reshape(B, H, *([1] * len(tail)))
         return mx.take_along_axis(a.reshape(B, N * W, *tail), at, axis=1)[:, :, None]
 
-    return KVSlots(R.apply(lanes.keys, pick), R.apply(lanes.values, pick), pick(lanes.positions))
+    return KVSlots(
+        store_rows.apply(lanes.keys, pick),
+        store_rows.apply(lanes.values, pick),
+        pick(lanes.positions),
+    )
 
 
 def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array | None) -> Lanes:
@@ -334,8 +343,8 @@ def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array
         return replace(lanes, free=free, scores=scores)
     put = _putter(free)
     return Lanes(
-        keys=R.write(lanes.keys, rows.keys, put),
-        values=R.write(lanes.values, rows.values, put),
+        keys=store_rows.write(lanes.keys, rows.keys, put),
+        values=store_rows.write(lanes.values, rows.values, put),
         positions=put(lanes.positions[..., None], rows.positions[..., None])[..., 0],
         owner=lanes.owner,
         free=free,

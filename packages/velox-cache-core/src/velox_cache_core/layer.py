@@ -33,17 +33,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import between_calls as BC
-from velox_cache_core import demoted as DM
-from velox_cache_core import in_flight as IF
-from velox_cache_core import model_shares as MS
-from velox_cache_core import phase as PH
-from velox_cache_core import step_sums as SS
-from velox_cache_core import waiting as WT
-from velox_cache_core import without_queries as WQ
+from velox_cache_core import (
+    between_calls,
+    demoted,
+    in_flight,
+    model_shares,
+    phase,
+    step_sums,
+    waiting,
+    without_queries,
+)
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.decode import Hot
-from velox_cache_core.decode import switch as DS
+from velox_cache_core.decode import Hot, switch
 from velox_cache_core.distributed import StepSums, summing_over
 from velox_cache_core.engine import Step, check_fits
 from velox_cache_core.in_flight import (
@@ -55,7 +56,7 @@ from velox_cache_core.in_flight import (
 )
 from velox_cache_core.phase import Phase
 from velox_cache_core.policy import Policy
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
@@ -104,16 +105,16 @@ class Layer:
         self.mode: Mode = mode
         self.group = group
         self.quant = quant
-        self.demote = DM.check(policy, state, mode, demote)
+        self.demote = demoted.check(policy, state, mode, demote)
         self.tier: Tier | None = None  # the demoted rows (velox_cache_core.demoted)
         self.shared_tier: Tier | None = None  # the tier the last call attended
-        self.tier_undo: DM.TierUndo | None = None  # the tier before the last call (trims)
+        self.tier_undo: demoted.TierUndo | None = None  # the tier before the last call (trims)
         self.sums: StepSums | None = None
         self.index = 0
         self.phase: Phase | None = None
         # what the last lay_out returned, and the step its attention used: a layer sharing
         # this one's keys and values (KV sharing) attends over them again
-        self.fetched: tuple[R.Rows, R.Rows] | None = None
+        self.fetched: tuple[rows.Rows, rows.Rows] | None = None
         self.last: Step | None = None
         # the model layer this one serves, named in errors (set by whoever builds it)
         self.serves: str | None = None
@@ -129,7 +130,7 @@ class Layer:
     # -- copies: arrays are immutable, so a copy shares them; group and sums are shared ----------
     def __copy__(self) -> Layer:
         if self.hot is not None:  # a copy shares no mutable store
-            DS.cool(self)
+            switch.cool(self)
         out = Layer.__new__(Layer)
         out.__dict__.update(self.__dict__)
         out.phase = None if self.phase is None else copy.copy(self.phase)
@@ -146,34 +147,34 @@ class Layer:
         return out
 
     # -- wiring (the builder decides the mode once) --------------------------------------------
-    connect = SS.connect
-    share_step_sums = SS.share_step_sums
+    connect = step_sums.connect
+    share_step_sums = step_sums.share_step_sums
 
     # -- the state, its undo log and the call in flight (built from the decode path's rows) ---
     @property
     def state(self) -> Any:
         """The policy's frozen state (the decode path's rows, frozen, when decoding)."""
         if self.hot is not None:
-            DS.cool(self)
+            switch.cool(self)
         return self._state
 
     @state.setter
     def state(self, value: Any) -> None:
         if self.hot is not None:
-            DS.cool(self)
+            switch.cool(self)
         self._state = value
 
     @property
     def log(self) -> UndoLog | None:
         """The undo log (``None``: the layer keeps none)."""
         if self.hot is not None:
-            DS.cool(self)
+            switch.cool(self)
         return self._log
 
     @log.setter
     def log(self, value: UndoLog | None) -> None:
         if self.hot is not None:
-            DS.cool(self)
+            switch.cool(self)
         self._log = value
 
     @property
@@ -187,20 +188,20 @@ class Layer:
         """The call in flight, if any."""
         hot = self.hot
         if hot is not None and not hot.idle:
-            DS.cool(self)
+            switch.cool(self)
         return self._pending
 
     @pending.setter
     def pending(self, value: Pending) -> None:
         if value is not None and self.hot is not None:
-            DS.cool(self)
+            switch.cool(self)
         self._pending = value
 
     @property
     def fast_path(self) -> bool:
         """Whether this layer's next decode step (a token of the store's shape, nothing in
         flight) takes the decode path (:mod:`velox_cache_core.decode`)."""
-        return DS.fast_path(self)
+        return switch.fast_path(self)
 
     @property
     def stepped(self) -> list[tuple[int, int, Step]]:
@@ -259,21 +260,21 @@ class Layer:
         return self.state
 
     # -- 1. lay out a call -----------------------------------------------------------------------
-    def lay_out(self, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows]:
+    def lay_out(self, keys: mx.array, values: mx.array) -> tuple[rows.Rows, rows.Rows]:
         """``[B, H_kv, L, D]`` rotated keys/values in; ``retained + new`` out (one token written
         over an evicted slot: the same rows in slot order), quantized rows
         (:class:`~velox_cache_core.store.token_rows.QRows`) when the layer has a ``quant``."""
         L = int(keys.shape[2])
         if self.hot is not None:  # decoding: the decode path's rows (velox_cache_core.decode)
-            fetched = DS.lay_out_hot(self, keys, values)
+            fetched = switch.lay_out_hot(self, keys, values)
             if fetched is not None:
                 return fetched
         if self.stepped:
             self.stepped = []
-        if L <= IF.STEPPED_CHUNK and DS.may_go_fast(self):
+        if L <= in_flight.STEPPED_CHUNK and switch.may_go_fast(self):
             self.last = None
-            if DS.warm(self, L):
-                fetched = DS.lay_out_hot(self, keys, values)
+            if switch.warm(self, L):
+                fetched = switch.lay_out_hot(self, keys, values)
                 if fetched is not None:
                     return fetched
         if self.phase is not None:
@@ -298,7 +299,7 @@ class Layer:
         (validated first, so that a bad call changes nothing), else unchanged."""
         if self.demote is not None:  # the tier quantizes the value rows it demotes
             self.demote.check_width(int(values.shape[3]))
-        if self.quant is None or isinstance(keys, R.QUANTIZED):
+        if self.quant is None or isinstance(keys, rows.QUANTIZED):
             return keys, values
         check_fits(None, keys, values)
         self.quant.check_width(int(keys.shape[3]), "the keys' head_dim")
@@ -306,9 +307,9 @@ class Layer:
         return self.quant.quantize_keys(keys), self.quant.quantize(values)
 
     # a call waiting for its queries (velox_cache_core.waiting)
-    _waits = WT.waits
-    _wait = WT.wait
-    _with_new = WT.with_new
+    _waits = waiting.waits
+    _wait = waiting.wait
+    _with_new = waiting.with_new
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -316,7 +317,7 @@ class Layer:
         hot = self.hot
         if hot is not None:  # decoding (velox_cache_core.decode)
             if hot.chunk is not None:
-                return DS.attend_chunk(self, queries, scale, sinks)
+                return switch.attend_chunk(self, queries, scale, sinks)
             out = hot.attend(queries, scale, sinks)
             if out is not None:
                 return out
@@ -331,7 +332,7 @@ class Layer:
             return attend_step(queries, pending.step, scale, sinks)
         self.pending = pending
         if self.last is not None and self.demote is not None:  # ... with a tier
-            return DM.attend(queries, self.last, self.shared_tier, scale, sinks)[0]
+            return demoted.attend(queries, self.last, self.shared_tier, scale, sinks)[0]
         if self.last is not None:  # a layer sharing this one's keys and values
             return attend_step(queries, replace(self.last, probs=None), scale, sinks)
         if self.stepped:  # a short chunk run as steps: each query row over its own step
@@ -343,13 +344,13 @@ class Layer:
         raise RuntimeError("attend() called before update_and_fetch()")
 
     # attention over the model's own derived rows (velox_cache_core.without_queries)
-    attend_rows = WQ.attend_rows
+    attend_rows = without_queries.attend_rows
 
-    _decide_waiting = WT.decide
+    _decide_waiting = waiting.decide
 
     # -- 3. settle with the group's sums, or without the queries -------------------------------
     # a deferred decode step decided with the group's sums (velox_cache_core.step_sums)
-    finish = SS.finish
+    finish = step_sums.finish
 
     def settle(self) -> None:
         """Settle whatever is pending: a deferred step's sums are sent now (a collective:
@@ -361,9 +362,9 @@ class Layer:
         pending = self.pending
         if pending is not None:
             assert not isinstance(pending, Deferred)  # the flush decided it
-            WQ.settle(self, pending)
+            without_queries.settle(self, pending)
 
-    def keys_and_values(self) -> tuple[R.Rows, R.Rows]:
+    def keys_and_values(self) -> tuple[rows.Rows, rows.Rows]:
         """What the last call attended over (``retained + new``; the retained rows between
         calls), for layers that share this layer's keys and values."""
         if self.fetched is not None:
@@ -379,8 +380,8 @@ class Layer:
         self,
         state: Any,
         *,
-        keys: R.Rows,
-        values: R.Rows,
+        keys: rows.Rows,
+        values: rows.Rows,
         queries: mx.array | None = None,
         scale: float | None = None,
     ) -> Step:
@@ -406,25 +407,25 @@ class Layer:
             return self._end_prompt(state)
         return state
 
-    _cut_globally = MS.cut_globally
+    _cut_globally = model_shares.cut_globally
 
     # between calls: the prompt's end, cuts, pins, trims, restores
     # (velox_cache_core.between_calls)
-    take_cut = BC.take_cut
-    _end_prompt = BC.end_prompt_now
-    _forget_call = BC.forget_call
-    release = BC.release
-    end_prompt = BC.end_prompt
-    pin = BC.pin
-    trimmable_tokens = property(BC.trimmable_tokens)
-    trim = BC.trim
-    restore = BC.restore
-    tie = BC.tie
+    take_cut = between_calls.take_cut
+    _end_prompt = between_calls.end_prompt_now
+    _forget_call = between_calls.forget_call
+    release = between_calls.release
+    end_prompt = between_calls.end_prompt
+    pin = between_calls.pin
+    trimmable_tokens = property(between_calls.trimmable_tokens)
+    trim = between_calls.trim
+    restore = between_calls.restore
+    tie = between_calls.tie
 
     # -- the model-driven phase: velox_cache_core.phase's functions ------------------------------
-    compressor = property(PH.layer_compressor)
-    start_phase = PH.start_phase
-    score_chunk = PH.score_chunk
-    phase_scores = PH.phase_scores
-    finish_phase = PH.finish_phase
-    abort_phase = PH.abort_phase
+    compressor = property(phase.layer_compressor)
+    start_phase = phase.start_phase
+    score_chunk = phase.score_chunk
+    phase_scores = phase.phase_scores
+    finish_phase = phase.finish_phase
+    abort_phase = phase.abort_phase

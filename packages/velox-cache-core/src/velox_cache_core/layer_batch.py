@@ -30,7 +30,7 @@ from velox_cache_core.engine import check_fits
 from velox_cache_core.layer import Layer
 from velox_cache_core.packed import Packed, can_pack, detach, pack, packed_update, unpack
 from velox_cache_core.pins import seen_pinned
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.validation import check_kv
 
@@ -104,7 +104,9 @@ class LayerBatch:
         check_rows(rows, "rows")
         self._rows = rows
         self._packed: Packed | None = None  # the rows while they decode packed (see below)
-        self._packed_call: tuple[R.Rows, R.Rows] | None = None  # packed step awaiting attend
+        self._packed_call: tuple[store_rows.Rows, store_rows.Rows] | None = (
+            None  # packed step awaiting attend
+        )
         self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
         self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
         self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
@@ -254,7 +256,7 @@ class LayerBatch:
         """Row 0's retained keys, or the packed rows' keys (what pipeline-parallel models tie
         their send to, every forward pass: reading them does not unpack)."""
         if self._packed is not None:
-            return R.dense(self._packed.state.slots.keys)
+            return store_rows.dense(self._packed.state.slots.keys)
         return self._rows[0].view().keys
 
     def tie(self, value: mx.array) -> None:
@@ -265,7 +267,7 @@ class LayerBatch:
             self._rows[0].tie(value)
             return
         slots = packed.state.slots
-        tied = replace(slots, keys=R.tie(slots.keys, [value]))
+        tied = replace(slots, keys=store_rows.tie(slots.keys, [value]))
         self._packed = replace(packed, state=replace(packed.state, slots=tied))
 
     # -- padding -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import shares
 
 
 class ModelShares:
@@ -91,12 +91,12 @@ class ModelShares:
                 "'uniform' for a batch"
             )
         budget, floor = budgets.pop(), floors.pop()
-        width = AS.lane_width(budget)
+        width = shares.lane_width(budget)
         protected = max(
             int(prot.astype(mx.int32).sum(axis=-1).max().item()) for _, _, prot in parts
         )
-        least = AS.floor_rows(budget, floor, protected + spare, width)
-        return AS.global_totals(
+        least = shares.floor_rows(budget, floor, protected + spare, width)
+        return shares.global_totals(
             [scores for _, scores, _ in parts],
             [live.positions for live, _, _ in parts],
             [prot for _, _, prot in parts],
@@ -118,7 +118,7 @@ def cut_globally(layer: Any, when: str) -> bool:
     if not rule.pending(state):
         return False
     if layer.shares is None:
-        raise ValueError(AS.UNLINKED.format(name=layer.policy.name))
+        raise ValueError(shares.UNLINKED.format(name=layer.policy.name))
     if when == "first_token":
         layer.shares.cut_all()
     else:

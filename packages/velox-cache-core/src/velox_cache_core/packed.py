@@ -24,7 +24,7 @@ from velox_cache_core.declarations import running_fields
 from velox_cache_core.engine import Step
 from velox_cache_core.pins import MAX_SPANS
 from velox_cache_core.policy import Policy
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import Entry, UndoLog
 
@@ -149,8 +149,8 @@ def _padded(slots: KVSlots, pad: int) -> KVSlots:
         return slots
     B, H = slots.positions.shape[:2]
     return KVSlots(
-        R.pad(slots.keys, pad, at_end=False),
-        R.pad(slots.values, pad, at_end=False),
+        rows.pad(slots.keys, pad, at_end=False),
+        rows.pad(slots.values, pad, at_end=False),
         mx.concatenate([mx.full((B, H, pad), -1, dtype=mx.int32), slots.positions], axis=2),
     )
 
@@ -193,8 +193,8 @@ def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:
     slots = [_padded(s.slots, pad) for s, pad in zip(states, pads, strict=True)]
     frees = [s.free for s in slots if s.free is not None]  # in every row or in none
     return KVSlots(
-        R.concat([s.keys for s in slots], axis=0),
-        R.concat([s.values for s in slots], axis=0),
+        rows.concat([s.keys for s in slots], axis=0),
+        rows.concat([s.values for s in slots], axis=0),
         mx.concatenate([s.positions for s in slots], axis=0),
         mx.concatenate(frees, axis=0) if frees else None,
     )
@@ -203,8 +203,8 @@ def _stack_slots(states: Sequence[Any], pads: tuple[int, ...]) -> KVSlots:
 def packed_update(
     policy: Policy,
     packed: Packed,
-    keys: R.Rows,
-    values: R.Rows,
+    keys: rows.Rows,
+    values: rows.Rows,
     queries: mx.array | None,
     scale: float | None,
 ) -> tuple[Step, Packed]:
@@ -268,8 +268,8 @@ def detach(state: Any) -> Any:
     free = None if slots.free is None else mx.contiguous(slots.free)
     changes: dict[str, Any] = {
         "slots": KVSlots(
-            R.apply(slots.keys, mx.contiguous),
-            R.apply(slots.values, mx.contiguous),
+            rows.apply(slots.keys, mx.contiguous),
+            rows.apply(slots.values, mx.contiguous),
             mx.contiguous(slots.positions),
             free,
         )

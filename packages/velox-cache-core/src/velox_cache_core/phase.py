@@ -18,7 +18,7 @@ import mlx.core as mx
 from velox_cache_core.declarations import Compressor
 from velox_cache_core.engine import check_fits
 from velox_cache_core.masks import chunk_causal
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 
 
@@ -55,8 +55,8 @@ class Phase:
         check_fits(live, keys, values, stored=False)  # attended over, never stored
         self.recon = (keys, values)
         return (
-            mx.concatenate([R.dense(live.keys), keys.astype(live.keys.dtype)], axis=2),
-            mx.concatenate([R.dense(live.values), values.astype(live.values.dtype)], axis=2),
+            mx.concatenate([rows.dense(live.keys), keys.astype(live.keys.dtype)], axis=2),
+            mx.concatenate([rows.dense(live.values), values.astype(live.values.dtype)], axis=2),
         )
 
     def attend(
@@ -72,8 +72,8 @@ class Phase:
         self.scores.append(compressor.score(state, queries, keys, start, end, scale))
         live = _live(state, policy.name)
         dtype = live.keys.dtype
-        all_keys = mx.concatenate([R.dense(live.keys), keys.astype(dtype)], axis=2)
-        all_values = mx.concatenate([R.dense(live.values), values.astype(dtype)], axis=2)
+        all_keys = mx.concatenate([rows.dense(live.keys), keys.astype(dtype)], axis=2)
+        all_values = mx.concatenate([rows.dense(live.values), values.astype(dtype)], axis=2)
         L = int(keys.shape[2])
         causal = None if L == 1 else chunk_causal(live.n_slots, L)[None, None]
         return mx.fast.scaled_dot_product_attention(

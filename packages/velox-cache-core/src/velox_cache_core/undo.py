@@ -36,11 +36,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import history as HI
-from velox_cache_core import lanes as LN
+from velox_cache_core import history
 from velox_cache_core.declarations import PolicyState, arrays_in, running_fields
 from velox_cache_core.history import History, HistoryBefore
-from velox_cache_core.store import rows as R
+from velox_cache_core.lanes import unwrite
+from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import TRANSIENT, KVSlots
 from velox_cache_core.validation import check_int
@@ -90,9 +90,9 @@ class Entry:
     n_live: int = 0
     order: mx.array | None = None
     evicted: KVSlots | None = None
-    inputs: tuple[R.Rows, R.Rows, mx.array | None, float] | None = None
+    inputs: tuple[store_rows.Rows, store_rows.Rows, mx.array | None, float] | None = None
     lane_steps: tuple[LaneStep, ...] = ()
-    keys_before: R.Rows | None = None
+    keys_before: store_rows.Rows | None = None
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = [a for step in self.lane_steps for a in step.arrays()]
@@ -106,7 +106,7 @@ class Entry:
             out += [self.keys_before.window, self.keys_before.where]
         if self.inputs is not None:
             k, v, q, _ = self.inputs
-            out += [*R.arrays(k), *R.arrays(v), *([] if q is None else [q])]
+            out += [*store_rows.arrays(k), *store_rows.arrays(v), *([] if q is None else [q])]
         return out
 
     def running_arrays(self) -> list[mx.array]:
@@ -189,7 +189,7 @@ def _compacted(entry: Entry, after: dict[str, Any]) -> Entry:
     running = entry.running
     if not any(v.__class__ is History for v in running.values()):
         return entry
-    kept = {k: HI.compact(v, after.get(k), entry.length) for k, v in running.items()}
+    kept = {k: history.compact(v, after.get(k), entry.length) for k, v in running.items()}
     return replace(entry, running=kept)
 
 
@@ -199,7 +199,7 @@ def _running_before(entries: list[Entry], state: Any) -> dict[str, Any]:
     histories rebuilt from the fields after its call, newest first."""
     running = {k: getattr(state, k) for k in entries[-1].running}
     for entry in reversed(entries):
-        running = {k: HI.before(v, running[k]) for k, v in entry.running.items()}
+        running = {k: history.before(v, running[k]) for k, v in entry.running.items()}
     return running
 
 
@@ -212,8 +212,8 @@ def new_log(window: int) -> UndoLog | None:
 def _gather(slots: KVSlots, idx: mx.array) -> KVSlots:
     """Rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not."""
     return KVSlots(
-        keys=R.take(slots.keys, idx),
-        values=R.take(slots.values, idx),
+        keys=store_rows.take(slots.keys, idx),
+        values=store_rows.take(slots.values, idx),
         positions=mx.take_along_axis(slots.positions, idx, axis=2),
     )
 
@@ -225,8 +225,8 @@ def _permute(rows: KVSlots, order: mx.array) -> KVSlots:
 
 def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
     return KVSlots(
-        R.concat([a.keys, b.keys], axis=2),
-        R.concat([a.values, b.values], axis=2),
+        store_rows.concat([a.keys, b.keys], axis=2),
+        store_rows.concat([a.values, b.values], axis=2),
         mx.concatenate([a.positions, b.positions], axis=2),
     )
 
@@ -246,8 +246,8 @@ def record(
     laid_out_from: KVSlots,
     candidates: KVSlots,
     kept: KVSlots,
-    keys: R.Rows,
-    values: R.Rows,
+    keys: store_rows.Rows,
+    values: store_rows.Rows,
     queries: mx.array | None,
     scale: float,
 ) -> Entry:
@@ -319,7 +319,7 @@ def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
     steps = list(entry.lane_steps)
     prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
     for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
-        lanes = LN.unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
+        lanes = unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
     return replace(state, lanes=lanes, **_running_before([entry], state))
 
 
@@ -385,7 +385,11 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
     kept = state.slots
     assert kept is not None
     puts = _rows_back(entries, steps)
-    arrays: tuple[R.Rows, R.Rows, mx.array] = (kept.keys, kept.values, kept.positions)
+    arrays: tuple[store_rows.Rows, store_rows.Rows, mx.array] = (
+        kept.keys,
+        kept.values,
+        kept.positions,
+    )
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
     plain = all(a.__class__ is mx.array for r in (arrays, *rows_in) for a in r)
     if plain and puts:  # one compiled call
@@ -414,20 +418,20 @@ def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots
 
 
 def _put_row(
-    keys: R.Rows,
-    values: R.Rows,
+    keys: store_rows.Rows,
+    values: store_rows.Rows,
     positions: mx.array,
     slot: mx.array,
-    row_keys: R.Rows,
-    row_values: R.Rows,
+    row_keys: store_rows.Rows,
+    row_values: store_rows.Rows,
     row_positions: mx.array,
-) -> tuple[R.Rows, R.Rows, mx.array]:
+) -> tuple[store_rows.Rows, store_rows.Rows, mx.array]:
     """The store's rows with ``slot`` (int ``[B, H_kv]``) of each head set to the given row,
     as :func:`undo` puts it back."""
     at = slot[..., None]
     return (
-        R.put(keys, at, row_keys),
-        R.put(values, at, row_values),
+        store_rows.put(keys, at, row_keys),
+        store_rows.put(values, at, row_values),
         mx.put_along_axis(positions, at, row_positions, axis=2),
     )
 
@@ -451,7 +455,9 @@ def puts_kernel(n: int) -> Callable[..., Any]:
     return mx.compile(kernel)
 
 
-Feed = Callable[[Any, R.Rows, R.Rows, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]]
+Feed = Callable[
+    [Any, store_rows.Rows, store_rows.Rows, "mx.array | None", float, UndoLog], tuple[Any, UndoLog]
+]
 
 
 def trim(state: Any, log: UndoLog, n: int, feed: Feed) -> tuple[Any, UndoLog]:

@@ -12,13 +12,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import demoted as DM
-from velox_cache_core import fast_step as FS
-from velox_cache_core import step_sums as SS
+from velox_cache_core import demoted, fast_step, step_sums
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.engine import check_fits
 from velox_cache_core.in_flight import SUBCHUNK, Mode, Waiting
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 
 
 def waits(layer: Any, length: int) -> bool:
@@ -31,14 +29,14 @@ def waits(layer: Any, length: int) -> bool:
     )
 
 
-def wait(layer: Any, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
+def wait(layer: Any, keys: rows.Rows, values: rows.Rows) -> tuple[rows.Rows, rows.Rows]:
     """Leave the call pending and return ``retained + new``."""
     check_fits(layer.state.slots, keys, values)
     layer.pending = Waiting(keys, values)
     return with_new(layer, keys, values)
 
 
-def with_new(layer: Any, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
+def with_new(layer: Any, keys: rows.Rows, values: rows.Rows) -> tuple[rows.Rows, rows.Rows]:
     """``retained + new``: what ``lay_out`` returns for a call that waits for its queries
     (``keys``/``values`` already checked against the store)."""
     slots = layer.state.slots
@@ -48,7 +46,7 @@ def with_new(layer: Any, keys: R.Rows, values: R.Rows) -> tuple[R.Rows, R.Rows]:
         # Fewer ops than a compaction plus a concatenation, which the hook then ignores.
         laid_out = slots.write_free(keys, values, layer.state.offset)
         return laid_out.keys, laid_out.values
-    return FS.retained_plus_new(slots, keys, values)
+    return fast_step.retained_plus_new(slots, keys, values)
 
 
 def decide(
@@ -59,11 +57,11 @@ def decide(
     keys, values = pending.keys, pending.values
     L = int(keys.shape[2])
     if layer.demote is not None:
-        return DM.decide(layer, pending, queries, scale, sinks)
+        return demoted.decide(layer, pending, queries, scale, sinks)
     if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
         return subchunks(layer, pending, queries, scale, sinks)
     if L == 1 and layer.mode is Mode.STEP_SUMS:
-        return SS.attend_deferring(layer, pending, queries, scale, sinks)
+        return step_sums.attend_deferring(layer, pending, queries, scale, sinks)
     step = layer._feed(layer.state, keys=keys, values=values, queries=queries, scale=scale)
     layer.state = layer._after_call(step.state, L)
     layer.last = step

@@ -489,21 +489,35 @@ class PolicyKVCache(VeloxKVCache):
                 self._as_returned = True
         else:
             assert keys is not None and values is not None
-            self._as_returned = False
-            hot = self._layer.hot
-            if hot is not None and hot.deferred is not None:
-                raise RuntimeError(
-                    "the model attended over keys/values other than what update_and_fetch "
-                    "returned, at a decode step after steps that handed them back untouched "
-                    "(the step's token was not written yet): a model must attend the same "
-                    "way at every decode step"
-                )
-            scores = mask if additive(mask) else None
-            out = self._layer.attend_rows(
-                queries, keys, values, scale=scale, scores=scores, sinks=sinks
-            )
+            out = self._attend_own_rows(queries, keys, values, scale, mask, sinks)
         self._after_attend()
         return out
+
+    def _attend_own_rows(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+    ) -> mx.array:
+        """Attention over keys/values the model derived itself or with scores it adds
+        (:meth:`attend`); from then on this cache's decode steps write before they attend. A
+        decode step whose write waits for the returned arrays cannot be served: RuntimeError."""
+        self._as_returned = False
+        hot = self._layer.hot
+        if hot is not None and hot.deferred is not None:
+            raise RuntimeError(
+                "the model attended over keys/values other than what update_and_fetch "
+                "returned, at a decode step after steps that handed them back untouched "
+                "(the step's token was not written yet): a model must attend the same "
+                "way at every decode step"
+            )
+        scores = mask if additive(mask) else None
+        return self._layer.attend_rows(
+            queries, keys, values, scale=scale, scores=scores, sinks=sinks
+        )
 
     def _after_attend(self) -> None:
         """Once a call is attended: drop its copies when no other layer reads them

@@ -31,8 +31,7 @@ def measure(bits: int, budget: int, rounds: int) -> dict[str, float]:
     import numpy as np
 
     from velox_bench.quality.demote_tier import GROUP, tier_rows
-    from velox_cache_core import POLICIES, Layer, TierSpec
-    from velox_cache_core import demoted as DM
+    from velox_cache_core import POLICIES, Layer, TierSpec, demoted
     from velox_cache_core.store.tier import demote_one
 
     B, H_q, H_kv, D = 1, 32, 8, 128
@@ -57,17 +56,17 @@ def measure(bits: int, budget: int, rounds: int) -> dict[str, float]:
     grouped = q.reshape(B, H_kv, H_q // H_kv, 1, D)
     row = mx.random.normal((B, H_kv, 1, D))
     at = mx.full((B, H_kv, 1), 10**6, dtype=mx.int32)
-    from velox_cache_core.store import rows as R
+    from velox_cache_core.store import rows
 
-    main = R.dense(step.keys)  # float32 here: the main rows are not quantized
+    main = rows.dense(step.keys)  # float32 here: the main rows are not quantized
     dense = mx.random.normal((B, H_kv, tier.n_rows, D))
     probs = mx.ones((B, H_kv, H_q // H_kv, 1, tier.n_rows)) / tier.n_rows
     mx.eval(q, row, dense, probs)
     scale = D**-0.5
     parts: dict[str, Callable[[], Any]] = {
         "whole step": lambda: feed(1),
-        "attention, main rows + tier": lambda: DM.attend(q, step, tier, scale, None)[0],
-        "attention, main rows only": lambda: DM.attend(q, step, None, scale, None)[0],
+        "attention, main rows + tier": lambda: demoted.attend(q, step, tier, scale, None)[0],
+        "attention, main rows only": lambda: demoted.attend(q, step, None, scale, None)[0],
         f"tier logits ({tier.n_rows} rows)": lambda: tier.keys.matmul(grouped, True),
         f"tier values ({tier.n_rows} rows)": lambda: tier.values.matmul(probs, False),
         "demote one row": lambda: demote_one(spec, tier, row, row, at, at).arrays(),

@@ -23,8 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core import lanes
+from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
 from velox_cache_core.store.slots import KVSlots
@@ -71,7 +71,7 @@ class HeldPrompt:
     ready: Callable[[Any], bool]
     prompt_scores: Callable[[Any, KVSlots], mx.array]
     protect: Callable[[Any, mx.array, Any], mx.array]
-    step_scores: Callable[[Any, LN.Lanes, mx.array | None], tuple[mx.array, mx.array | None]]
+    step_scores: Callable[[Any, lanes.Lanes, mx.array | None], tuple[mx.array, mx.array | None]]
     keep_scores: bool
     cleared: Mapping[str, Any] = field(default_factory=dict)
     prepare: Callable[[Any, Call], Any] | None = None
@@ -96,7 +96,7 @@ class HeldPrompt:
         if found is None:
             return replace(state, history=None) if holding(state) else state
         live, scores, _ = found
-        return AS.cut_evicting(
+        return shares.cut_evicting(
             state,
             live,
             scores,
@@ -114,14 +114,14 @@ class HeldPrompt:
             state = self.prepare(state, call)
         return self.cut(state, None)
 
-    def lane_rule(self) -> LN.LaneRule:
+    def lane_rule(self) -> lanes.LaneRule:
         """The policy's decisions over lanes (its record's ``lane_rule``)."""
-        return LN.LaneRule(
+        return lanes.LaneRule(
             cut=self.cut_at, probe=self.probe, protect=self.protect, score=self.step_scores
         )
 
-    def global_rule(self) -> LN.GlobalRule:
+    def global_rule(self) -> lanes.GlobalRule:
         """The policy's part in a model-wide cut (its record's ``global_rule``)."""
-        return LN.GlobalRule(
+        return lanes.GlobalRule(
             pending=holding, scores=self.scores, cut=self.cut, spare=2, when="first_token"
         )

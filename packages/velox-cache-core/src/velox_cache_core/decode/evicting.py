@@ -17,8 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import fast_step as FS
-from velox_cache_core import history as HI
+from velox_cache_core import fast_step, history
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
@@ -53,14 +52,19 @@ class Evicting(Store):
     )
 
     def __init__(
-        self, policy: Any, state: Any, log: UndoLog | None, kernels: FS.Kernels, at_once: bool
+        self,
+        policy: Any,
+        state: Any,
+        log: UndoLog | None,
+        kernels: fast_step.Kernels,
+        at_once: bool,
     ) -> None:
         super().__init__(state, log)
         slots = state.slots
         self.policy = policy
         self.kernels = kernels
         self.positions, self.free = slots.positions, slots.free
-        self.running = FS.flat_running(state, kernels.running)
+        self.running = fast_step.flat_running(state, kernels.running)
         self.pins_at = kernels.running.index("pins")  # the pinned spans, an input of every write
         self.prefetch_next = log is not None and policy.evict_before is not None
         self.ahead: list[mx.array] | None = None  # [slot, keys, values, positions]
@@ -115,49 +119,60 @@ class Evicting(Store):
         the token's own ``keys``/``values`` and writes it in :meth:`attend`, in the same
         compiled call as the decision (:func:`velox_cache_core.fast_step.joined_kernel`):
         one compiled call a step instead of two, the same rows and decisions."""
-        if not self.steady or not (self.flight is self.decided is self.chunk is None):
-            return None  # not steady, or a call in flight
-        if keys.__class__ is not mx.array or values.__class__ is not mx.array:
+        if not self._takes(keys, values):
             return None
-        if (keys.shape, values.shape, keys.dtype, values.dtype) != self.token:
-            return None  # not a token of the store's shape and dtype (self.fits, inlined)
-        kernels = self.kernels
-        ahead = self.ahead
-        prefetched = ahead is not None
-        free = [] if self.free is None else [self.free]
-        if ahead is not None:  # evict_before's slot and its row, read by the step before
-            free = [ahead[0]]
-        start = mx.array(self.offset, dtype=mx.int32)
-        deferring = defer and decide and kernels.waits
-        if deferring:  # written in attend, with the decision
-            self.deferred = (free, prefetched)
-            self.flight = (keys, values, None, None, None, None, ahead and ahead[1:], start)
-        else:
-            kernel = kernels.write.get(prefetched) or self._compile_write(prefetched)
-            pins = self.running[self.pins_at]
-            k, v, p, written, row = kernel(
-                self.keys, self.values, self.positions, free, keys, values, start, pins
-            )
-            if ahead is not None:
-                row = ahead[1:]
-            self.flight = (keys, values, k, v, p, written, row or None, start)
+        deferring = defer and decide and self.kernels.waits
+        k, v = self._lay(keys, values, deferring)
         self.ahead = self.shared = self.decided = None
         mirror = self.mirror
         if mirror is not None:
             mirror["offset"] = self.offset + 1
         if decide:  # a decode token, not one of a chunk's
             self.stepped = []
-        if deferring:
-            return keys, values
-        if kernels.waits or not decide:
+        if deferring or self.kernels.waits or not decide:
             return k, v
         own = 1.0 / math.sqrt(int(keys.shape[3]))
         values_out, _, probs = self._decide(None, (own, False, None))
         self.decided = Step(k, values_out, None, None, probs=probs)
         return k, values_out
 
+    def _takes(self, keys: Any, values: Any) -> bool:
+        """Whether this path takes the decode token: the store steady, no call in flight, and
+        full-precision arrays of the store's token shapes and dtypes (:meth:`fits`, inlined)."""
+        return (
+            self.steady
+            and self.flight is self.decided is self.chunk is None
+            and keys.__class__ is mx.array
+            and values.__class__ is mx.array
+            and (keys.shape, values.shape, keys.dtype, values.dtype) == self.token
+        )
+
+    def _lay(self, keys: mx.array, values: mx.array, deferring: bool) -> tuple[Any, Any]:
+        """The token as :attr:`flight`: written into its slot by the write kernel now, or
+        (``deferring``) with the write's inputs kept for :meth:`attend`; what the model gets
+        back (the store with the token, or the token itself)."""
+        ahead = self.ahead
+        prefetched = ahead is not None
+        free = [] if self.free is None else [self.free]
+        if ahead is not None:  # evict_before's slot and its row, read by the step before
+            free = [ahead[0]]
+        start = mx.array(self.offset, dtype=mx.int32)
+        if deferring:
+            self.deferred = (free, prefetched)
+            self.flight = (keys, values, None, None, None, None, ahead and ahead[1:], start)
+            return keys, values
+        kernel = self.kernels.write.get(prefetched) or self._compile_write(prefetched)
+        pins = self.running[self.pins_at]
+        k, v, p, written, row = kernel(
+            self.keys, self.values, self.positions, free, keys, values, start, pins
+        )
+        if ahead is not None:
+            row = ahead[1:]
+        self.flight = (keys, values, k, v, p, written, row or None, start)
+        return k, v
+
     def _compile_write(self, prefetched: bool) -> Any:
-        made = FS.write_kernel(self.policy, self.template, prefetched=prefetched)
+        made = fast_step.write_kernel(self.policy, self.template, prefetched=prefetched)
         kernel = self.kernels.write[prefetched] = mx.compile(made)
         return kernel
 
@@ -226,7 +241,7 @@ class Evicting(Store):
             joined_key = ("joined", prefetched, *full)
             found = self.kernels.decide.get(joined_key)
             if found is None:
-                made = FS.joined_kernel(
+                made = fast_step.joined_kernel(
                     self.policy, self.template, self.kernels, full[:4], prefetched
                 )
                 found = self.kernels.decide[joined_key] = (mx.compile(made), [])
@@ -251,7 +266,7 @@ class Evicting(Store):
 
     def _compile_decide(self, full: tuple[Any, ...]) -> tuple[Any, list[bool]]:
         kernels = self.kernels
-        made = FS.decide_kernel(
+        made = fast_step.decide_kernel(
             self.policy, self.template, kernels.running, kernels.key[2], full[:4]
         )
         found = kernels.decide[full] = (mx.compile(made), [])
@@ -285,7 +300,7 @@ class Evicting(Store):
         self.offset += 1
         self.tokens_seen += self.heads
         if not same:  # first call of this kernel: do its running fields keep their kinds?
-            same.append(FS.kinds_after(changes) == kernels.key[2])
+            same.append(fast_step.kinds_after(changes) == kernels.key[2])
         if not same[0] or (self.free is None and self.policy.evict_before is None):
             self.steady = False  # the next step is checked again on the general side
         return values, (out[0] if out else None), (probs[0] if probs else None)
@@ -356,8 +371,8 @@ class Evicting(Store):
         if self.mirror is not None:
             self.mirror["offset"] = self.offset + int(keys.shape[2])
         self.stepped = []
-        store = FS.slots_of(self.keys, self.values, self.positions, self.free)
-        return FS.retained_plus_new(store, keys, values)
+        store = fast_step.slots_of(self.keys, self.values, self.positions, self.free)
+        return fast_step.retained_plus_new(store, keys, values)
 
     def attend_chunk(
         self, queries: Any, scale: Any, sinks: mx.array | None
@@ -428,7 +443,9 @@ class Evicting(Store):
         chunk_key = ("steps", L, prefetched, *full, queries is None)
         found = kernels.decide.get(chunk_key)
         if found is None:
-            traced = FS.steps_kernel(self.policy, self.template, kernels, full, L, prefetched)
+            traced = fast_step.steps_kernel(
+                self.policy, self.template, kernels, full, L, prefetched
+            )
             found = kernels.decide[chunk_key] = (mx.compile(traced), [])
         kernel, steady = found
         if steady == [False]:
@@ -449,7 +466,7 @@ class Evicting(Store):
                 mx.array(self.offset, dtype=mx.int32),
                 self.running,
             )
-        except FS.NotSteady:
+        except fast_step.NotSteady:
             steady.append(False)
             return None
         outs = []
@@ -469,10 +486,10 @@ class Evicting(Store):
         has not come or ``None``): what the general path holds for this layer now."""
         kernels = self.kernels
         log = self.leave(functools.partial(_entry, kernels))
-        state = FS.state_of(
+        state = fast_step.state_of(
             self.template,
             kernels,
-            FS.slots_of(self.keys, self.values, self.positions, self.free),
+            fast_step.slots_of(self.keys, self.values, self.positions, self.free),
             self.offset,
             self.tokens_seen,
             self.running,
@@ -488,24 +505,26 @@ class Evicting(Store):
         return state, log, waiting, decided
 
 
-def _compact_raw(kernels: FS.Kernels, raw: Raw, after: list[list[Any]]) -> tuple[Raw, list[Any]]:
+def _compact_raw(
+    kernels: fast_step.Kernels, raw: Raw, after: list[list[Any]]
+) -> tuple[Raw, list[Any]]:
     """``raw`` keeping its histories as the rows its step pushed out
     (:func:`velox_cache_core.history.compact`; ``after``: the running fields after the step),
     and the arrays copied for that."""
     running, copied = list(raw[2]), []
     for i in kernels.histories:
         if running[i] and after[i]:
-            kept = HI.compact(History(*running[i][0]), History(*after[i][0]), 1)
+            kept = history.compact(History(*running[i][0]), History(*after[i][0]), 1)
             if kept.__class__ is HistoryBefore:
                 running[i] = [kept]
                 copied += kept.arrays()
     return (raw[0], raw[1], running, *raw[3:]), copied
 
 
-def _entry(kernels: FS.Kernels, raw: Raw) -> Entry:
+def _entry(kernels: fast_step.Kernels, raw: Raw) -> Entry:
     """The undo entry the general path's ``undo.record`` makes for a decode step."""
     offset, tokens_seen, running, free, written, row, victim = raw
-    before = dict(zip(kernels.running, FS.unflat_running(kernels, running), strict=True))
+    before = dict(zip(kernels.running, fast_step.unflat_running(kernels, running), strict=True))
     before["offset"], before["tokens_seen"] = offset, tokens_seen
     return Entry(
         start=offset,
@@ -514,6 +533,6 @@ def _entry(kernels: FS.Kernels, raw: Raw) -> Entry:
         slots_none=False,
         free=free,
         written=written,
-        row=None if row is None else FS.slots_of(*row),
-        victim=FS.slots_of(*victim) if victim else None,
+        row=None if row is None else fast_step.slots_of(*row),
+        victim=fast_step.slots_of(*victim) if victim else None,
     )

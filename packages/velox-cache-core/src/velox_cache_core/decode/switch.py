@@ -14,18 +14,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import fast_step as FS
-from velox_cache_core import in_flight as IF
+from velox_cache_core import fast_step, in_flight
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode.appending import Appending
 from velox_cache_core.decode.evicting import Evicting
 from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import Decided, Mode, Waiting
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.validation import check_scale
 
 
-def lay_out_hot(layer: Any, keys: mx.array, values: mx.array) -> tuple[R.Rows, R.Rows] | None:
+def lay_out_hot(layer: Any, keys: mx.array, values: mx.array) -> tuple[rows.Rows, rows.Rows] | None:
     """A decode token or a short chunk on the decode path; ``None`` (and the path left)
     when it does not take it."""
     hot = layer.hot
@@ -34,7 +33,7 @@ def lay_out_hot(layer: Any, keys: mx.array, values: mx.array) -> tuple[R.Rows, R
     if L == 1:
         fetched = hot.write(keys, values)
     else:
-        fetched = hot.lay_out_chunk(keys, values) if L <= IF.STEPPED_CHUNK else None
+        fetched = hot.lay_out_chunk(keys, values) if L <= in_flight.STEPPED_CHUNK else None
     if fetched is None:
         cool(layer)
         return None
@@ -51,7 +50,7 @@ def _alone(layer: Any) -> bool:
     """The decode path is on, and this layer decides alone (no group, no shared sums, no
     phase) over full-precision rows."""
     return (
-        FS.ENABLED
+        fast_step.ENABLED
         and layer.phase is None
         and layer.quant is None
         and layer.demote is None
@@ -60,7 +59,7 @@ def _alone(layer: Any) -> bool:
     )
 
 
-def _takes(layer: Any, state: Any, length: int) -> FS.Kernels | bool | None:
+def _takes(layer: Any, state: Any, length: int) -> fast_step.Kernels | bool | None:
     """Which store the decode path holds ``state`` in for its next call of ``length`` tokens:
     ``True`` for an appending one (SnapKV after its cut, its prompt ended), the kernels of an
     evicting one (:func:`velox_cache_core.fast_step.eligible`; a chunk only when it waits for
@@ -68,12 +67,12 @@ def _takes(layer: Any, state: Any, length: int) -> FS.Kernels | bool | None:
     policy = layer.policy
     if state.slots is None:
         return None
-    if length == 1 and FS.appends(policy, state):
+    if length == 1 and fast_step.appends(policy, state):
         ended = policy.prompt_end is None or policy.end_prompt(state) is state
         return True if ended else None
     if policy.prompt_end is not None or (length > 1 and layer.mode is not Mode.QUERIES):
         return None
-    return FS.eligible(policy, state, queries_needed=waits_fast(layer))
+    return fast_step.eligible(policy, state, queries_needed=waits_fast(layer))
 
 
 def warm(layer: Any, length: int) -> bool:
@@ -86,7 +85,7 @@ def warm(layer: Any, length: int) -> bool:
     if taken is True:
         layer.hot = Appending(state, layer._log)
     else:
-        assert isinstance(taken, FS.Kernels)
+        assert isinstance(taken, fast_step.Kernels)
         layer.hot = Evicting(layer.policy, state, layer._log, taken, layer.mode is Mode.AT_ONCE)
     return True
 

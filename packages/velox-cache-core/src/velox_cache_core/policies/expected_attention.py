@@ -45,11 +45,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import History, align_scores
 from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.lanes import GlobalRule, Lanes
 from velox_cache_core.policies.expected_lanes import EA_LANES
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
@@ -62,7 +62,7 @@ from velox_cache_core.policies.expected_scores import (
 )
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
@@ -91,10 +91,10 @@ class ExpectedAttentionState(PolicyState):
     rope_traditional: bool
     rope_scale: float
     allocation: str = "uniform"
-    allocation_floor: float = AS.FLOOR
+    allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: LN.Lanes | None = running()
+    lanes: Lanes | None = running()
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()
@@ -169,7 +169,7 @@ def init_expected_attention_state(
     rope_traditional: bool = False,
     rope_scale: float = 1.0,
     allocation: str = "uniform",
-    allocation_floor: float = AS.FLOOR,
+    allocation_floor: float = shares.FLOOR,
 ) -> ExpectedAttentionState:
     """Empty Expected Attention state: ``0 <= n_sink < budget``; ``0 <= recent < budget -
     n_sink`` (``None``: 16, or ``budget - n_sink - 1`` when that is smaller); ``n_queries``,
@@ -178,7 +178,7 @@ def init_expected_attention_state(
     ``rope_scale > 0``; ``allocation`` ``uniform``, ``head`` or ``global`` (see the module
     doc), ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    AS.check_allocation(allocation, allocation_floor)
+    shares.check_allocation(allocation, allocation_floor)
     recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
     check_int("recent", recent, minimum=0)
     if recent >= budget - n_sink:
@@ -224,7 +224,7 @@ def _rescore(
 ) -> dict[str, Any]:
     """Fresh statistics from ``window`` (the future starting at ``offset``) and every slot
     re-scored with them: the running fields that change."""
-    keys = R.dense(slots.keys)
+    keys = rows.dense(slots.keys)
     stats = query_stats(
         window.probes,
         window.positions,
@@ -256,7 +256,7 @@ def _scores_with_new(
     keys scored with the current statistics and the last scoring's normalizer."""
     assert state.scores is not None and state.log_norm is not None
     B, H, L, _ = call.shape
-    logits = expected_logits(state.stats, R.dense(call.keys), call.scale)
+    logits = expected_logits(state.stats, rows.dense(call.keys), call.scale)
     fresh = scores_from_logits(
         logits,
         state.log_norm.reshape(B, H, -1, 1),
@@ -338,7 +338,7 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     scores = changes.pop("scores")
     if live.n_slots > state.budget and state.allocation != "uniform":
         newest = state.offset - 1
-        return AS.cut_evicting(
+        return shares.cut_evicting(
             done,
             live,
             scores,
@@ -359,7 +359,7 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     return replace(done, slots=live, scores=scores, **changes)
 
 
-EA_GLOBAL = LN.GlobalRule(
+EA_GLOBAL = GlobalRule(
     pending=lambda state: not state.compressed,
     scores=_cut_scores,
     cut=_cut,

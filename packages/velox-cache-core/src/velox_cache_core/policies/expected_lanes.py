@@ -14,9 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
+from velox_cache_core.lanes import LaneRule, Lanes, rows_at, write
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
     expected_logits,
@@ -25,7 +25,7 @@ from velox_cache_core.policies.expected_scores import (
     scores_from_logits,
 )
 from velox_cache_core.selection import sinks
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 
 
 def kv_heads(state: Any) -> int:
@@ -34,7 +34,7 @@ def kv_heads(state: Any) -> int:
     return int(state.slots.keys.shape[1])
 
 
-def lane_stats(state: Any, stats: QueryStats, lanes: LN.Lanes) -> QueryStats:
+def lane_stats(state: Any, stats: QueryStats, lanes: Lanes) -> QueryStats:
     """``stats`` of each lane's owner: mean ``[B, N * G, D]`` (cov ``[B, N * G, D, D]``), so
     :func:`expected_logits` scores the lanes as ``N`` heads."""
     B, H_q, D = stats.mean.shape
@@ -50,11 +50,11 @@ def lane_stats(state: Any, stats: QueryStats, lanes: LN.Lanes) -> QueryStats:
 
 
 def rescore_lanes(
-    state: Any, window: History, lanes: LN.Lanes, *, offset: int, scale: float
+    state: Any, window: History, lanes: Lanes, *, offset: int, scale: float
 ) -> dict[str, Any]:
     """Fresh statistics from ``window`` and every row of ``lanes`` (none dead) re-scored, the
     softmax normalised per head across its lanes (non-sinks counted): the fields that change."""
-    keys = R.dense(lanes.keys)  # [B, N, W, D]
+    keys = rows.dense(lanes.keys)  # [B, N, W, D]
     B, D = int(keys.shape[0]), int(keys.shape[3])
     stats = query_stats(
         window.probes,
@@ -99,14 +99,14 @@ def lanes_observe(state: Any, call: Call) -> dict[str, Any]:
     if steps < state.refresh_every or state.lanes is None:
         return changes
     at = call.start if call.row_start is None else call.row_start
-    written = LN.write(state.lanes, call.keys[:, :, :1], call.values[:, :, :1], at)
+    written = write(state.lanes, call.keys[:, :, :1], call.values[:, :, :1], at)
     end = call.start + call.length
     changes.update(rescore_lanes(state, window, written, offset=end, scale=call.scale))
     changes["refreshed_at"] = call.start
     return changes
 
 
-def lane_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
+def lane_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
     """The lanes' scores with the newest token's row (one per head) scored on arrival with the
     current statistics, or every row's fresh scores at the step that refreshed them."""
     assert lanes.scores is not None and state.log_norm is not None and state.scale is not None
@@ -116,9 +116,9 @@ def lane_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[m
     newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
     mine = lanes.row_heads()[:, None, :] == mx.arange(H, dtype=mx.int32)[None, :, None]
     idx = mx.argmax(mx.where(mine & (flat == newest)[:, None], 1, 0), axis=-1)  # [B, H]
-    new = LN.rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
+    new = rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
     fresh = scores_from_logits(
-        expected_logits(state.stats, R.dense(new.keys), state.scale),
+        expected_logits(state.stats, rows.dense(new.keys), state.scale),
         state.log_norm.reshape(B, H, -1, 1),
         new.values,
         use_vnorm=state.use_vnorm,
@@ -131,7 +131,7 @@ def lane_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[m
     return scores, scores
 
 
-EA_LANES = LN.LaneRule(
+EA_LANES = LaneRule(
     cut=lambda state, call: state,  # the prompt's end cuts (expected_attention_compress)
     probe=lambda state: None,
     protect=lambda state, positions, newest: state.protect(positions, newest),

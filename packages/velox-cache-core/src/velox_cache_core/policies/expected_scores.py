@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def log_normalizer(logits: mx.array, counted: mx.array | None = None) -> mx.arra
 def scores_from_logits(
     logits: mx.array,
     log_norm: mx.array,
-    values: R.Rows,
+    values: rows.Rows,
     *,
     use_vnorm: bool,
     epsilon: float,
@@ -140,14 +140,14 @@ def scores_from_logits(
     probs = mx.exp(logits - log_norm).mean(axis=2)
     if not use_vnorm:
         return probs
-    norms = mx.linalg.norm(R.dense(values).astype(mx.float32), axis=-1)
+    norms = mx.linalg.norm(rows.dense(values).astype(mx.float32), axis=-1)
     return (probs + epsilon) * norms
 
 
 def expected_scores(
     stats: QueryStats,
     keys: mx.array,
-    values: R.Rows,
+    values: rows.Rows,
     *,
     scale: float,
     counted: mx.array | None = None,

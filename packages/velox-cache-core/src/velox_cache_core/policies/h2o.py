@@ -22,9 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import HeldPrompt, holding, last_probe
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
 from velox_cache_core.attention_rule import History, Rule, align_scores, decide_by_weights
 from velox_cache_core.declarations import (
     PolicyState,
@@ -35,6 +33,7 @@ from velox_cache_core.declarations import (
     running,
 )
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.lanes import Lanes
 from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import sinks
@@ -54,10 +53,10 @@ class H2OState(PolicyState):
     scope: Scope
     prefill: Prefill
     allocation: str = "uniform"
-    allocation_floor: float = AS.FLOOR
+    allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: LN.Lanes | None = running()
+    lanes: Lanes | None = running()
     scores: mx.array | None = running()
     # the last probe row while an adaptive allocation holds the prompt (a marker: None once
     # the prompt is cut, or always with the uniform allocation)
@@ -93,13 +92,13 @@ def init_h2o_state(
     scope: Scope = "head",
     prefill: Prefill = "sequential",
     allocation: str = "uniform",
-    allocation_floor: float = AS.FLOOR,
+    allocation_floor: float = shares.FLOOR,
 ) -> H2OState:
     """Empty H2O state. ``recent`` defaults to ``budget // 2`` (the H2O paper's split);
     ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
     ``head`` or ``global`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    AS.check_allocation(allocation, allocation_floor)
+    shares.check_allocation(allocation, allocation_floor)
     if allocation != "uniform" and scope != "head":
         raise ValueError(
             f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
@@ -143,7 +142,7 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
 _NEVER = 2**30  # a budget no prompt reaches
 
 
-def _h2o_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
+def _h2o_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.array, mx.array]:
     assert weights is not None and lanes.scores is not None
     sums = lanes.scores + weights
     return sums, sums

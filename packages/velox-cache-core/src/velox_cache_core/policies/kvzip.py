@@ -44,8 +44,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.declarations import (
     Compressor,
@@ -56,18 +55,19 @@ from velox_cache_core.declarations import (
     running,
 )
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.lanes import Lanes, cut
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_scale
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
-ALLOCATIONS = AS.ALLOCATIONS
+ALLOCATIONS = shares.ALLOCATIONS
 Probe = Literal["reconstruct", "latest"]
 After = Literal["append", "tova"]
 Allocation = Literal["uniform", "head", "global"]
@@ -84,10 +84,10 @@ class KVzipState(PolicyState):
     signal: Signal
     after: After
     allocation: Allocation = "global"
-    allocation_floor: float = AS.FLOOR
+    allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: LN.Lanes | None = running()
+    lanes: Lanes | None = running()
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
@@ -110,7 +110,7 @@ def init_kvzip_state(
     signal: Signal = "query",
     after: After = "append",
     allocation: Allocation | None = None,
-    allocation_floor: float = AS.FLOOR,
+    allocation_floor: float = shares.FLOOR,
 ) -> KVzipState:
     """Empty KVzip state: ``0 <= n_sink < budget``; ``probe`` ``reconstruct`` or ``latest``;
     ``after`` ``append`` or ``tova``; ``allocation`` ``uniform``, ``head`` or ``global`` (how
@@ -122,7 +122,7 @@ def init_kvzip_state(
     check_choice("after", after, AFTERS)
     if allocation is None:
         allocation = "uniform" if after == "tova" else "global"
-    AS.check_allocation(allocation, allocation_floor)
+    shares.check_allocation(allocation, allocation_floor)
     if after == "tova" and allocation != "uniform":
         raise ValueError(
             f"after='tova' keeps exactly budget rows per KV head: it needs "
@@ -168,7 +168,7 @@ def latest_scores(state: KVzipState) -> mx.array:
     averaged within each GQA group (TOVA's current-step weights, scope ``head``)."""
     live = _context(state)
     assert state.history is not None and state.scale is not None
-    logits = grouped_logits(state.history.probes, R.dense(live.keys), state.scale, "head")
+    logits = grouped_logits(state.history.probes, rows.dense(live.keys), state.scale, "head")
     return decision_weights(logits)[:, :, 0]
 
 
@@ -195,7 +195,7 @@ def reconstruction_scores(
         raise ValueError(f"need 0 <= start < end <= {n} (context rows), got {start}, {end}")
     scale = check_scale(scale, keys.shape[3])
     sink = min(state.n_sink, start)
-    context = [R.dense(live.keys[:, :, :sink]), R.dense(live.keys[:, :, start:end])]
+    context = [rows.dense(live.keys[:, :, :sink]), rows.dense(live.keys[:, :, start:end])]
     scored = mx.concatenate([*context, keys.astype(live.keys.dtype)], axis=2)
     L = keys.shape[2]
     logits = grouped_logits(queries, scored, scale, "head")  # [B, H_kv, g, L, m]
@@ -216,12 +216,12 @@ def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
     if not scores:
         raise ValueError("global_totals() needs the scores of at least one layer")
     n = int(scores[0].shape[2])
-    width = AS.lane_width(state.budget)
+    width = shares.lane_width(state.budget)
     positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), s.shape) for s in scores]
     protected = [_protected(state, p) for p in positions]
     held = max(int(p.astype(mx.int32).sum(axis=-1).max().item()) for p in protected)  # type: ignore[arg-type]
-    least = AS.floor_rows(state.budget, state.allocation_floor, held, width)
-    return AS.global_totals(scores, positions, protected, state.budget, least, width)
+    least = shares.floor_rows(state.budget, state.allocation_floor, held, width)
+    return shares.global_totals(scores, positions, protected, state.budget, least, width)
 
 
 def kvzip_compress(
@@ -255,7 +255,7 @@ def kvzip_compress(
             raise ValueError(f"total must be >= 0, got {total}")
         if n <= state.budget:
             return done
-        lanes = AS.allot(
+        lanes = shares.allot(
             live,
             scores.astype(mx.float32),
             _protected(state, live.positions),
@@ -292,7 +292,7 @@ def _from_pads(state: KVzipState) -> KVzipState:
     width = 0
     for c in (c for row in counts for c in row):
         width = gcd(width, c)
-    lanes = LN.cut(live, real.astype(mx.float32), mx.zeros_like(real), counts, max(width, 1))
+    lanes = cut(live, real.astype(mx.float32), mx.zeros_like(real), counts, max(width, 1))
     return replace(state, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
 
 

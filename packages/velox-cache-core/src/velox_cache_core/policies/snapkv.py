@@ -23,17 +23,17 @@ from operator import attrgetter
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import History
 from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
+from velox_cache_core.lanes import GlobalRule, Lanes
 from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.selection import pinned
 from velox_cache_core.sequential import row_visibility
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_choice, check_int
 
@@ -47,10 +47,10 @@ class SnapKVState(PolicyState):
     kernel: int
     signal: Signal
     allocation: str = "uniform"
-    allocation_floor: float = AS.FLOOR
+    allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: LN.Lanes | None = running()
+    lanes: Lanes | None = running()
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
@@ -65,13 +65,13 @@ def init_snapkv_state(
     kernel: int = 5,
     signal: Signal = "query",
     allocation: str = "uniform",
-    allocation_floor: float = AS.FLOOR,
+    allocation_floor: float = shares.FLOOR,
 ) -> SnapKVState:
     """Empty SnapKV state: ``1 <= window < budget`` (``None``: ``min(32, budget - 1)``, so a
     small budget needs no window of its own), odd ``kernel >= 1``; ``allocation``
     ``uniform``, ``head`` or ``global`` (see the module doc), ``0 <= allocation_floor <=
     1``."""
-    AS.check_allocation(allocation, allocation_floor)
+    shares.check_allocation(allocation, allocation_floor)
     check_int("budget", budget, minimum=2)
     if window is None:
         window = min(WINDOW, budget - 1)
@@ -123,7 +123,9 @@ def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None
     n, W = live.n_slots, state.window
     history = state.history
     assert state.scale is not None
-    logits = grouped_logits(history.probes, R.dense(live.keys), state.scale, "head")  # [B,H,G,w,n]
+    logits = grouped_logits(
+        history.probes, rows.dense(live.keys), state.scale, "head"
+    )  # [B,H,G,w,n]
     visible = row_visibility(live.positions, history.positions)[:, :, None]
     probs = masked_softmax(logits, visible)
     scores = probs.sum(axis=3).mean(axis=2)  # [B, H_kv, n]
@@ -146,13 +148,13 @@ def _cut(state: SnapKVState, total: int | None) -> SnapKVState:
         return done
     live, full, window_rows = found
     if state.allocation != "uniform":
-        lanes = AS.allot(
+        lanes = shares.allot(
             live,
             full,
             window_rows,
             budget=state.budget,
             floor=state.allocation_floor,
-            total=AS.linked_total(state, total, "snapkv"),
+            total=shares.linked_total(state, total, "snapkv"),
         )
         return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     n, W = live.n_slots, state.window
@@ -173,7 +175,7 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     return _cut(state, None)
 
 
-SNAPKV_GLOBAL = LN.GlobalRule(
+SNAPKV_GLOBAL = GlobalRule(
     pending=lambda state: not state.compressed,
     scores=_cut_scores,
     cut=_cut,

@@ -22,12 +22,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import lanes as LN
-from velox_cache_core.allocation import HeldPrompt, holding, last_probe
-from velox_cache_core.allocation import shares as AS
+from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
 from velox_cache_core.attention_rule import History, Rule, decide_by_weights
 from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
+from velox_cache_core.lanes import Lanes
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import Scope, decision_weights, grouped_logits
 from velox_cache_core.selection import sinks
@@ -59,10 +58,10 @@ class TovaState(PolicyState):
     scope: Scope
     prefill: Prefill
     allocation: str = "uniform"
-    allocation_floor: float = AS.FLOOR
+    allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: LN.Lanes | None = running()
+    lanes: Lanes | None = running()
     # the last probe row while an adaptive allocation holds the prompt (None otherwise)
     history: History | None = running()
     # the attention scale of the held prompt's calls (for a cut outside a call: global)
@@ -90,14 +89,14 @@ def init_tova_state(
     prefill: Prefill | None = None,
     preset: str = "tova",
     allocation: str = "uniform",
-    allocation_floor: float = AS.FLOOR,
+    allocation_floor: float = shares.FLOOR,
 ) -> TovaState:
     """An empty TOVA state. ``signal``/``scope``/``prefill`` override the preset's values;
     ``allocation`` ``uniform`` or, with scope ``head``, ``head`` or ``global`` (see the
     module doc); ``0 <= allocation_floor <= 1``."""
     check_choice("preset", preset, PRESETS)
     check_budget_and_sinks(budget, n_sink)
-    AS.check_allocation(allocation, allocation_floor)
+    shares.check_allocation(allocation, allocation_floor)
     chosen = {**PRESETS[preset]}
     for name, value, options in (
         ("signal", signal, SIGNALS),
@@ -144,7 +143,7 @@ def _with_scale(state: TovaState, call: Call) -> TovaState:
     return state
 
 
-def _tova_score(state: Any, lanes: LN.Lanes, weights: mx.array | None) -> tuple[mx.array, None]:
+def _tova_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.array, None]:
     assert weights is not None
     return weights, None
 

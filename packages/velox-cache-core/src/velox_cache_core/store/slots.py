@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.rows import Rows
 
 # field metadata: working storage that saving and equality ignore (stored_fields)
@@ -79,8 +79,8 @@ class KVSlots:
             return mx.zeros((B, H, 0, *a.shape[3:]), dtype=a.dtype)
 
         return cls(
-            keys=R.apply(keys, empty),
-            values=R.apply(values, empty),
+            keys=store_rows.apply(keys, empty),
+            values=store_rows.apply(values, empty),
             positions=mx.zeros((B, H, 0), dtype=mx.int32),
         )
 
@@ -114,7 +114,7 @@ class KVSlots:
 
     def arrays(self) -> list[mx.array]:
         """Every array the store holds (for ``mx.eval`` and serialisation)."""
-        out = [*R.arrays(self.keys), *R.arrays(self.values), self.positions]
+        out = [*store_rows.arrays(self.keys), *store_rows.arrays(self.values), self.positions]
         return out if self.free is None else [*out, self.free]
 
     def live_index(self) -> mx.array | None:
@@ -134,8 +134,8 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         idx = mx.broadcast_to(idx, (B, H, idx.shape[-1]))
         return KVSlots(
-            keys=R.take(self.keys, idx),
-            values=R.take(self.values, idx),
+            keys=store_rows.take(self.keys, idx),
+            values=store_rows.take(self.values, idx),
             positions=mx.take_along_axis(self.positions, idx, axis=2),
         )
 
@@ -161,8 +161,8 @@ class KVSlots:
         if room is not None and n <= room.rows:
             at = mx.array([self.n_slots])
             room = Reserve(
-                R.write(room.keys, keys, lambda a, b: mx.slice_update(a, b, at, (2,))),
-                R.write(room.values, values, lambda a, b: mx.slice_update(a, b, at, (2,))),
+                store_rows.write(room.keys, keys, lambda a, b: mx.slice_update(a, b, at, (2,))),
+                store_rows.write(room.values, values, lambda a, b: mx.slice_update(a, b, at, (2,))),
                 mx.slice_update(room.positions, positions, at, (2,)),
                 room.view,
             )
@@ -170,13 +170,13 @@ class KVSlots:
         live = self.compact()
         if reserve <= 0:
             return KVSlots(
-                keys=R.concat([live.keys, keys], axis=2),
-                values=R.concat([live.values, values], axis=2),
+                keys=store_rows.concat([live.keys, keys], axis=2),
+                values=store_rows.concat([live.values, values], axis=2),
                 positions=mx.concatenate([live.positions, positions], axis=2),
             )
         room = Reserve(
-            R.pad(R.concat([live.keys, keys], axis=2), reserve),
-            R.pad(R.concat([live.values, values], axis=2), reserve),
+            store_rows.pad(store_rows.concat([live.keys, keys], axis=2), reserve),
+            store_rows.pad(store_rows.concat([live.values, values], axis=2), reserve),
             mx.concatenate(
                 [live.positions, positions, mx.zeros((B, H, reserve), dtype=mx.int32)], axis=2
             ),
@@ -204,8 +204,8 @@ class KVSlots:
         else:
             pos = mx.full((B, H, 1), position, dtype=mx.int32)
         return KVSlots(
-            keys=R.put(self.keys, row, keys),
-            values=R.put(self.values, row, values),
+            keys=store_rows.put(self.keys, row, keys),
+            values=store_rows.put(self.values, row, values),
             positions=mx.put_along_axis(self.positions, row, pos, axis=2),
         )
 

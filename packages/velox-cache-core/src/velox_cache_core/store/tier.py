@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from velox_cache_core.store import rows as R
+from velox_cache_core.store import rows
 from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.token_rows import GROUP_SIZES, QRows, Quant
 from velox_cache_core.validation import check_int
@@ -119,8 +119,8 @@ def demote(
         out = Tier(new_keys.settled(), new_values, positions, scores)
     else:
         out = Tier(
-            R.concat([tier.keys, new_keys], axis=2).settled(),  # type: ignore[union-attr]
-            R.concat([tier.values, new_values], axis=2),  # type: ignore[arg-type]
+            rows.concat([tier.keys, new_keys], axis=2).settled(),  # type: ignore[union-attr]
+            rows.concat([tier.values, new_values], axis=2),  # type: ignore[arg-type]
             mx.concatenate([tier.positions, positions], axis=2),
             mx.concatenate([tier.scores, scores], axis=2),
         )
@@ -138,8 +138,8 @@ def keep_best(tier: Tier, budget: int) -> Tier:
     best = mx.take_along_axis(newest_first, ranked[..., :budget], axis=-1)
     keep = mx.sort(best, axis=-1)
     return Tier(
-        R.take(tier.keys, keep),  # type: ignore[arg-type]
-        R.take(tier.values, keep),  # type: ignore[arg-type]
+        rows.take(tier.keys, keep),  # type: ignore[arg-type]
+        rows.take(tier.values, keep),  # type: ignore[arg-type]
         mx.take_along_axis(tier.positions, keep, axis=-1),
         mx.take_along_axis(tier.scores, keep, axis=-1),
     )
@@ -170,8 +170,8 @@ def demote_one(spec: TierSpec, tier: Tier, keys: mx.array, values: mx.array,
     new_keys = KRows.from_dense(keys, spec.bits, spec.group_size, window=True)
     new_values = Quant(spec.bits, spec.group_size).quantize(values)
     return Tier(
-        R.write(tier.keys, new_keys, put),  # type: ignore[arg-type]
-        R.write(tier.values, new_values, put),  # type: ignore[arg-type]
+        rows.write(tier.keys, new_keys, put),  # type: ignore[arg-type]
+        rows.write(tier.values, new_values, put),  # type: ignore[arg-type]
         put(tier.positions[..., None], positions.astype(mx.int32)[..., None])[..., 0],
         put(tier.scores[..., None], scores.astype(mx.float32)[..., None])[..., 0],
     )
