@@ -53,7 +53,9 @@ def test_shares_split_at_outermost_calls() -> None:
 
 def test_trace_of_a_tiny_model_step() -> None:
     model = tiny_llama()
-    trace = tool.trace_method(model, "tova", budget=16, prompt_tokens=40, warmup=2)
+    # three warm-up steps: the layer warms, learns that the model hands its rows back, then
+    # traces the one-call kernel (a deferred write); the fourth is steady
+    trace = tool.trace_method(model, "tova", budget=16, prompt_tokens=40, warmup=3)
     assert trace.settings["layers"] == len(model.layers) == 2
     assert trace.calls > 0 and trace.eval_calls == 0  # the kernels were compiled in the warm-up
     assert sum(trace.functions.values()) == trace.calls
