@@ -119,8 +119,12 @@ class Evicting(Store):
         the token's own ``keys``/``values`` and writes it in :meth:`attend`, in the same
         compiled call as the decision (:func:`velox_cache_core.fast_step.joined_kernel`):
         one compiled call a step instead of two, the same rows and decisions."""
-        if not self._takes(keys, values):
+        if not self.steady or not (self.flight is self.decided is self.chunk is None):
+            return None  # not steady, or a call in flight
+        if keys.__class__ is not mx.array or values.__class__ is not mx.array:
             return None
+        if (keys.shape, values.shape, keys.dtype, values.dtype) != self.token:
+            return None  # not a token of the store's shape and dtype (self.fits, inlined)
         deferring = defer and decide and self.kernels.waits
         k, v = self._lay(keys, values, deferring)
         self.ahead = self.shared = self.decided = None
@@ -135,17 +139,6 @@ class Evicting(Store):
         values_out, _, probs = self._decide(None, (own, False, None))
         self.decided = Step(k, values_out, None, None, probs=probs)
         return k, values_out
-
-    def _takes(self, keys: Any, values: Any) -> bool:
-        """Whether this path takes the decode token: the store steady, no call in flight, and
-        full-precision arrays of the store's token shapes and dtypes (:meth:`fits`, inlined)."""
-        return (
-            self.steady
-            and self.flight is self.decided is self.chunk is None
-            and keys.__class__ is mx.array
-            and values.__class__ is mx.array
-            and (keys.shape, values.shape, keys.dtype, values.dtype) == self.token
-        )
 
     def _lay(self, keys: mx.array, values: mx.array, deferring: bool) -> tuple[Any, Any]:
         """The token as :attr:`flight`: written into its slot by the write kernel now, or
