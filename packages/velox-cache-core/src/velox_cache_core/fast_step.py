@@ -193,7 +193,10 @@ def steps_kernel(
     L: int,
     prefetched_first: bool,
 ) -> Kernel:
-    """``L`` write kernels and decision kernels in turn, as :func:`run_steps` takes them."""
+    """``L`` write kernels and decision kernels in turn, as :func:`run_steps` takes them: each
+    step's (write outputs, decision outputs). With ``L = 1`` it is one decode step's write and
+    decision in one call (a deferred write,
+    :meth:`velox_cache_core.decode.evicting.Evicting.write`), the token's rows as given."""
     kinds = kernels.key[2]
     decide_one = decide_kernel(policy, template, kernels.running, kinds, settings)
     writes = {flag: write_kernel(policy, template, prefetched=flag) for flag in (False, True)}
@@ -213,10 +216,12 @@ def steps_kernel(
         per_step = []
         prefetched = prefetched_first
         for i in range(L):
-            k_i = mx.contiguous(new_keys[:, :, i : i + 1])
-            v_i = mx.contiguous(new_values[:, :, i : i + 1])
-            q_i = [mx.contiguous(q[:, :, i : i + 1]) for q in query]
-            at = start + i
+            k_i, v_i, q_i = new_keys, new_values, query
+            if L > 1:
+                k_i = mx.contiguous(new_keys[:, :, i : i + 1])
+                v_i = mx.contiguous(new_values[:, :, i : i + 1])
+                q_i = [mx.contiguous(q[:, :, i : i + 1]) for q in query]
+            at = start if i == 0 else start + i  # no node for step 0
             wrote = writes[prefetched](keys, values, positions, free, k_i, v_i, at, old[pins_at])
             keys, values, positions, written, _ = wrote
             decided = decide_one(keys, values, positions, written, k_i, v_i, q_i, at, old)
@@ -232,38 +237,6 @@ def steps_kernel(
                 raise NotSteady  # nothing frees a slot for the next token
             old = changes
         return per_step
-
-    return kernel
-
-
-def joined_kernel(
-    policy: Policy,
-    template: Any,
-    kernels: Kernels,
-    settings: tuple[float, bool, float | None, bool],
-    prefetched: bool,
-) -> Kernel:
-    """One decode step's write kernel and decision kernel traced into one call (a deferred
-    write, :meth:`velox_cache_core.decode.evicting.Evicting.write`): (the write's outputs, the
-    decision's)."""
-    write = write_kernel(policy, template, prefetched=prefetched)
-    decide = decide_kernel(policy, template, kernels.running, kernels.key[2], settings)
-    pins_at = kernels.running.index("pins")
-
-    def kernel(
-        keys: mx.array,
-        values: mx.array,
-        positions: mx.array,
-        free: list[mx.array],
-        new_keys: mx.array,
-        new_values: mx.array,
-        query: list[mx.array],
-        start: mx.array,
-        old: list[list[Any]],
-    ) -> Any:
-        wrote = write(keys, values, positions, free, new_keys, new_values, start, old[pins_at])
-        k, v, p, written, _ = wrote
-        return wrote, decide(k, v, p, written, new_keys, new_values, query, start, old)
 
     return kernel
 

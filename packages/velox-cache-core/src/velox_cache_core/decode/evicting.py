@@ -117,7 +117,7 @@ class Evicting(Store):
         ``defer``: the caller hands the returned arrays back to :meth:`attend` untouched
         (mlx-lm's attention through the hook), so a step that waits for its queries returns
         the token's own ``keys``/``values`` and writes it in :meth:`attend`, in the same
-        compiled call as the decision (:func:`velox_cache_core.fast_step.joined_kernel`):
+        compiled call as the decision (:func:`velox_cache_core.fast_step.steps_kernel`, one step):
         one compiled call a step instead of two, the same rows and decisions."""
         if not self.steady or not (self.flight is self.decided is self.chunk is None):
             return None  # not steady, or a call in flight
@@ -231,15 +231,15 @@ class Evicting(Store):
             assert self.deferred is not None
             free, prefetched = self.deferred
             self.deferred = None
-            joined_key = ("joined", prefetched, *full)
+            joined_key = ("steps", 1, prefetched, *full)
             found = self.kernels.decide.get(joined_key)
             if found is None:
-                made = fast_step.joined_kernel(
-                    self.policy, self.template, self.kernels, full[:4], prefetched
+                made = fast_step.steps_kernel(
+                    self.policy, self.template, self.kernels, full[:4], 1, prefetched
                 )
                 found = self.kernels.decide[joined_key] = (mx.compile(made), [])
             kernel, same = found
-            wrote, outputs = kernel(
+            [(wrote, outputs)] = kernel(
                 self.keys,
                 self.values,
                 self.positions,
