@@ -86,8 +86,9 @@ class Kernels:
     write: dict[bool, Kernel]  # by "the row to overwrite was prefetched"
     # by (scale, attend_here, attend_scale, prefetch_next, no queries): the kernel, and whether
     # the running fields it returns keep their kinds (the output structure is the trace's);
-    # and run_steps' chunk kernels, by ("steps", L, prefetched, ...): the kernel, and [False]
-    # once its trace found a step of the chunk leaving the steady state
+    # and steps_kernel's, by ("steps", L, prefetched, ...): for a chunk (L > 1) the kernel and
+    # [False] once its trace found a step of the chunk leaving the steady state, for a deferred
+    # decode step (L = 1) the kernel and the kinds record, as a decision kernel's
     decide: dict[tuple[Any, ...], tuple[Kernel, list[bool]]]
     histories: tuple[int, ...] = ()  # indices of the running fields that are histories
 

@@ -133,7 +133,7 @@ class Evicting(Store):
             mirror["offset"] = self.offset + 1
         if decide:  # a decode token, not one of a chunk's
             self.stepped = []
-        if deferring or self.kernels.waits or not decide:
+        if self.kernels.waits or not decide:  # a deferred step waits for its queries too
             return k, v
         own = 1.0 / math.sqrt(int(keys.shape[3]))
         values_out, _, probs = self._decide(None, (own, False, None))
@@ -231,14 +231,8 @@ class Evicting(Store):
             assert self.deferred is not None
             free, prefetched = self.deferred
             self.deferred = None
-            joined_key = ("steps", 1, prefetched, *full)
-            found = self.kernels.decide.get(joined_key)
-            if found is None:
-                made = fast_step.steps_kernel(
-                    self.policy, self.template, self.kernels, full[:4], 1, prefetched
-                )
-                found = self.kernels.decide[joined_key] = (mx.compile(made), [])
-            kernel, same = found
+            key = ("steps", 1, prefetched, *full)
+            kernel, same = self.kernels.decide.get(key) or self._compile_steps(key)
             [(wrote, outputs)] = kernel(
                 self.keys,
                 self.values,
@@ -256,6 +250,18 @@ class Evicting(Store):
         kernel, same = self.kernels.decide.get(full) or self._compile_decide(full)
         outputs = kernel(k, v, p, written, keys, values, query, start, self.running)
         return self._take(flight, outputs, same)
+
+    def _compile_steps(self, key: tuple[Any, ...]) -> tuple[Any, list[bool]]:
+        """Trace and compile the kernel of ``L`` steps in one call (``key``: ``("steps", L,
+        prefetched, *the decision kernel's key)``; :func:`velox_cache_core.fast_step.
+        steps_kernel`) and keep it in ``Kernels.decide`` with an empty record."""
+        _, L, prefetched, *full = key
+        kernels = self.kernels
+        traced = fast_step.steps_kernel(
+            self.policy, self.template, kernels, tuple(full[:4]), L, prefetched
+        )
+        found = kernels.decide[key] = (mx.compile(traced), [])
+        return found
 
     def _compile_decide(self, full: tuple[Any, ...]) -> tuple[Any, list[bool]]:
         kernels = self.kernels
@@ -429,18 +435,10 @@ class Evicting(Store):
     ) -> list[mx.array | None] | None:
         """The chunk's steps traced into one compiled call: each step's output, or ``None``
         when a step of the chunk would leave the steady state (nothing changed)."""
-        kernels = self.kernels
         L = int(keys.shape[2])
-        full = (*settings, self.prefetch_next)
-        prefetched = self.ahead is not None
-        chunk_key = ("steps", L, prefetched, *full, queries is None)
-        found = kernels.decide.get(chunk_key)
-        if found is None:
-            traced = fast_step.steps_kernel(
-                self.policy, self.template, kernels, full, L, prefetched
-            )
-            found = kernels.decide[chunk_key] = (mx.compile(traced), [])
-        kernel, steady = found
+        full = (*settings, self.prefetch_next, queries is None)
+        key = ("steps", L, self.ahead is not None, *full)
+        kernel, steady = self.kernels.decide.get(key) or self._compile_steps(key)
         if steady == [False]:
             return None
         ahead = self.ahead
