@@ -151,31 +151,10 @@ class Layer:
     share_step_sums = step_sums.share_step_sums
 
     # -- the state, its undo log and the call in flight (built from the decode path's rows) ---
-    @property
-    def state(self) -> Any:
-        """The policy's frozen state (the decode path's rows, frozen, when decoding)."""
-        if self.hot is not None:
-            switch.cool(self)
-        return self._state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if self.hot is not None:
-            switch.cool(self)
-        self._state = value
-
-    @property
-    def log(self) -> UndoLog | None:
-        """The undo log (``None``: the layer keeps none)."""
-        if self.hot is not None:
-            switch.cool(self)
-        return self._log
-
-    @log.setter
-    def log(self, value: UndoLog | None) -> None:
-        if self.hot is not None:
-            switch.cool(self)
-        self._log = value
+    state = switch.Cooled(
+        "The policy's frozen state (the decode path's rows, frozen, when decoding)."
+    )
+    log = switch.Cooled("The undo log (``None``: the layer keeps none).")
 
     @property
     def keeps_log(self) -> bool:
@@ -223,15 +202,9 @@ class Layer:
         hot = self.hot
         if hot is not None:
             return hot.offset + hot.in_flight
-        pending = self._pending
-        if pending is None:  # between calls
-            return int(self._state.offset)
-        extra = 0
-        if isinstance(pending, Waiting):
-            extra = int(pending.keys.shape[2])
-        elif isinstance(pending, Deferred):
-            extra = 1
-        return int(self.state.offset) + extra
+        pending = self._pending  # a call waiting for its queries, or a deferred step, counts
+        waiting = int(pending.keys.shape[2]) if isinstance(pending, Waiting) else 0
+        return int(self._state.offset) + waiting + isinstance(pending, Deferred)
 
     @property
     def quiet(self) -> bool:

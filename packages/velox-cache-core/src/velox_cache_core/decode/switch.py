@@ -90,6 +90,31 @@ def warm(layer: Any, length: int) -> bool:
     return True
 
 
+class Cooled:
+    """A :class:`~velox_cache_core.layer.Layer` attribute (``state``, ``log``) held in the
+    layer's ``_name``: read or set, it leaves the decode path first (:func:`cool`), so that
+    what is read is the rows as the path left them."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        if layer is None:
+            return self
+        if layer.hot is not None:
+            cool(layer)
+        return layer.__dict__[self.slot]
+
+    def __set__(self, layer: Any, value: Any) -> None:
+        if layer.hot is not None:
+            cool(layer)
+        layer.__dict__[self.slot] = value
+
+
 def cool(layer: Any) -> None:
     """Leave the decode path: the rows become a frozen state again, the undo entries the
     log's, and a token or chunk still waiting for its queries a plain :class:`Waiting`."""
