@@ -226,7 +226,7 @@ def steps_kernel(
             wrote = writes[prefetched](keys, values, positions, free, k_i, v_i, at, old[pins_at])
             keys, values, positions, written, _ = wrote
             decided = decide_one(keys, values, positions, written, k_i, v_i, q_i, at, old)
-            next_free, _, changes, _, _, ahead = decided
+            next_free, _, changes, _, _, ahead, _ = decided
             per_step.append((wrote, decided))
             if i == L - 1:
                 break
@@ -258,6 +258,7 @@ def decide_kernel(
     settings: tuple[float, bool, float | None, bool],
 ) -> Kernel:
     scale, attend_here, attend_scale, prefetch_next = settings
+    histories = [i for i, kind in enumerate(kinds) if kind == "history"]
 
     def kernel(
         keys: mx.array,
@@ -304,9 +305,24 @@ def decide_kernel(
             nxt = policy.evict_before(state, KVSlots(keys, values, positions), after)
             if nxt.free is not None:
                 ahead = [nxt.free, *_rows_at(candidates, nxt.free)]
-        return free, victim, changes, probs_out, out, ahead
+        pushed = [_pushed_out(old[i], changes[i]) for i in histories]
+        return free, victim, changes, probs_out, out, ahead, pushed
 
     return kernel
+
+
+def _pushed_out(before: list[Any], after: list[Any]) -> list[mx.array]:
+    """The rows a decode step pushed out of a history (flat, ``before`` the step and
+    ``after`` it; ``[]`` for none), copied: what :func:`velox_cache_core.history.compact`
+    keeps of ``before`` in an undo entry, made in the kernel rather than by slicing on the
+    host every step (``[]`` where it keeps ``before`` whole)."""
+    if not before or not after:
+        return []
+    (probes, positions), n, m = before[0], before[0][0].shape[2], after[0][0].shape[2]
+    d = n - min(n, max(0, m - 1))  # the step appended one row
+    if d == n:
+        return []
+    return [mx.array(probes[:, :, :d]), mx.array(positions[:d])]  # copies, as compact's
 
 
 def state_type(state: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core import fast_step, history
+from velox_cache_core import fast_step
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
@@ -26,8 +26,9 @@ from velox_cache_core.undo import Entry, UndoLog, puts_kernel
 from velox_cache_core.validation import check_queries, check_scale
 
 # A raw undo entry: (offset, tokens_seen, running fields before, dead slot before, slot
-# written, the row it overwrote as arrays or None, the victim's rows as arrays)
-Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array]]
+# written, the row it overwrote as arrays or None, the victim's rows as arrays, the rows the
+# step pushed out of each history, copied by the kernel: the entry's compact histories)
+Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array], list[list[mx.array]]]
 
 
 class Evicting(Store):
@@ -281,11 +282,11 @@ class Evicting(Store):
         _, _, k, v, p, written, row, _ = flight
         kernels = self.kernels
         self.flight = self.ahead = None
-        free, victim, changes, probs, out, ahead = outputs
+        free, victim, changes, probs, out, ahead, pushed = outputs
         entries = self.entries
         values = v
         if entries is not None:
-            read = self._record(entries, written, row, victim)
+            read = self._record(entries, written, row, victim, pushed)
             if ahead:
                 self.ahead = ahead
                 read = [*read, *ahead]
@@ -304,17 +305,21 @@ class Evicting(Store):
             self.steady = False  # the next step is checked again on the general side
         return values, (out[0] if out else None), (probs[0] if probs else None)
 
-    def _record(self, entries: Any, written: Any, row: Any, victim: Any) -> list[mx.array]:
-        """Keep the step's raw undo entry (the previous one's history made compact); the
-        arrays the step's output must read."""
-        raw: Raw = (self.offset, self.tokens_seen, self.running, self.free, written, row, victim)
+    def _record(
+        self, entries: Any, written: Any, row: Any, victim: Any, pushed: list[list[mx.array]]
+    ) -> list[mx.array]:
+        """Keep the step's raw undo entry (the previous one's histories made compact, from the
+        rows its kernel copied); the arrays the step's output must read."""
+        running = self.running
+        raw: Raw = (self.offset, self.tokens_seen, running, self.free, written, row, victim, pushed)
         entries.append(raw)
         if len(entries) == entries.maxlen:
             self.base_log = None  # the log now holds only these (see cool)
         read = victim if row is None else [*victim, *row]
-        if self.kernels.histories and len(entries) > 1:
-            entries[-2], copied = _compact_raw(self.kernels, entries[-2], raw[2])
-            read = [*read, *copied]
+        if pushed:
+            read = [*read, *(a for rows in pushed for a in rows)]
+            if len(entries) > 1:
+                entries[-2] = _compact_raw(self.kernels, entries[-2])
         return list(read)
 
     # -- a trim within the steps taken here ---------------------------------------------------
@@ -496,25 +501,20 @@ class Evicting(Store):
         return state, log, waiting, decided
 
 
-def _compact_raw(
-    kernels: fast_step.Kernels, raw: Raw, after: list[list[Any]]
-) -> tuple[Raw, list[Any]]:
-    """``raw`` keeping its histories as the rows its step pushed out
-    (:func:`velox_cache_core.history.compact`; ``after``: the running fields after the step),
-    and the arrays copied for that."""
-    running, copied = list(raw[2]), []
-    for i in kernels.histories:
-        if running[i] and after[i]:
-            kept = history.compact(History(*running[i][0]), History(*after[i][0]), 1)
-            if kept.__class__ is HistoryBefore:
-                running[i] = [kept]
-                copied += kept.arrays()
-    return (raw[0], raw[1], running, *raw[3:]), copied
+def _compact_raw(kernels: fast_step.Kernels, raw: Raw) -> Raw:
+    """``raw`` keeping its histories as the rows its step pushed out, which its kernel copied
+    (what :func:`velox_cache_core.history.compact` keeps), once a newer entry follows it."""
+    running, pushed = list(raw[2]), raw[7]
+    for i, rows in zip(kernels.histories, pushed, strict=True):
+        if rows and running[i]:
+            n = int(running[i][0][0].shape[2])
+            running[i] = [HistoryBefore(History(rows[0], rows[1]), n)]
+    return (*raw[:2], running, *raw[3:7], [])
 
 
 def _entry(kernels: fast_step.Kernels, raw: Raw) -> Entry:
     """The undo entry the general path's ``undo.record`` makes for a decode step."""
-    offset, tokens_seen, running, free, written, row, victim = raw
+    offset, tokens_seen, running, free, written, row, victim, _ = raw
     before = dict(zip(kernels.running, fast_step.unflat_running(kernels, running), strict=True))
     before["offset"], before["tokens_seen"] = offset, tokens_seen
     return Entry(
