@@ -17,6 +17,12 @@ empty one: the build and evaluation time per node (medians of ``--reps`` calls).
 columns multiply each cache's extra nodes over ``KVCache`` by those costs and by 30 layers
 (the embedded model's depth).
 
+Last, for each method whose decode step is one compiled call (through mlx-lm's cache and the
+hook, the write deferred into the decision: :mod:`velox_cache_core.decode`): the host time of
+one layer's decode call, of the compiled call inside it (timed where it runs, ``--steps`` real
+steps) and the nodes that compiled call builds: how much of a layer's host time is the
+kernel's graph and how much the Python around it.
+
     python -m velox_bench.probes.graph_nodes [--methods tova,h2o,streaming_llm,snapkv,morphkv]
 """
 
@@ -27,7 +33,8 @@ import io
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from velox_blas import preload_openblas
 
@@ -104,11 +111,82 @@ def node_cost(n: int, reps: int) -> tuple[float, float]:
     return (build[1] - build[0]) / n * 1e6, (evaluate[1] - evaluate[0]) / n * 1e6
 
 
+def kernel_share(method: str, rng: np.random.Generator, steps: int) -> tuple[float, float, int]:
+    """(host us of one layer's decode call, host us of the compiled call inside it, the nodes
+    that call builds): medians over ``steps`` real decode steps of ``method`` through mlx-lm's
+    cache and the hook (its write deferred into the decision), the compiled call timed where
+    it runs. ``ValueError`` when the method's step is not one compiled decision call here."""
+    subject = lhc._Subject(method, rng, through_cache=True)
+    for _ in range(2):  # the cache has learned to defer its writes: the steady kernel is built
+        k, v, q = lhc._draw(rng, 1), lhc._draw(rng, 1), lhc._draw(rng, 1, lhc.HQ)
+        mx.eval(subject.call(k, v, q))
+        subject.flush()
+    hot = subject.layer.hot
+    if getattr(hot, "kernels", None) is None:  # none, or an appending store (no decision)
+        raise ValueError(f"{method} decides nothing on the decode path here")
+    inside: list[float] = []
+    outputs: list[Any] = []
+    decide = hot.kernels.decide
+    for key, (kernel, record) in list(decide.items()):
+
+        def timed(*args: Any, _kernel: Any = kernel) -> Any:
+            start = time.perf_counter()
+            out = _kernel(*args)
+            inside.append(time.perf_counter() - start)
+            outputs[:] = [out]
+            return out
+
+        decide[key] = (timed, record)
+    whole: list[float] = []
+    nodes = 0
+    for i in range(steps):
+        k, v, q = lhc._draw(rng, 1), lhc._draw(rng, 1), lhc._draw(rng, 1, lhc.HQ)
+        mx.eval(k, v, q)
+        start = time.perf_counter()
+        out = subject.call(k, v, q)
+        whole.append(time.perf_counter() - start)
+        if i == 0:
+            if not outputs:
+                raise ValueError(f"{method}: no compiled decision call was made")
+            nodes = count_nodes(list(_leaves(outputs[0])))
+        mx.eval(out)
+        subject.flush()
+    if len(inside) != steps:
+        raise ValueError(f"{method}: {len(inside)} compiled calls in {steps} steps")
+    return statistics.median(whole) * 1e6, statistics.median(inside) * 1e6, nodes
+
+
+def full_call(rng: np.random.Generator, steps: int) -> float:
+    """Host us of one layer's decode call with mlx-lm's ``KVCache`` (its update, then SDPA),
+    timed as :func:`kernel_share` times a Velox layer's (median of ``steps``)."""
+    subject = lhc._Subject("KVCache", rng)
+    whole = []
+    for _ in range(steps):
+        k, v, q = lhc._draw(rng, 1), lhc._draw(rng, 1), lhc._draw(rng, 1, lhc.HQ)
+        mx.eval(k, v, q)
+        start = time.perf_counter()
+        out = subject.call(k, v, q)
+        whole.append(time.perf_counter() - start)
+        mx.eval(out)
+        subject.flush()
+        subject.trim(1)  # the store stays at the prompt's size
+    return statistics.median(whole) * 1e6
+
+
+def _leaves(tree: Any) -> Iterator[mx.array]:
+    if isinstance(tree, mx.array):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _leaves(item)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--methods", default="tova,h2o,streaming_llm,snapkv,morphkv")
     parser.add_argument("--chain", type=int, default=200, help="nodes in the timed chain")
     parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=1000, help="decode steps timed per method")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     counts = {}
@@ -125,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         extra_decode = (decode - base_decode) * per_node_ms
         extra_verify = (verify - base_verify) * per_node_ms
         print(f"{name:<14} {decode:7d} {verify:9d} {extra_decode:10.2f} ms {extra_verify:10.2f} ms")
+    print("one layer's decode call through mlx-lm's cache, host us (medians): the whole call,")
+    print("the compiled decision call inside it, and the nodes that call builds")
+    print(f"{'cache':<14} {'layer':>7} {'compiled':>9} {'share':>6} {'nodes':>6}")
+    print(f"{'KVCache':<14} {full_call(rng, args.steps):7.1f} {'-':>9} {'-':>6} {'-':>6}")
+    for name in args.methods.split(","):
+        try:
+            whole, inside, nodes = kernel_share(name, rng, args.steps)
+        except ValueError as err:
+            print(f"{name:<14} (not one compiled call: {err})")
+            continue
+        print(f"{name:<14} {whole:7.1f} {inside:9.1f} {inside / whole:6.2f} {nodes:6d}")
     return 0
 
 
