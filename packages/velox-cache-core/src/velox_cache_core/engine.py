@@ -22,8 +22,8 @@ from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.undo import LaneStep, UndoLog, record, record_lanes
 from velox_cache_core.validation import (
+    check_fits,
     check_int,
-    check_kv,
     check_queries,
     check_scale,
     require_finite,
@@ -142,30 +142,6 @@ class Policy(Protocol):
     def traits(self) -> Traits: ...
     @property
     def lane_rule(self) -> LaneRule | None: ...
-
-
-def check_fits(slots: KVSlots | None, keys: Any, values: Any, *, stored: bool = True) -> None:
-    """``keys``/``values`` ``[B, H_kv, L, D]`` (values ``D_v`` wide) match the slots' batch,
-    heads, widths and dtype (anything goes for an empty state), and, when they are to be
-    ``stored`` with them, their quantization; ``ValueError``/``TypeError`` naming what
-    differs."""
-    if slots is None:
-        check_kv(keys, values, expect=None, dtype=None)
-        return
-    B, H, _, D = slots.keys.shape
-    check_kv(
-        keys,
-        values,
-        expect=(B, H, D),
-        dtype=slots.keys.dtype,
-        value_dim=int(slots.values.shape[3]),
-    )
-    held, given = rows.quant_of(slots.keys), rows.quant_of(keys)
-    if stored and held != given:
-        raise TypeError(
-            f"keys are {'quantized as ' + str(given) if given else 'full precision'}, but the "
-            f"state holds {'rows quantized as ' + str(held) if held else 'full-precision rows'}"
-        )
 
 
 def open_call(

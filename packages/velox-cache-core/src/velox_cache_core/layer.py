@@ -46,7 +46,7 @@ from velox_cache_core import (
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.decode import Hot, switch
 from velox_cache_core.distributed import StepSums, summing_over
-from velox_cache_core.engine import Step, check_fits
+from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import (
     Decided,
     Deferred,
@@ -60,6 +60,7 @@ from velox_cache_core.store import rows
 from velox_cache_core.store.tier import Tier, TierSpec
 from velox_cache_core.store.token_rows import Quant
 from velox_cache_core.undo import UndoLog
+from velox_cache_core.validation import check_fits
 
 
 class Layer:

@@ -26,13 +26,12 @@ import mlx.core as mx
 from velox_cache_core.attention import attend as attend_step
 from velox_cache_core.batch import check_compatible, row_signature, scatter
 from velox_cache_core.distributed import summing_over
-from velox_cache_core.engine import check_fits
 from velox_cache_core.layer import Layer
 from velox_cache_core.packed import Packed, can_pack, detach, pack, packed_update, unpack
 from velox_cache_core.pins import seen_pinned
 from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import KRows
-from velox_cache_core.validation import check_kv
+from velox_cache_core.validation import check_fits, check_kv
 
 
 def _signature(layer: Layer) -> dict[str, Any]:

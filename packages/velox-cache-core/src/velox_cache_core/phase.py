@@ -16,10 +16,10 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.declarations import Compressor
-from velox_cache_core.engine import check_fits
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.validation import check_fits
 
 
 def compressor_of(policy: Any) -> Compressor:

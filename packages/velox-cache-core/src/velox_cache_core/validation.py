@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from velox_cache_core.store.rows import QUANTIZED, quant_of
+
+if TYPE_CHECKING:
+    from velox_cache_core.store.slots import KVSlots
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
@@ -132,3 +135,27 @@ def require_finite(**arrays: Any) -> None:
         )
         if any(x.size and not mx.isfinite(x).all().item() for x in parts):
             raise ValueError(f"{name} contains NaN or inf")
+
+
+def check_fits(slots: KVSlots | None, keys: Any, values: Any, *, stored: bool = True) -> None:
+    """``keys``/``values`` ``[B, H_kv, L, D]`` (values ``D_v`` wide) match the slots' batch,
+    heads, widths and dtype (anything goes for an empty state), and, when they are to be
+    ``stored`` with them, their quantization; ``ValueError``/``TypeError`` naming what
+    differs."""
+    if slots is None:
+        check_kv(keys, values, expect=None, dtype=None)
+        return
+    B, H, _, D = slots.keys.shape
+    check_kv(
+        keys,
+        values,
+        expect=(B, H, D),
+        dtype=slots.keys.dtype,
+        value_dim=int(slots.values.shape[3]),
+    )
+    held, given = quant_of(slots.keys), quant_of(keys)
+    if stored and held != given:
+        raise TypeError(
+            f"keys are {'quantized as ' + str(given) if given else 'full precision'}, but the "
+            f"state holds {'rows quantized as ' + str(held) if held else 'full-precision rows'}"
+        )

@@ -14,9 +14,9 @@ import mlx.core as mx
 
 from velox_cache_core import demoted, fast_step, step_sums
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.engine import check_fits
 from velox_cache_core.in_flight import SUBCHUNK, Mode, Waiting
 from velox_cache_core.store import rows
+from velox_cache_core.validation import check_fits
 
 
 def waits(layer: Any, length: int) -> bool:

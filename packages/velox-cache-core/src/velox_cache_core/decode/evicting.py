@@ -19,16 +19,11 @@ import mlx.core as mx
 
 from velox_cache_core import fast_step
 from velox_cache_core.attention import attend as attend_step
+from velox_cache_core.decode import raw_entries
 from velox_cache_core.decode.store import Store
 from velox_cache_core.engine import Step
-from velox_cache_core.history import History, HistoryBefore
-from velox_cache_core.undo import Entry, UndoLog, puts_kernel
+from velox_cache_core.undo import UndoLog, puts_kernel
 from velox_cache_core.validation import check_queries, check_scale
-
-# A raw undo entry: (offset, tokens_seen, running fields before, dead slot before, slot
-# written, the row it overwrote as arrays or None, the victim's rows as arrays, the rows the
-# step pushed out of each history, copied by the kernel: the entry's compact histories)
-Raw = tuple[int, int, list[list[Any]], Any, mx.array, Any, list[mx.array], list[list[mx.array]]]
 
 
 class Evicting(Store):
@@ -310,8 +305,8 @@ class Evicting(Store):
     ) -> list[mx.array]:
         """Keep the step's raw undo entry (the previous one's histories made compact, from the
         rows its kernel copied); the arrays the step's output must read."""
-        running = self.running
-        raw: Raw = (self.offset, self.tokens_seen, running, self.free, written, row, victim, pushed)
+        counters = (self.offset, self.tokens_seen, self.running, self.free)
+        raw: raw_entries.Raw = (*counters, written, row, victim, pushed)
         entries.append(raw)
         if len(entries) == entries.maxlen:
             self.base_log = None  # the log now holds only these (see cool)
@@ -319,7 +314,7 @@ class Evicting(Store):
         if pushed:
             read = [*read, *(a for rows in pushed for a in rows)]
             if len(entries) > 1:
-                entries[-2] = _compact_raw(self.kernels, entries[-2])
+                entries[-2] = raw_entries.compact(self.kernels, entries[-2])
         return list(read)
 
     # -- a trim within the steps taken here ---------------------------------------------------
@@ -481,7 +476,7 @@ class Evicting(Store):
         its queries (keys, values) or ``None``, the step decided at lay-out whose attention
         has not come or ``None``): what the general path holds for this layer now."""
         kernels = self.kernels
-        log = self.leave(functools.partial(_entry, kernels))
+        log = self.leave(functools.partial(raw_entries.entry, kernels))
         state = fast_step.state_of(
             self.template,
             kernels,
@@ -499,31 +494,3 @@ class Evicting(Store):
         if decided is not None:
             decided = Step(decided.keys, decided.values, None, state, log, probs=decided.probs)
         return state, log, waiting, decided
-
-
-def _compact_raw(kernels: fast_step.Kernels, raw: Raw) -> Raw:
-    """``raw`` keeping its histories as the rows its step pushed out, which its kernel copied
-    (what :func:`velox_cache_core.history.compact` keeps), once a newer entry follows it."""
-    running, pushed = list(raw[2]), raw[7]
-    for i, rows in zip(kernels.histories, pushed, strict=True):
-        if rows and running[i]:
-            n = int(running[i][0][0].shape[2])
-            running[i] = [HistoryBefore(History(rows[0], rows[1]), n)]
-    return (*raw[:2], running, *raw[3:7], [])
-
-
-def _entry(kernels: fast_step.Kernels, raw: Raw) -> Entry:
-    """The undo entry the general path's ``undo.record`` makes for a decode step."""
-    offset, tokens_seen, running, free, written, row, victim, _ = raw
-    before = dict(zip(kernels.running, fast_step.unflat_running(kernels, running), strict=True))
-    before["offset"], before["tokens_seen"] = offset, tokens_seen
-    return Entry(
-        start=offset,
-        length=1,
-        running={name: before[name] for name in kernels.undo_names},
-        slots_none=False,
-        free=free,
-        written=written,
-        row=None if row is None else fast_step.slots_of(*row),
-        victim=fast_step.slots_of(*victim) if victim else None,
-    )
