@@ -38,7 +38,7 @@ import mlx.core as mx
 from velox_cache_core.attention import attend_row, weights_times_values
 from velox_cache_core.declarations import running_fields, setting_fields
 from velox_cache_core.engine import Call
-from velox_cache_core.history import History
+from velox_cache_core.history import History, pushed_out
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
@@ -312,17 +312,14 @@ def decide_kernel(
 
 
 def _pushed_out(before: list[Any], after: list[Any]) -> list[mx.array]:
-    """The rows a decode step pushed out of a history (flat, ``before`` the step and
-    ``after`` it; ``[]`` for none), copied: what :func:`velox_cache_core.history.compact`
-    keeps of ``before`` in an undo entry, made in the kernel rather than by slicing on the
-    host every step (``[]`` where it keeps ``before`` whole)."""
+    """A decode step's :func:`velox_cache_core.history.pushed_out` of a history (flat,
+    ``before`` the step and ``after`` it), as arrays: what an undo entry keeps of ``before``,
+    made in the kernel rather than by slicing on the host every step (``[]``: none, the entry
+    keeps ``before`` whole)."""
     if not before or not after:
         return []
-    (probes, positions), n, m = before[0], before[0][0].shape[2], after[0][0].shape[2]
-    d = n - min(n, max(0, m - 1))  # the step appended one row
-    if d == n:
-        return []
-    return [mx.array(probes[:, :, :d]), mx.array(positions[:d])]  # copies, as compact's
+    dropped = pushed_out(History(*before[0]), after[0][0].shape[2], 1)
+    return [] if dropped is None else [dropped.probes, dropped.positions]
 
 
 def state_type(state: Any) -> Any:

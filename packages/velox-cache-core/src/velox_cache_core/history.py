@@ -53,14 +53,22 @@ def compact(before: Any, after: Any, length: int) -> Any:
     rows, else ``before`` as it is."""
     if before.__class__ is not History or after.__class__ is not History or before is after:
         return before
-    n, m = int(before.probes.shape[2]), int(after.probes.shape[2])
-    shared = min(n, max(0, m - length))  # the call appended ``length`` rows (or >= keep)
+    dropped = pushed_out(before, int(after.probes.shape[2]), length)
+    return before if dropped is None else HistoryBefore(dropped, int(before.probes.shape[2]))
+
+
+def pushed_out(before: History, after_rows: int, length: int) -> History | None:
+    """The rows a call of ``length`` tokens pushed out of ``before``, when the history after it
+    holds ``after_rows`` rows: copies (a slice would keep the whole old array alive), or
+    ``None`` when the two share no row (an undo entry then keeps ``before`` whole). Plain
+    array ops, so a compiled decode step makes them too
+    (:func:`velox_cache_core.fast_step.decide_kernel`)."""
+    n = int(before.probes.shape[2])
+    shared = min(n, max(0, after_rows - length))  # the call appended ``length`` rows (or >= keep)
     if shared == 0:
-        return before
+        return None
     d = n - shared
-    # copies (a slice would keep the whole old array alive)
-    dropped = History(mx.array(before.probes[:, :, :d]), mx.array(before.positions[:d]))
-    return HistoryBefore(dropped, n)
+    return History(mx.array(before.probes[:, :, :d]), mx.array(before.positions[:d]))
 
 
 def before(kept: Any, after: Any) -> Any:
