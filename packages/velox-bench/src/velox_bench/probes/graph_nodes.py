@@ -44,6 +44,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from velox_bench.probes import layer_host_compare as lhc  # noqa: E402 (the layer, its inputs)
+from velox_cache_core.decode import Evicting  # noqa: E402
 
 LAYERS = 30  # the embedded model's depth
 _NODE = re.compile(r"shape=rectangle")  # one per primitive in mx.export_to_dot's output
@@ -122,12 +123,13 @@ def kernel_share(method: str, rng: np.random.Generator, steps: int) -> tuple[flo
         mx.eval(subject.call(k, v, q))
         subject.flush()
     hot = subject.layer.hot
-    if getattr(hot, "kernels", None) is None:  # none, or an appending store (no decision)
+    if not isinstance(hot, Evicting):  # off the path, or appending (SnapKV after its cut)
         raise ValueError(f"{method} decides nothing on the decode path here")
     inside: list[float] = []
     outputs: list[Any] = []
-    decide = hot.kernels.decide
-    for key, (kernel, record) in list(decide.items()):
+    decide = hot.kernels.decide  # shared by every layer of this key: put back below
+    originals = dict(decide)
+    for key, (kernel, record) in originals.items():
 
         def timed(*args: Any, _kernel: Any = kernel) -> Any:
             start = time.perf_counter()
@@ -139,15 +141,18 @@ def kernel_share(method: str, rng: np.random.Generator, steps: int) -> tuple[flo
         decide[key] = (timed, record)
     whole: list[float] = []
     nodes = 0
-    for i in range(steps):
-        seconds, out = _timed_step(subject, rng)
-        whole.append(seconds)
-        if i == 0:
-            if not outputs:
-                raise ValueError(f"{method}: no compiled decision call was made")
-            nodes = count_nodes(list(_leaves(outputs[0])))
-        mx.eval(out)
-        subject.flush()
+    try:
+        for i in range(steps):
+            seconds, out = _timed_step(subject, rng)
+            whole.append(seconds)
+            if i == 0:
+                if not outputs:
+                    raise ValueError(f"{method}: no compiled decision call was made")
+                nodes = count_nodes(list(_leaves(outputs[0])))
+            mx.eval(out)
+            subject.flush()
+    finally:
+        decide.update(originals)  # the timed wrappers out again (a kernel built since stays)
     if len(inside) != steps:
         raise ValueError(f"{method}: {len(inside)} compiled calls in {steps} steps")
     return statistics.median(whole) * 1e6, statistics.median(inside) * 1e6, nodes
