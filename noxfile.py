@@ -130,9 +130,9 @@ def tests(session: nox.Session) -> None:
         "(the benchmarks' smoke runs come first and take a minute or two each)"
     )
     # Many tests start Python processes (the commands, servers, the benchmarks' smoke runs).
-    # Where the environment sets PYTHONDONTWRITEBYTECODE, each of them compiled mlx-lm's and
-    # transformers' sources again: `import velox_mlx_lm.embedded` took 3.6 s instead of 1.7 s
-    # on the 2-core machine. An empty value lets them write and reuse bytecode (gitignored).
+    # Where the environment sets PYTHONDONTWRITEBYTECODE, each of them compiles mlx-lm's and
+    # transformers' sources again (CHANGELOG, "CI time": about twice the import time of
+    # velox_mlx_lm.embedded). An empty value lets them write and reuse bytecode (gitignored).
     env = {"PYTHONDONTWRITEBYTECODE": ""}
     # Exit code 5 (no tests collected) is a failure here: there must be tests.
     session.run("pytest", *test_dirs, *xdist, *session.posargs, env=env)
