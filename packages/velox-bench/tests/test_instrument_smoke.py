@@ -132,3 +132,33 @@ def test_every_task_runs_the_cells_own_config(monkeypatch: pytest.MonkeyPatch) -
     quantized = grid.Cell("ppl_code", 64, "tova", 16, kv_bits=4)
     grid.run_cell(None, tokenizer, quantized)
     assert seen.pop() == quantized.config()
+
+
+def test_a_ruler_cell_resumes_from_its_finished_kinds(tmp_path: Path) -> None:
+    """A RULER-style cell keeps each finished kind beside the results file; a rerun of an
+    unfinished cell takes those as they are and runs only the others."""
+    out = tmp_path / "rows.jsonl"
+    partial = instrument.partial_path(out)
+    assert partial == tmp_path / "rows.partial.jsonl"
+    (cell,) = [c for c in grid.plan(quick=True) if c.task == "ruler"]
+    first = RULER_KINDS[0]
+    kept = {"score": 0.25, "output": "from an earlier run", "prompt_tokens": 1, "seconds": 600.0}
+    rows = [
+        {"model": "tiny-qwen2", "key": cell.key(), "kind": first, "result": kept},
+        # another model's and another cell's rows are not this cell's
+        {"model": "other", "key": cell.key(), "kind": RULER_KINDS[1], "result": kept},
+        {"model": "tiny-qwen2", "key": "ruler/1/x/0", "kind": RULER_KINDS[1], "result": kept},
+    ]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kinds = grid.KindLog(partial, "tiny-qwen2")
+    whole = grid.estimate_hours([cell], "qwen2.5-coder-1.5b")
+    assert grid.estimate_hours([cell], "qwen2.5-coder-1.5b", kinds=kinds) < whole
+    assert instrument.main(["--quick", "--only", "ruler", "--out", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["key"] == cell.key() and row["tasks"][first] == kept
+    assert set(row["tasks"]) == set(RULER_KINDS)
+    assert row["mean"] == pytest.approx(sum(t["score"] for t in row["tasks"].values()) / 4)
+    fresh = [t["seconds"] for k, t in row["tasks"].items() if k != first]
+    assert row["seconds"] == pytest.approx(600.0 + sum(fresh))
+    assert set(kinds.saved(cell.key())) == set(RULER_KINDS)  # each new kind kept as it ended
+    assert kinds.saved(cell.key())[first] == kept

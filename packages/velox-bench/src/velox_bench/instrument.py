@@ -96,13 +96,15 @@ def _todo(args: argparse.Namespace, out: Path, model_name: str) -> list[grid.Cel
         if c.key() not in done and c.key().startswith(args.only)
     ]
     cells = cells[: args.max_cells] if args.max_cells else cells
-    hours = grid.estimate_hours(cells, MODEL, args.n_per_depth)
+    kinds = grid.KindLog(partial_path(out), model_name)
+    hours = grid.estimate_hours(cells, MODEL, args.n_per_depth, kinds)
     print(
         f"{len(done)} cells already in {out}; {len(cells)} to run, about {hours:.1f} "
         "machine-hours on the 2-core machine"
     )
     for cell in cells:
-        print(f"  {cell.key()}")
+        saved = sorted(kinds.saved(cell.key())) if cell.task == "ruler" else []
+        print(f"  {cell.key()}" + (f" (done: {', '.join(saved)})" if saved else ""))
     return cells
 
 
@@ -113,18 +115,24 @@ def _run(args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Pat
     model, tokenizer, model_name = _load(args.quick, where)
     env = environment() | {"model": model_name}
     n_per_depth = 2 if args.quick else args.n_per_depth
+    kinds = grid.KindLog(partial_path(out), model_name)
     for cell in cells:
         total = cell.length * (len(RULER_KINDS) if cell.task == "ruler" else 1)
         with tqdm(desc=cell.key(), unit="tok", total=total) as bar:
             row = grid.run_cell(
                 model, tokenizer, cell, n_per_depth=n_per_depth, batch=args.batch,
-                step=bar.update,
+                step=bar.update, kinds=kinds,
             )  # fmt: skip
         row = {"model": model_name, **row, "environment": env}
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         print(summary([row]).splitlines()[1], flush=True)
+
+
+def partial_path(out: Path) -> Path:
+    """Where the finished kinds of an unfinished RULER-style cell wait (beside ``out``)."""
+    return out.with_name(out.stem + ".partial.jsonl")
 
 
 def _share(row: dict[str, Any], ref: dict[str, Any] | None) -> str:

@@ -40,6 +40,7 @@ __all__ = [
     "RATES",
     "Cell",
     "Fact",
+    "KindLog",
     "estimate_hours",
     "many_facts",
     "plan",
@@ -208,17 +209,26 @@ def plan(quick: bool = False) -> list[Cell]:
     return list({cell.key(): cell for cell in cells}.values())  # a cell twice: its first place
 
 
-def estimate_hours(cells: Iterable[Cell], model: str, n_per_depth: int = N_PER_DEPTH) -> float:
+def estimate_hours(
+    cells: Iterable[Cell],
+    model: str,
+    n_per_depth: int = N_PER_DEPTH,
+    kinds: KindLog | None = None,
+) -> float:
     """Machine-hours the cells should take at :data:`RATES` (prefill tokens, then the questions'
-    batched answer steps; KVzip reads its document twice)."""
+    batched answer steps; KVzip reads its document twice; a RULER-style cell's kinds already
+    in ``kinds`` cost nothing)."""
     prefill, step = RATES.get(model, RATES["qwen2.5-coder-1.5b"])
     seconds = 0.0
     for cell in cells:
         passes = 2 if cell.method == "kvzip" else 1
-        seconds += passes * cell.length / prefill
         if cell.task == "ruler":  # one prompt per kind, then its answer's steps
-            seconds += (len(ruler.KINDS) - 1) * cell.length / prefill
-            seconds += sum(ruler_run.MAX_TOKENS.values()) / step
+            saved = kinds.saved(cell.key()) if kinds is not None else {}
+            left = [k for k in ruler.KINDS if k not in saved]
+            seconds += passes * len(left) * cell.length / prefill
+            seconds += sum(ruler_run.MAX_TOKENS[k] for k in left) / step
+            continue
+        seconds += passes * cell.length / prefill
         if cell.task == "retrieval":
             batches = len(DEPTHS) * -(-n_per_depth // 10)
             seconds += batches * (30 / prefill + 6 / step)
@@ -304,16 +314,26 @@ def _read_document(
     return caches
 
 
-def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -> dict[str, Any]:
+def _ruler(
+    model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any], kinds: KindLog | None
+) -> dict[str, Any]:
     """The four RULER-style tasks (seed 0) at the cell's length, each answered greedily from
     one prefill through the chat template: the context is fed in chunks of 256 (KVzip then
-    compresses it, as for retrieval), the question and primer through ``mlx_lm.generate``."""
+    compresses it, as for retrieval), the question and primer through ``mlx_lm.generate``.
+    ``kinds``: where each finished kind is kept, and read back on a rerun (a cell at 8k takes
+    up to three hours, longer than a sitting)."""
     import mlx_lm
 
     from velox_mlx_lm.serve.pins import common_prefix
 
+    saved = kinds.saved(cell.key()) if kinds is not None else {}
     tasks = {}
     for kind in ruler.KINDS:
+        if kind in saved:
+            tasks[kind] = saved[kind]
+            step(cell.length)
+            continue
+        began = time.perf_counter()
         task = ruler.make_task(kind, cell.length, 0, ruler_run.encoder(tokenizer))
         ids = ruler_run.prompt_ids(tokenizer, task)
         bare = replace(task, question="", primer="")  # the context alone: its tokens lead ``ids``
@@ -331,8 +351,33 @@ def _ruler(model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any]) -
             "score": ruler.score(task, str(output)),
             "output": str(output),
             "prompt_tokens": len(ids),
+            "seconds": time.perf_counter() - began,
         }
+        if kinds is not None:
+            kinds.keep(cell.key(), kind, tasks[kind])
     return {"mean": float(np.mean([t["score"] for t in tasks.values()])), "tasks": tasks}
+
+
+@dataclass(frozen=True)
+class KindLog:
+    """The RULER-style kinds finished so far in cells not yet finished: one JSON line each
+    (``model``, ``key``, ``kind``, ``result``) in ``path``, beside the results file."""
+
+    path: Path
+    model: str
+
+    def saved(self, key: str) -> dict[str, dict[str, Any]]:
+        """The finished kinds of cell ``key`` for this model, by kind."""
+        rows = read_rows(self.path)
+        return {
+            r["kind"]: r["result"] for r in rows if r.get("model") == self.model and r["key"] == key
+        }
+
+    def keep(self, key: str, kind: str, result: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        row = {"model": self.model, "key": key, "kind": kind, "result": result}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _demoted(caches: list[Any]) -> int:
@@ -378,8 +423,10 @@ def run_cell(
     n_per_depth: int = N_PER_DEPTH,
     batch: int = 10,
     step: Callable[[int], Any] = lambda n: None,
+    kinds: KindLog | None = None,
 ) -> dict[str, Any]:
-    """Measure one cell; returns its row (the cell's fields, the result, the seconds it took)."""
+    """Measure one cell; returns its row (the cell's fields, the result, the seconds it took:
+    for a RULER-style cell, its kinds' seconds, those of an earlier run included)."""
     began = time.perf_counter()
     if cell.task == "retrieval":
         # copies of the compressed state per batch: fewer past 8k (a full cache's 16k copies
@@ -387,7 +434,9 @@ def run_cell(
         batch = max(1, batch * 8192 // max(cell.length, 8192))
         result = _retrieval(model, tokenizer, cell, n_per_depth, batch, step)
     elif cell.task == "ruler":
-        result = _ruler(model, tokenizer, cell, step)
+        result = _ruler(model, tokenizer, cell, step, kinds)
+        seconds = sum(t.get("seconds", 0.0) for t in result["tasks"].values())
+        return {**asdict(cell), "key": cell.key(), **result, "seconds": seconds}
     elif cell.task in ("ppl_code", "ppl_prose"):
         result = _perplexity(model, tokenizer, cell, step)
     else:
