@@ -50,10 +50,10 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def read_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` over a gemma3 GGUF (``FileNotFoundError`` for a missing file,
-    ``ValueError`` for a file of another architecture). Parsing the 262k-token vocabulary takes
-    10-20 s of pure Python."""
+def read_gguf(path: str | Path) -> kquant.GgufFile:
+    """A gemma3 GGUF's metadata and tensor views (:func:`velox_mlx_lm.embedded.kquant.read_gguf`:
+    ``FileNotFoundError`` for a missing file, ``ValueError`` for a file of another
+    architecture)."""
     return kquant.read_gguf(path, ARCHITECTURE)
 
 
@@ -89,7 +89,7 @@ def model_args(reader: Any) -> gemma3_text.ModelArgs:
         num_key_value_heads=get("attention.head_count_kv"),
         head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(field(reader, "tokenizer.ggml.tokens")),
         rope_theta=get("rope.freq_base"),
         # llama.cpp scales queries by 1/sqrt(head_dim) for every Gemma 3 but the 27B
         query_pre_attn_scalar=head_dim,

@@ -1,45 +1,82 @@
-"""GGUF files read through the ``gguf`` package, for the models whose K-quant tensors (Q4_K,
-Q6_K, ...) have no MLX layout: Gemma 3 270M and Qwen2.5-Coder-1.5B.
+"""GGUF files whose K-quant tensors (Q4_K, Q6_K, ...) have no MLX layout: Gemma 3 270M and
+Qwen2.5-Coder-1.5B.
 
 MLX's own reader (``mx.load``) takes only Q4_0/Q4_1/Q8_0, so each tensor is dequantized with
 ``gguf.quants.dequantize`` (numpy) and handed to MLX as a plain array in mlx-lm's ``[out, in]``
 layout (the reverse of the shape GGUF lists). Needs ``pip install gguf``.
+
+The header is read here (:func:`read_gguf`), not by ``gguf.GGUFReader``: that reader builds a
+NumPy view per part of every metadata value, which for a vocabulary of 150k-260k tokens took
+most of a model's load (about 12 s of Qwen2.5-Coder's, 15-30 s of Gemma 3's, 2 cores).
+Here the metadata is unpacked from one bytes object, and each tensor is a view of the mapped
+file laid out as ``GGUFReader`` lays it out, so ``dequantize`` takes it as it is
+(``tests/test_gguf_reader.py`` checks both readers agree).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-__all__ = ["architecture", "field", "read_gguf", "tensors", "tokenizer_metadata"]
+__all__ = [
+    "GgufFile",
+    "GgufTensor",
+    "architecture",
+    "field",
+    "read_gguf",
+    "tensors",
+    "tokenizer_metadata",
+]
 
 
-def read_gguf(path: str | Path, architecture: str) -> Any:
-    """A ``gguf.GGUFReader`` over ``path``: ``FileNotFoundError`` for a missing file,
-    ``ValueError`` for a file whose ``general.architecture`` is not ``architecture``."""
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor: its GGUF name, ``gguf.GGMLQuantizationType``, GGUF shape (innermost
+    first) and data, a view of the file as ``gguf.GGUFReader`` gives it (elements for plain
+    types, ``[..., bytes per row]`` uint8 for quantized ones)."""
 
+    name: str
+    tensor_type: Any
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF file's metadata (``fields``: key -> str, int, float, bool or list) and tensors."""
+
+    path: Path
+    fields: dict[str, Any]
+    tensors: list[GgufTensor]
+
+
+def read_gguf(path: str | Path, architecture: str) -> GgufFile:
+    """``path`` read (metadata, tensor views): ``FileNotFoundError`` for a missing file,
+    ``ValueError`` for a file that is not GGUF v2/v3 or whose ``general.architecture`` is not
+    ``architecture``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = GGUFReader(path)
-    arch = field(reader, "general.architecture")
+    gguf = _read(path)
+    arch = gguf.fields.get("general.architecture")
     if arch != architecture:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: only {architecture!r}")
-    return reader
+    return gguf
 
 
-def field(reader: Any, key: str, default: Any = None) -> Any:
+def field(reader: GgufFile, key: str, default: Any = None) -> Any:
     """A metadata value as Python (str, int, float, bool or list)."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.fields.get(key, default)
 
 
-def tensors(reader: Any, rename: Callable[[str], str]) -> Iterator[tuple[str, str, np.ndarray]]:
+def tensors(
+    reader: GgufFile, rename: Callable[[str], str]
+) -> Iterator[tuple[str, str, np.ndarray]]:
     """Each tensor as ``(gguf name, mlx-lm name, float32 array [out, in])``, dequantized one at
     a time so only one float copy of a tensor is alive beside what the caller keeps."""
     from gguf.quants import dequantize
@@ -49,10 +86,10 @@ def tensors(reader: Any, rename: Callable[[str], str]) -> Iterator[tuple[str, st
         yield tensor.name, rename(tensor.name), value
 
 
-def tokenizer_metadata(reader: Any) -> dict[str, Any]:
+def tokenizer_metadata(reader: GgufFile) -> dict[str, Any]:
     """Every ``tokenizer.*`` field under its GGUF key, as :func:`load_gguf_tokenizer
     <velox_mlx_lm.embedded.tokenizer.load_gguf_tokenizer>` reads them."""
-    return {key: field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
+    return {key: value for key, value in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 # GGUF metadata value types -> struct format of a scalar (8: string, 9: array)
@@ -96,3 +133,83 @@ def architecture(path: str | Path) -> str | None:
                 return f.read(n).decode("utf-8")
             _skip_value(f, kind)
     return None
+
+
+_SIZES = {kind: struct.calcsize("<" + fmt) for kind, fmt in _SCALARS.items()}
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from ``buf`` from offset ``at`` on."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.at = buf, 0
+
+    def scalar(self, kind: int) -> Any:
+        (value,) = struct.unpack_from("<" + _SCALARS[kind], self.buf, self.at)
+        self.at += _SIZES[kind]
+        return value
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.buf, self.at)
+        start = self.at + 8
+        self.at = start + n
+        return str(self.buf[start : self.at], "utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(kind)
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item, count = struct.unpack_from("<IQ", self.buf, self.at)
+            self.at += 12
+            if item in _SCALARS:  # one NumPy read of the whole array
+                dtype = np.dtype(_SCALARS[item]).newbyteorder("<")
+                values = np.frombuffer(self.buf, dtype, count, self.at)
+                self.at += values.nbytes
+                return values.tolist()
+            return [self.value(item) for _ in range(count)]
+        raise ValueError(f"unknown GGUF metadata type {kind}")
+
+
+# tensor types whose data GGUFReader gives as elements (the others: bytes per row)
+_ELEMENTS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8}
+_ELEMENTS |= {"I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def _read(path: Path) -> GgufFile:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    data = np.memmap(path, mode="r")
+    c = _Cursor(memoryview(data))
+    if bytes(c.buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    c.at = 4
+    version, n_tensors, n_keys = c.scalar(4), c.scalar(10), c.scalar(10)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version}, only 2 and 3 are read")
+    fields: dict[str, Any] = {}
+    for _ in range(n_keys):
+        key = c.string()
+        fields[key] = c.value(c.scalar(4))
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        dims = tuple(c.scalar(10) for _ in range(c.scalar(4)))
+        infos.append((name, dims, c.scalar(4), c.scalar(10)))
+    alignment = fields.get("general.alignment", 32)
+    start = -(-c.at // alignment) * alignment
+    found = []
+    for name, dims, raw_type, offset in infos:
+        kind = GGMLQuantizationType(raw_type)
+        n = int(np.prod(dims))
+        shape: tuple[int, ...] = tuple(reversed(dims))
+        dtype = _ELEMENTS.get(kind.name)
+        if dtype is None:
+            block, size = GGML_QUANT_SIZES[kind]
+            dtype, n = np.uint8, n * size // block
+            shape = quant_shape_to_byte_shape(shape, kind)
+        view = np.frombuffer(data, dtype, n, start + offset).reshape(shape)
+        found.append(GgufTensor(name, kind, dims, view))
+    return GgufFile(path, fields, found)

@@ -172,7 +172,7 @@ def model_args(reader: Any) -> qwen2.ModelArgs:
         num_attention_heads=get("attention.head_count"),
         num_key_value_heads=get("attention.head_count_kv"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(field(reader, "tokenizer.ggml.tokens")),
         rope_theta=get("rope.freq_base"),
         max_position_embeddings=get("context_length"),
         tie_word_embeddings="output.weight" not in names,
