@@ -63,8 +63,16 @@ print("END", flush=True)
 
 
 def _env() -> dict[str, str]:
-    """This environment, with the preload on and no LD_PRELOAD choosing the BLAS instead."""
-    drop = {"VELOX_BLAS", "LD_PRELOAD"}
+    """This environment, with the preload on, no LD_PRELOAD choosing the BLAS instead, and
+    OpenBLAS's own thread count (``nox -s tests`` sets one thread a process; the hang needs
+    several)."""
+    drop = {
+        "VELOX_BLAS",
+        "LD_PRELOAD",
+        "OPENBLAS_NUM_THREADS",
+        "GOTO_NUM_THREADS",
+        "OMP_NUM_THREADS",
+    }
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
