@@ -126,7 +126,7 @@ def tests(session: nox.Session) -> None:
     xdist = xdist_args(session.posargs)
     workers = f" on {xdist[1]} workers" if xdist else ""
     session.log(
-        f"pytest{workers}, a dot per test: at most about 17 minutes on a quiet 2-core machine "
+        f"pytest{workers}, a dot per test: about 13 minutes on a quiet 2-core machine "
         "(the benchmarks' smoke runs come first and take a minute or two each)"
     )
     # Many tests start Python processes (the commands, servers, the benchmarks' smoke runs).
