@@ -182,7 +182,7 @@ def _read(path: Path) -> GgufFile:
     from gguf.quants import quant_shape_to_byte_shape
 
     data = np.memmap(path, mode="r")
-    c = _Cursor(memoryview(data))
+    c = _Cursor(data.data)
     if bytes(c.buf[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     c.at = 4
