@@ -1,3 +1,3 @@
 """Velox benchmarks and quality harness."""
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"

@@ -123,7 +123,7 @@ else:
         return value
 
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "KEY_LAYOUTS",

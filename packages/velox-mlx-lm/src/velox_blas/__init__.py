@@ -27,7 +27,7 @@ import ctypes.util
 import os
 import sys
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = ["blas_in_use", "preload_openblas", "shutdown_openblas"]
 

@@ -29,7 +29,7 @@ from velox_mlx_lm.config import KVCacheConfig, methods
 from velox_mlx_lm.hook import install_attention_hook
 from velox_mlx_lm.prompt_cache import load_prompt_cache
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "H2OKVCache",
