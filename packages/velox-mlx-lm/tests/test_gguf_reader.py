@@ -17,6 +17,7 @@ from velox_mlx_lm.embedded import kquant  # noqa: E402
 
 def _agree(path: Path, architecture: str) -> kquant.GgufFile:
     ours = kquant.read_gguf(path, architecture)
+    assert kquant.architecture(path) == architecture  # the header walk alone agrees
     theirs = gguf.GGUFReader(path)
     expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert list(ours.fields) == list(expected)
@@ -98,8 +99,12 @@ def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not found"):
         kquant.read_gguf(tmp_path / "missing.gguf", "qwen2")
     (tmp_path / "text.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        kquant.read_gguf(tmp_path / "text.gguf", "qwen2")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    for bad in ("text.gguf", "empty.gguf"):
+        with pytest.raises(ValueError, match="not a GGUF file"):
+            kquant.read_gguf(tmp_path / bad, "qwen2")
+        with pytest.raises(ValueError, match="not a GGUF file"):
+            kquant.architecture(tmp_path / bad)
     path = _every_type(tmp_path / "types.gguf")
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'qwen2'.*'gemma3'"):
         kquant.read_gguf(path, "gemma3")

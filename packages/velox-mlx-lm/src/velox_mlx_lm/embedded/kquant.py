@@ -19,7 +19,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -98,40 +98,16 @@ _SCALARS = {
 }  # fmt: skip
 
 
-def _skip_value(f: BinaryIO, kind: int) -> None:
-    if kind in _SCALARS:
-        f.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
-    elif kind == 8:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(n, 1)
-    elif kind == 9:
-        item, count = struct.unpack("<IQ", f.read(12))
-        if item in _SCALARS:
-            f.seek(count * struct.calcsize("<" + _SCALARS[item]), 1)
-        else:
-            for _ in range(count):
-                _skip_value(f, item)
-    else:
-        raise ValueError(f"unknown GGUF metadata type {kind}")
-
-
 def architecture(path: str | Path) -> str | None:
     """``general.architecture`` of a GGUF file, read from its header alone (no ``gguf``
     package, no tensor read); ``None`` when the header has none. ``ValueError`` for a file
     that is not GGUF (v2 or v3)."""
-    with Path(path).open("rb") as f:
-        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file")
-        _, n_keys = struct.unpack("<QQ", f.read(16))
-        for _ in range(n_keys):
-            (n,) = struct.unpack("<Q", f.read(8))
-            key = f.read(n).decode("utf-8")
-            (kind,) = struct.unpack("<I", f.read(4))
-            if key == "general.architecture" and kind == 8:
-                (n,) = struct.unpack("<Q", f.read(8))
-                return f.read(n).decode("utf-8")
-            _skip_value(f, kind)
+    _, c, _, n_keys = _open(Path(path))
+    for _ in range(n_keys):
+        key, kind = c.string(), c.scalar(4)
+        if key == "general.architecture" and kind == 8:
+            return c.string()
+        c.skip(kind)
     return None
 
 
@@ -155,6 +131,23 @@ class _Cursor:
         self.at = start + n
         return str(self.buf[start : self.at], "utf-8")
 
+    def skip(self, kind: int) -> None:
+        """Move past a value of ``kind`` without building it."""
+        if kind in _SCALARS:
+            self.at += _SIZES[kind]
+        elif kind == 8:
+            self.at += 8 + struct.unpack_from("<Q", self.buf, self.at)[0]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", self.buf, self.at)
+            self.at += 12
+            if item in _SCALARS:
+                self.at += count * _SIZES[item]
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            raise ValueError(f"unknown GGUF metadata type {kind}")
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.scalar(kind)
@@ -177,10 +170,11 @@ _ELEMENTS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.i
 _ELEMENTS |= {"I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
-def _read(path: Path) -> GgufFile:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-
+def _open(path: Path) -> tuple[np.memmap, _Cursor, int, int]:
+    """The file mapped, a cursor past its header's counts, its tensor and key counts;
+    ``ValueError`` for a file that is not GGUF v2/v3."""
+    if path.stat().st_size < 24:  # shorter than the header (and too short to map if empty)
+        raise ValueError(f"{path} is not a GGUF file")
     data = np.memmap(path, mode="r")
     c = _Cursor(data.data)
     if bytes(c.buf[:4]) != b"GGUF":
@@ -189,6 +183,14 @@ def _read(path: Path) -> GgufFile:
     version, n_tensors, n_keys = c.scalar(4), c.scalar(10), c.scalar(10)
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version}, only 2 and 3 are read")
+    return data, c, n_tensors, n_keys
+
+
+def _read(path: Path) -> GgufFile:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    data, c, n_tensors, n_keys = _open(path)
     fields: dict[str, Any] = {}
     for _ in range(n_keys):
         key = c.string()
