@@ -87,7 +87,9 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _todo(args: argparse.Namespace, out: Path, model_name: str) -> list[grid.Cell]:
+def _todo(
+    args: argparse.Namespace, out: Path, model_name: str, kinds: grid.KindLog
+) -> list[grid.Cell]:
     """The cells still to run, in the plan's order, as ``--only`` and ``--max-cells`` cut."""
     done = grid.done_keys(out, model_name)
     cells = [
@@ -96,7 +98,6 @@ def _todo(args: argparse.Namespace, out: Path, model_name: str) -> list[grid.Cel
         if c.key() not in done and c.key().startswith(args.only)
     ]
     cells = cells[: args.max_cells] if args.max_cells else cells
-    kinds = grid.KindLog(partial_path(out), model_name)
     hours = grid.estimate_hours(cells, MODEL, args.n_per_depth, kinds)
     print(
         f"{len(done)} cells already in {out}; {len(cells)} to run, about {hours:.1f} "
@@ -108,14 +109,15 @@ def _todo(args: argparse.Namespace, out: Path, model_name: str) -> list[grid.Cel
     return cells
 
 
-def _run(args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Path) -> None:
+def _run(
+    args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Path, kinds: grid.KindLog
+) -> None:
     """Measure ``cells`` in turn, appending each row to ``out`` as it comes."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     model, tokenizer, model_name = _load(args.quick, where)
     env = environment() | {"model": model_name}
     n_per_depth = 2 if args.quick else args.n_per_depth
-    kinds = grid.KindLog(partial_path(out), model_name)
     for cell in cells:
         total = cell.length * (len(RULER_KINDS) if cell.task == "ruler" else 1)
         with tqdm(desc=cell.key(), unit="tok", total=total) as bar:
@@ -266,9 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.markdown or args.figure is not None:
             _report(args, [r for r in grid.read_rows(out) if r.get("model") == model_name])
             return 0
-        cells = _todo(args, out, model_name)
+        kinds = grid.KindLog(partial_path(out), model_name)  # finished RULER-style prompts
+        cells = _todo(args, out, model_name, kinds)
         if cells and not args.plan:
-            _run(args, cells, out, Path(tmp))
+            _run(args, cells, out, Path(tmp), kinds)
         print(summary([r for r in grid.read_rows(out) if r.get("model") == model_name]))
     return 0
 

@@ -435,13 +435,14 @@ def run_cell(
         result = _retrieval(model, tokenizer, cell, n_per_depth, batch, step)
     elif cell.task == "ruler":
         result = _ruler(model, tokenizer, cell, step, kinds)
-        seconds = sum(t.get("seconds", 0.0) for t in result["tasks"].values())
-        return {**asdict(cell), "key": cell.key(), **result, "seconds": seconds}
     elif cell.task in ("ppl_code", "ppl_prose"):
         result = _perplexity(model, tokenizer, cell, step)
     else:
         raise ValueError(f"unknown task {cell.task!r}")
-    return {**asdict(cell), "key": cell.key(), **result, "seconds": time.perf_counter() - began}
+    seconds = time.perf_counter() - began
+    if cell.task == "ruler":  # its prompts' own seconds, an earlier sitting's included
+        seconds = sum(t["seconds"] for t in result["tasks"].values())
+    return {**asdict(cell), "key": cell.key(), **result, "seconds": seconds}
 
 
 def done_keys(path: Path, model: str) -> set[str]:
