@@ -9,7 +9,12 @@ evaluated on its own already-evaluated inputs:
   logits over the candidates (``grouped_logits``), their softmax, the layer mean
   (``head_mean``), the lowest weight outside the sinks (``lowest_weight``), and the attention
   output as weights times values (``velox_cache_core.attention.attend``'s CPU path);
-- ``tova core, compiled``: the same function through ``mx.compile``.
+- ``tova core, compiled``: the same function through ``mx.compile``;
+- ``adapted core``: what ``tova_adapted`` (the new key as the probe, one decision per KV
+  head) cannot share with the attention: the attention itself (one SDPA call, the cheapest
+  form of it) plus the key's logits over the candidates per KV head, their softmax and each
+  head's lowest weight outside the sinks; and the same through ``mx.compile``. Its ratio to
+  ``sdpa`` is the floor under ``tova_adapted``'s one-layer step, whatever the cache does.
 
 The medians and the median per-round ratios to ``sdpa`` show how far the decode-step target
 (the whole step at most 1.15x Rotating's) is from what the arithmetic alone costs.
@@ -50,6 +55,13 @@ def tova_core(q: mx.array, k: mx.array, v: mx.array, p: mx.array) -> tuple[mx.ar
     return out, victim
 
 
+def adapted_core(q: mx.array, k: mx.array, v: mx.array, p: mx.array) -> tuple[mx.array, ...]:
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)
+    weights = softmax(grouped_logits(k[:, :, -1:], k, SCALE, "head"))  # [B, H_kv, 1, 1, N]
+    victim = lowest_weight(weights[:, :, 0, 0], p, sinks(p, N_SINK))  # [B, H_kv]
+    return out, victim
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
@@ -63,6 +75,8 @@ def main() -> None:
         "sdpa": sdpa,
         "tova core": tova_core,
         "tova core, compiled": mx.compile(tova_core),
+        "adapted core": adapted_core,
+        "adapted core, compiled": mx.compile(adapted_core),
     }
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(args.rounds):
