@@ -62,11 +62,11 @@ def adapted_core(q: mx.array, k: mx.array, v: mx.array, p: mx.array) -> tuple[mx
     return out, victim
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--reps", type=int, default=100, help="evaluations per op and round")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys, values = mx.random.normal((B, H_KV, N, D)), mx.random.normal((B, H_KV, N, D))
     positions = mx.broadcast_to(mx.arange(N, dtype=mx.int32), (B, 1, N))
     queries = [mx.random.normal((B, H_Q, 1, D)) for _ in range(args.reps)]
