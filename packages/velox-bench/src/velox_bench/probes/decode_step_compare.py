@@ -4,7 +4,9 @@ B 1, 32 query / 8 KV heads, head_dim 128, budget 512 (every step evicts): the ca
 the attention over what it returns, everything evaluated, timed in alternating rounds in one
 process; medians and ratios to mlx-lm's ``RotatingKVCache(512)`` + ``scaled_dot_product_attention``.
 Velox caches attend through ``cache.attend`` (what the attention hook calls), so the attend-once
-path runs where it applies. ``--no-log`` rows use ``trim_window=0`` (no undo log).
+path runs where it applies. ``--no-log`` rows use ``trim_window=0`` (no undo log). ``full``
+is mlx-lm's ``KVCache`` + SDPA, fed the same prompt: it grows a row a step, as SnapKV does
+after its cut, so ``snapkv`` against ``full`` compares two stores of about the same rows.
 
     python -m velox_bench.probes.decode_step_compare [--rounds 7] [--steps 30]
         [--methods tova h2o ...]
@@ -22,7 +24,7 @@ from velox_blas import preload_openblas
 BLAS = preload_openblas()  # before mlx is imported
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
+from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 from velox_mlx_lm import KVCacheConfig, KVCacheFactory  # noqa: E402
 
@@ -37,12 +39,15 @@ METHODS = [
     "streaming_llm",
     "morphkv",
     "snapkv",
+    "full",
 ]
 
 
 def make(method: str) -> Any:
     if method == "rotating":
         return RotatingKVCache(max_size=BUDGET, keep=4)
+    if method == "full":
+        return KVCache()
     name = method.split()[0]
     policy = "tova" if name.startswith("tova") else name
     budget: dict[str, Any] = {f"{policy}_budget": BUDGET}
@@ -57,7 +62,7 @@ def step(cache: Any, k: mx.array, v: mx.array, q: mx.array) -> float:
     the graph (before ``mx.eval``)."""
     start = time.perf_counter()
     keys, values = cache.update_and_fetch(k, v)
-    if isinstance(cache, RotatingKVCache):
+    if isinstance(cache, (RotatingKVCache, KVCache)):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE)
         del keys, values
         arrays = [out, cache.keys, cache.values]
@@ -90,14 +95,14 @@ def in_place_write_ms(hold: bool, writes: int = 300) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
         "--methods", nargs="+", choices=METHODS[1:], default=METHODS[1:], help="besides rotating"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"BLAS: {BLAS}; device: {mx.default_device()}")
     caches = {}
     for method in ["rotating", *args.methods]:
