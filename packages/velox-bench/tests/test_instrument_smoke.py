@@ -36,6 +36,7 @@ def test_quick_grid_appends_and_resumes(tmp_path: Path, capsys: pytest.CaptureFi
     assert ruler["task"] == "ruler" and set(ruler["tasks"]) == set(RULER_KINDS)
     assert all(0 <= t["score"] <= 1 and t["prompt_tokens"] > 256 for t in ruler["tasks"].values())
     assert ruler["mean"] == pytest.approx(sum(t["score"] for t in ruler["tasks"].values()) / 4)
+    assert not list(tmp_path.glob("*.safetensors"))  # each read's checkpoint gone with its row
     capsys.readouterr()
     assert instrument.main(["--quick", "--out", str(out)]) == 0  # nothing left to run
     assert "0 to run" in capsys.readouterr().out
