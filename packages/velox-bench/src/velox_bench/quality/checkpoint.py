@@ -9,9 +9,9 @@ the read is done (the method's compression pass included), and the seconds spent
 rerun loads it and feeds the rest; the file is written whole to a temporary name and renamed,
 so a run killed while saving leaves the previous checkpoint.
 
-The caches a resumed read ends with equal those of a read never stopped (the test compares
-the answers); the file sits beside the results file, one per cell, and goes once the cell's
-row is written.
+The caches a resumed read ends with equal those of a read never stopped (the smoke test
+compares every array of their states); the file sits beside the results file, one per read,
+and goes once the cell's row (or the RULER-style prompt's answer) is written.
 """
 
 from __future__ import annotations

@@ -333,13 +333,13 @@ def _read_document(
 
     step(saved.fed)
     ids = mx.array([document], dtype=mx.int32)
-    every = keep.every if keep is not None else len(document)
     for start in range(saved.fed, ids.shape[1], 256):
         end = min(start + 256, ids.shape[1])
         model(ids[:, start:end], cache=caches)
         mx.eval([c.state for c in caches])
         step(end - start)
-        if end // every > start // every and end < ids.shape[1]:
+        crossed = keep is not None and end // keep.every > start // keep.every
+        if crossed and end < ids.shape[1]:
             kept(end, False)
     if not saved.done:
         if retrieval._reconstructs(config):
