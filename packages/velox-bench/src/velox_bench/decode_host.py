@@ -65,6 +65,7 @@ import mlx.nn as nn  # noqa: E402
 from velox_bench.models import make_caches, prefill, random_llama  # noqa: E402
 from velox_bench.results import machine_info, smoke, write_json  # noqa: E402
 from velox_bench.variants import FULL, ROTATING, policy_variants  # noqa: E402
+from velox_mlx_lm import PolicyKVCache  # noqa: E402
 from velox_mlx_lm.config import methods as registered_methods  # noqa: E402
 
 __all__ = [
@@ -236,10 +237,10 @@ def _prepared(model: Model, method: str, settings: Settings, tokens: mx.array) -
 def fast_path_fraction(caches: Sequence[Any]) -> float | None:
     """Fraction of Velox layers whose next decode step takes the decode fast path
     (``Layer.fast_path``), ``None`` for caches without Velox layers."""
-    layers = [c.layer for c in caches if hasattr(c, "layer")]
+    layers = [c.layer for c in caches if isinstance(c, PolicyKVCache)]
     if not layers:
         return None
-    fast = sum(bool(getattr(layer, "fast_path", False)) for layer in layers)
+    fast = sum(layer.fast_path for layer in layers)
     return fast / len(layers)
 
 
