@@ -145,24 +145,25 @@ class Policy(Protocol):
 
 
 def open_call(
+    policy: Policy,
     state: PolicyState,
-    state_type: type,
     keys: Any,
     values: Any,
     queries: Any,
     scale: Any,
     *,
     check_finite: bool,
-    traits: Traits | None = None,
 ) -> tuple[KVSlots, Call]:
-    """Validate one update call against ``state``; nothing is computed or changed on error.
+    """Validate one update call of ``policy`` against ``state``; nothing is computed or
+    changed on error.
 
-    Queries are required when the state scores with signal ``query`` (``traits``: the
-    policy's; a policy without a signal, like StreamingLLM, only validates them if given).
+    Queries are required when the state scores with signal ``query`` (a policy without a
+    signal, like StreamingLLM, only validates them if given).
     """
+    state_type = policy.state_type
     if not isinstance(state, state_type):
         raise TypeError(f"state must be a {state_type.__name__}, got {type(state).__name__}")
-    signal = (traits or Traits()).signal(state)
+    signal = policy.traits.signal(state)
     slots = state.slots
     check_fits(slots, keys, values)
     if queries is not None:
@@ -266,41 +267,10 @@ def prepare(
 ) -> Laid:
     """Validate one call of ``L >= 1`` tokens and lay out its candidates (:func:`update`'s
     first half; :func:`decide` is the second). Nothing is computed or changed on error."""
-    slots, call = _open(
-        policy,
-        state,
-        keys=keys,
-        values=values,
-        queries=queries,
-        scale=scale,
-        check_finite=check_finite,
-    )
+    slots, call = open_call(policy, state, keys, values, queries, scale, check_finite=check_finite)
     if call.length == 0:
         raise ValueError("prepare needs at least one new token (L >= 1); update takes L = 0")
     return _lay_out(policy, state, slots, call)
-
-
-def _open(
-    policy: Policy,
-    state: Any,
-    *,
-    keys: Any,
-    values: Any,
-    queries: Any,
-    scale: Any,
-    check_finite: bool,
-) -> tuple[KVSlots, Call]:
-    """:func:`open_call` for ``policy``'s state type and traits."""
-    return open_call(
-        state,
-        policy.state_type,
-        keys=keys,
-        values=values,
-        queries=queries,
-        scale=scale,
-        check_finite=check_finite,
-        traits=policy.traits,
-    )
 
 
 def _row_start(policy: Policy, call: Call, row_start: Sequence[int]) -> mx.array:
@@ -468,15 +438,7 @@ def update(
     row's own position of it (rows of a batch packed into one state, see
     :mod:`velox_cache_core.batch`); the state's ``offset`` then only counts calls.
     """
-    slots, call = _open(
-        policy,
-        state,
-        keys=keys,
-        values=values,
-        queries=queries,
-        scale=scale,
-        check_finite=check_finite,
-    )
+    slots, call = open_call(policy, state, keys, values, queries, scale, check_finite=check_finite)
     if row_start is not None:
         call = replace(call, row_start=_row_start(policy, call, row_start))
     if call.length == 0:
