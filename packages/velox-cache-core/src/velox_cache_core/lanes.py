@@ -127,13 +127,13 @@ class Lanes:
         ]
         return out + [a for a in (self.free, self.scores) if a is not None]
 
-    def row_heads(self) -> mx.array:
-        """int32 ``[B, N * W]``: the KV head of every row."""
-        return mx.repeat(self.owner, self.width, axis=1)
-
     def member(self, heads: int) -> mx.array:
         """bool ``[B, H, N]``: lane ``n`` belongs to head ``h``."""
         return self.owner[:, None, :] == mx.arange(heads, dtype=mx.int32)[None, :, None]
+
+    def row_member(self, heads: int) -> mx.array:
+        """bool ``[B, H, N * W]``: row ``r`` (a flat index) belongs to head ``h``."""
+        return mx.repeat(self.member(heads), self.width, axis=2)
 
     def counts(self, heads: int) -> mx.array:
         """int32 ``[B, H]``: rows each head holds."""
@@ -161,15 +161,12 @@ class Lanes:
         # head h's rows: its lanes in order; the rest of the cap points at a pad row
         index = mx.array(
             [[r + [N * W] * (cap - len(r)) for r in row] for row in rows], dtype=mx.int32
-        ).reshape(B, heads, cap)
+        ).reshape(B, heads * cap)
 
         def gather(rows: mx.array, fill: int) -> mx.array:
-            tail = rows.shape[3:]
-            flat_rows = rows.reshape(B, N * W, *tail)
-            pad = mx.full((B, 1, *tail), fill, dtype=rows.dtype)
-            flat_rows = mx.concatenate([flat_rows, pad], axis=1)
-            idx = index.reshape(B, heads * cap, *([1] * len(tail)))
-            return mx.take_along_axis(flat_rows, idx, axis=1).reshape(B, heads, cap, *tail)
+            pad = mx.full((B, 1, W, *rows.shape[3:]), fill, dtype=rows.dtype)  # row N * W
+            picked = _take(mx.concatenate([rows, pad], axis=1), index)
+            return picked.reshape(B, heads, cap, *rows.shape[3:])
 
         keys, values = store_rows.dense(self.keys), store_rows.dense(self.values)
         live = self.positions
@@ -226,11 +223,7 @@ def cut(
     idx = mx.sort(key, axis=-1)[:, :T]  # [B, T], all kept (T of them per row)
 
     def gather(a: mx.array) -> mx.array:
-        tail = a.shape[3:]
-        picked = mx.take_along_axis(
-            a.reshape(B, H * n, *tail), idx.reshape(B, T, *([1] * len(tail))), axis=1
-        )
-        return picked.reshape(B, T // width, width, *tail)
+        return _take(a, idx).reshape(B, T // width, width, *a.shape[3:])
 
     owner = (idx[:, ::width] // n).astype(mx.int32)
     return Lanes(
@@ -247,13 +240,10 @@ def victims(lanes: Lanes, scores: mx.array, protected: mx.array, heads: int) -> 
     lowest of ``scores`` (float ``[B, N, W]``) among the head's rows that are not
     ``protected`` (bool ``[B, N, W]``), ties lost by the oldest position."""
     B, N, W = lanes.positions.shape
-    mine = lanes.row_heads()[:, None, :] == mx.arange(heads, dtype=mx.int32)[None, :, None]
-    return _victims(
-        scores.astype(mx.float32).reshape(B, 1, N * W),
-        protected.reshape(B, 1, N * W),
-        lanes.positions.reshape(B, 1, N * W),
-        mine,
+    w, p, pos = (
+        a.reshape(B, 1, N * W) for a in (scores.astype(mx.float32), protected, lanes.positions)
     )
+    return _victims(w, p, pos, lanes.row_member(heads))
 
 
 @mx.compile
@@ -282,57 +272,26 @@ def write(
     ``position``, an int or int ``[B]``) written into each head's dead row, in place; its
     running score (when the lanes keep scores) is ``score``. The result has no dead row."""
     assert lanes.free is not None
-    B = int(lanes.positions.shape[0])
-    H = int(lanes.free.shape[1])
-    put = _putter(lanes.free)
+    B, H = lanes.free.shape
     if isinstance(position, mx.array):
         pos = mx.broadcast_to(position.astype(mx.int32).reshape(B, 1), (B, H))
     else:
         pos = mx.full((B, H), position, dtype=mx.int32)
     scores = lanes.scores
     if scores is not None:
-        scores = put(scores[..., None], mx.full((B, H, 1), score, dtype=mx.float32))[..., 0]
-    return Lanes(
-        keys=store_rows.write(lanes.keys, keys, put),
-        values=store_rows.write(lanes.values, values, put),
-        positions=put(lanes.positions[..., None], pos[..., None])[..., 0],
-        owner=lanes.owner,
-        free=None,
-        scores=scores,
-    )
-
-
-def _putter(idx: mx.array) -> Callable[[mx.array, mx.array], mx.array]:
-    """``put(rows, new)``: ``new`` (``[B, H, 1, ...]``, one row per head) written over row
-    ``idx[b, h]`` (int32 ``[B, H]`` flat indices into the ``N * W`` rows) of lane-shaped
-    ``rows`` ``[B, N, W, ...]``, in place."""
-    B, H = (int(d) for d in idx.shape)
-
-    def put(rows: mx.array, new: mx.array) -> mx.array:
-        N, W, tail = rows.shape[1], rows.shape[2], rows.shape[3:]
-        flat = rows.reshape(B, N * W, *tail)
-        at = idx.reshape(B, H, *([1] * len(tail)))
-        return mx.put_along_axis(flat, at, new.reshape(B, H, *tail), axis=1).reshape(rows.shape)
-
-    return put
+        scores = _put(scores, lanes.free, mx.full((B, H), score, dtype=mx.float32))
+    return _overwrite(lanes, lanes.free, KVSlots(keys, values, pos), free=None, scores=scores)
 
 
 def rows_at(lanes: Lanes, idx: mx.array) -> KVSlots:
     """Row ``idx[b, h]`` of each head (int32 ``[B, H]`` flat indices into the ``N * W``
     rows): keys/values ``[B, H, 1, D]``, positions ``[B, H, 1]``."""
-    B, N, W = lanes.positions.shape
-    H = int(idx.shape[1])
 
     def pick(a: mx.array) -> mx.array:
-        tail = a.shape[3:]
-        at = idx.reshape(B, H, *([1] * len(tail)))
-        return mx.take_along_axis(a.reshape(B, N * W, *tail), at, axis=1)[:, :, None]
+        return _take(a, idx)[:, :, None]
 
-    return KVSlots(
-        store_rows.apply(lanes.keys, pick),
-        store_rows.apply(lanes.values, pick),
-        pick(lanes.positions),
-    )
+    keys, values = store_rows.apply(lanes.keys, pick), store_rows.apply(lanes.values, pick)
+    return KVSlots(keys, values, pick(lanes.positions))
 
 
 def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array | None) -> Lanes:
@@ -341,33 +300,53 @@ def unwrite(lanes: Lanes, free: mx.array, rows: KVSlots | None, scores: mx.array
     content is moot), and the running ``scores`` as they were."""
     if rows is None:
         return replace(lanes, free=free, scores=scores)
-    put = _putter(free)
+    return _overwrite(lanes, free, rows, free=free, scores=scores)
+
+
+def _overwrite(
+    lanes: Lanes, at: mx.array, rows: KVSlots, *, free: mx.array | None, scores: mx.array | None
+) -> Lanes:
+    """``lanes`` with row ``at[b, h]`` of each head (int32 ``[B, H]``) holding ``rows`` (one
+    per head: keys ``[B, H, 1, D]``, positions ``[B, H]`` or ``[B, H, 1]``)."""
+
+    def put(a: mx.array, new: mx.array) -> mx.array:
+        return _put(a, at, new)
+
     return Lanes(
         keys=store_rows.write(lanes.keys, rows.keys, put),
         values=store_rows.write(lanes.values, rows.values, put),
-        positions=put(lanes.positions[..., None], rows.positions[..., None])[..., 0],
+        positions=put(lanes.positions, rows.positions),
         owner=lanes.owner,
         free=free,
         scores=scores,
     )
 
 
-def _logits(q: mx.array, keys: Rows) -> mx.array:
-    """``q [B, X, M, D]`` times each of ``keys``' ``X`` heads (or lanes): float32
-    ``[B, X, M, n]``."""
-    if isinstance(keys, QUANTIZED):
-        return keys.matmul(q[:, :, None].astype(keys.dtype), transpose=True)[:, :, 0].astype(
-            mx.float32
-        )
-    return (q.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)
+def _take(a: mx.array, idx: mx.array) -> mx.array:
+    """Rows ``idx`` (int ``[B, K]``, flat indices into the ``N * W`` rows) of lane-shaped ``a``
+    ``[B, N, W, ...]`` (or head-shaped ``[B, H, n, ...]``): ``[B, K, ...]``."""
+    B, N, W, *tail = a.shape
+    at = idx.reshape(*idx.shape, *([1] * len(tail)))
+    return mx.take_along_axis(a.reshape(B, N * W, *tail), at, axis=1)
 
 
-def _times(p: mx.array, values: Rows) -> mx.array:
-    """``p [B, X, M, n]`` times each head's values: ``[B, X, M, D_v]`` float32."""
-    if isinstance(values, QUANTIZED):
-        out = values.matmul(p[:, :, None].astype(values.dtype), transpose=False)[:, :, 0]
+def _put(a: mx.array, idx: mx.array, new: mx.array) -> mx.array:
+    """Lane-shaped ``a`` ``[B, N, W, ...]`` with row ``idx[b, h]`` (int32 ``[B, H]`` flat
+    indices into the ``N * W`` rows) replaced by ``new`` (one row per head), in place."""
+    B, N, W, *tail = a.shape
+    H = int(idx.shape[1])
+    at = idx.reshape(B, H, *([1] * len(tail)))
+    flat = mx.put_along_axis(a.reshape(B, N * W, *tail), at, new.reshape(B, H, *tail), axis=1)
+    return flat.reshape(a.shape)
+
+
+def _matmul(x: mx.array, rows: Rows, transpose: bool) -> mx.array:
+    """``x [B, X, M, *]`` times each of ``rows``' ``X`` heads (or lanes): float32 logits
+    ``[B, X, M, n]`` (``transpose``: ``x @ keys^T``) or outputs ``[B, X, M, D_v]``."""
+    if isinstance(rows, QUANTIZED):
+        out = rows.matmul(x[:, :, None].astype(rows.dtype), transpose=transpose)[:, :, 0]
     else:
-        out = p.astype(values.dtype) @ values
+        out = x.astype(rows.dtype) @ (rows.swapaxes(-1, -2) if transpose else rows)
     return out.astype(mx.float32)
 
 
@@ -408,11 +387,11 @@ def attend_weights(
     q = (queries * scale).reshape(B, H, M, D)
     owner = lanes.owner
     q_lane = mx.take_along_axis(q, owner[:, :, None, None], axis=1)  # [B, N, M, D]
-    lane_logits = _logits(q_lane, lanes.keys)  # [B, N, M, W]
+    lane_logits = _matmul(q_lane, lanes.keys, True)  # [B, N, M, W]
     lane_max = lane_logits.max(axis=-1)  # [B, N, M]
     member = lanes.member(H)  # [B, H, N]
     peak = mx.where(member[..., None], lane_max[:, None], -mx.inf).max(axis=2)  # [B, H, M]
-    tail_logits = _logits(q, keys) if T else None  # [B, H, M, T]
+    tail_logits = _matmul(q, keys, True) if T else None  # [B, H, M, T]
     visible = None
     if tail_logits is not None:
         if mask is not None:
@@ -438,13 +417,13 @@ def attend_weights(
     N = lanes.n_lanes
     total = weights @ p.sum(axis=-1)  # [B, H, M]
     Dv = int(values.shape[3])
-    out = (weights @ _times(p, lanes.values).reshape(B, N, M * Dv)).reshape(B, H, M, Dv)
+    out = (weights @ _matmul(p, lanes.values, False).reshape(B, N, M * Dv)).reshape(B, H, M, Dv)
     if tail_logits is not None:
         pt = exp(tail_logits - peak[..., None])
         if visible is not None:
             pt = mx.where(visible, pt, 0.0)
         total = total + pt.sum(axis=-1)
-        out = out + _times(pt, values)
+        out = out + _matmul(pt, values, False)
     if sink_logits is not None:
         total = total + exp(sink_logits - peak)
     out = out / total[..., None]

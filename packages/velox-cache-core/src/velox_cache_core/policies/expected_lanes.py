@@ -114,8 +114,8 @@ def lane_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.a
     H = kv_heads(state)
     flat = lanes.positions.reshape(B, N * W)
     newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
-    mine = lanes.row_heads()[:, None, :] == mx.arange(H, dtype=mx.int32)[None, :, None]
-    idx = mx.argmax(mx.where(mine & (flat == newest)[:, None], 1, 0), axis=-1)  # [B, H]
+    mine = lanes.row_member(H) & (flat == newest)[:, None]
+    idx = mx.argmax(mx.where(mine, 1, 0), axis=-1)  # [B, H]
     new = rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
     fresh = scores_from_logits(
         expected_logits(state.stats, rows.dense(new.keys), state.scale),
