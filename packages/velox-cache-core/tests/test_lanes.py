@@ -198,7 +198,7 @@ def test_whole_lane_totals_round_without_losing_rows(seed: int) -> None:
     width, layers = int(rng.integers(1, 9)), int(rng.integers(1, 8))
     caps = [width * int(c) for c in rng.integers(1, 10, layers)]
     raw = [int(rng.integers(0, c + 1)) for c in caps]
-    totals = AS._whole_lane_totals(raw, caps, width)
+    totals = AS._whole_lanes(raw, caps, width, sum(raw))
     assert all(t % width == 0 and 0 <= t <= c for t, c in zip(totals, caps, strict=True))
     assert sum(raw) - width < sum(totals) <= sum(raw) or all(
         t == c for t, c in zip(totals, caps, strict=True)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-
 from velox_cache_core.allocation import shares
 
 
@@ -85,25 +83,17 @@ class ModelShares:
                 "allocation='global' shares one budget: every linked layer needs the same "
                 f"budget and allocation_floor, got {sorted(budgets)} and {sorted(floors)}"
             )
-        if any(int(live.positions.shape[0]) != 1 for live, _, _ in parts):
+        lives, scores, protected = zip(*parts, strict=True)
+        if any(int(live.positions.shape[0]) != 1 for live in lives):
             raise ValueError(
                 "allocation='global' cuts one sequence (batch size 1): use 'head' or "
                 "'uniform' for a batch"
             )
         budget, floor = budgets.pop(), floors.pop()
+        least = shares.least_rows(budget, floor, protected, spare)
+        positions = [live.positions for live in lives]
         width = shares.lane_width(budget)
-        protected = max(
-            int(prot.astype(mx.int32).sum(axis=-1).max().item()) for _, _, prot in parts
-        )
-        least = shares.floor_rows(budget, floor, protected + spare, width)
-        return shares.global_totals(
-            [scores for _, scores, _ in parts],
-            [live.positions for live, _, _ in parts],
-            [prot for _, _, prot in parts],
-            budget,
-            least,
-            width,
-        )
+        return shares.global_totals(list(scores), positions, list(protected), budget, least, width)
 
 
 def cut_globally(layer: Any, when: str) -> bool:

@@ -12,8 +12,9 @@ the store's (:mod:`velox_cache_core.lanes`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any
 
 import mlx.core as mx
@@ -48,6 +49,22 @@ def floor_rows(budget: int, floor: float, protected: int, width: int) -> int:
     return width * math.ceil(least / width)
 
 
+def least_rows(budget: int, floor: float, protected: Iterable[mx.array], spare: int = 0) -> int:
+    """A head's least rows (:func:`floor_rows`, lanes of :func:`lane_width` ``(budget)``) when
+    a head holds at most the most ``protected`` rows (bool ``[B, H, n]``, one array per layer)
+    plus ``spare``."""
+    held = max(int(p.astype(mx.int32).sum(axis=-1).max().item()) for p in protected)  # type: ignore[arg-type]
+    return floor_rows(budget, floor, held + spare, lane_width(budget))
+
+
+def _contested(scores: mx.array, positions: mx.array, protected: mx.array, least: int) -> mx.array:
+    """float32 ``[B, H, n]``: the scores of the rows past each head's ``least`` best (protected
+    ones ``inf``), ``-inf`` for the rows within them (kept anyway)."""
+    rank = ranks(scores, positions, protected)
+    w = mx.where(protected, mx.inf, scores.astype(mx.float32))
+    return mx.where(rank >= least, w, -mx.inf)
+
+
 def shares(
     scores: mx.array,
     positions: mx.array,
@@ -68,43 +85,34 @@ def shares(
     cap = width * (n // width)
     total = min(total, H * cap)
     least = min(least, width * (total // H // width))
-    rank = ranks(scores, positions, protected)
-    pool = rank >= least
     k = max(0, total - H * least)
-    counts = [[least] * H for _ in range(B)]
+    won: list[list[int]] = [[] for _ in range(B)]  # the head of every row won
     if k > 0:
         # One row of H * n candidates outside the floors; the best k win.
+        w = _contested(scores, positions, protected, least).reshape(B, H * n)
         age = positions * H + mx.arange(H, dtype=mx.int32)[None, :, None]
-        w = mx.where(pool, scores.astype(mx.float32), -mx.inf)
-        w = mx.where(protected & pool, mx.inf, w)
         by_age = mx.argsort(age.reshape(B, H * n), axis=-1)
-        ordered = mx.take_along_axis(w.reshape(B, H * n), by_age, axis=-1)
+        ordered = mx.take_along_axis(w, by_age, axis=-1)
         best = mx.take_along_axis(by_age, mx.argsort(ordered, axis=-1)[:, H * n - k :], axis=-1)
-        won: list[list[int]] = (best // n).tolist()  # type: ignore[assignment]
-        for b, row in enumerate(won):  # the head of every row won
-            for h in row:
-                counts[b][h] += 1
-    return _whole_lanes(counts, total, least, cap, width)
+        won = (best // n).tolist()  # type: ignore[assignment]
+    return [
+        _whole_lanes([min(least + row.count(h), cap) for h in range(H)], [cap] * H, width, total)
+        for row in won
+    ]
 
 
-def _whole_lanes(
-    counts: list[list[int]], total: int, least: int, cap: int, width: int
-) -> list[list[int]]:
-    """``counts`` (``[B][H]``) rounded to multiples of ``width``: down, then the lanes left
-    of ``total // width`` to the largest remainders (ties: the lower head), within
-    ``[least, cap]``."""
-    out = []
-    for row in counts:
-        row = [min(max(c, least), cap) for c in row]
-        lanes = [c // width for c in row]
-        free = total // width - sum(lanes)
-        for h in sorted(range(len(row)), key=lambda h: -(row[h] - lanes[h] * width)):
-            if free <= 0:
-                break
-            if (lanes[h] + 1) * width <= cap:
-                lanes[h] += 1
-                free -= 1
-        out.append([c * width for c in lanes])
+def _whole_lanes(raw: list[int], caps: list[int], width: int, total: int) -> list[int]:
+    """``raw`` row counts rounded to whole lanes of ``width`` (each at most its ``caps``, a
+    multiple of ``width``), summing to at most ``total``: each rounded down, then the lanes
+    left of ``total`` handed out by largest remainder (ties: the lower index)."""
+    out = [min(c, width * (r // width)) for r, c in zip(raw, caps, strict=True)]
+    spare = total - sum(out)
+    for i in sorted(range(len(raw)), key=lambda i: (out[i] - raw[i], i)):
+        if spare < width:
+            break
+        if out[i] + width <= caps[i]:
+            out[i] += width
+            spare -= width
     return out
 
 
@@ -126,43 +134,24 @@ def global_totals(
         raise ValueError("global_totals() needs the scores of at least one layer")
     if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
         raise ValueError("global_totals() takes [1, H_kv, n] scores (one sequence)")
-    pools, caps, heads = [], [], []
-    for s, pos, prot in zip(scores, positions, protected, strict=True):
-        H, n = int(s.shape[1]), int(s.shape[2])
-        cap = width * (n // width)
-        rank = ranks(s, pos, prot)
-        w = mx.where(prot, mx.inf, s.astype(mx.float32))
-        pools.append(mx.where(rank >= min(least, cap), w, -mx.inf).reshape(-1))
-        caps.append(cap)
-        heads.append(H)
-    sizes = [int(p.shape[0]) for p in pools]
+    heads = [int(s.shape[1]) for s in scores]
+    caps = [width * (int(s.shape[2]) // width) for s in scores]
+    pools = [
+        _contested(s, pos, prot, min(least, cap)).reshape(-1)
+        for s, pos, prot, cap in zip(scores, positions, protected, caps, strict=True)
+    ]
     floors = [min(least, c) * h for c, h in zip(caps, heads, strict=True)]
-    k = max(0, budget * sum(heads) - sum(floors))
     pool = mx.concatenate(pools)
+    k = max(0, budget * sum(heads) - sum(floors))
     k = min(k, int((pool > -mx.inf).sum().item()))  # type: ignore[arg-type]
     won = [0] * len(scores)
     if k > 0:
-        ends = mx.array([sum(sizes[: i + 1]) for i in range(len(sizes))])
+        ends = mx.array(list(accumulate(int(p.shape[0]) for p in pools)))
         best = mx.argsort(pool)[pool.shape[0] - k :]
         layer = (best[:, None] >= ends[None, :]).sum(axis=-1)  # the layer of every row won
         won = mx.stack([(layer == i).sum() for i in range(len(scores))]).tolist()  # type: ignore[assignment]
     raw = [f + int(e) for f, e in zip(floors, won, strict=True)]
-    return _whole_lane_totals(raw, [h * c for h, c in zip(heads, caps, strict=True)], width)
-
-
-def _whole_lane_totals(raw: list[int], caps: list[int], width: int) -> list[int]:
-    """Each layer's ``raw`` row count rounded to whole lanes of ``width`` (at most its
-    ``caps``), the sum at most ``sum(raw)``: every layer rounded down, then the lanes the
-    rounding freed handed back, largest remainder first (no layer above its cap)."""
-    totals = [min(c, width * (r // width)) for r, c in zip(raw, caps, strict=True)]
-    spare = sum(raw) - sum(totals)
-    for i in sorted(range(len(raw)), key=lambda i: (totals[i] - raw[i], i)):
-        if spare < width:
-            break
-        if totals[i] + width <= caps[i]:
-            totals[i] += width
-            spare -= width
-    return totals
+    return _whole_lanes(raw, [h * c for h, c in zip(heads, caps, strict=True)], width, sum(raw))
 
 
 def check_allocation(allocation: object, floor: object) -> None:
@@ -189,11 +178,11 @@ def allot(
     """``live`` (``[B, H, n]`` rows) cut to adaptive shares, as lanes of
     :func:`lane_width` ``(budget)``: ``total`` rows per batch row across the heads (default
     ``budget * H``: the uniform cut's bytes), every head at least ``floor`` of its uniform
-    share and its ``protected`` rows, the rest by ``scores`` (float ``[B, H, n]``)."""
+    share and its ``protected`` rows (plus ``spare``), the rest by ``scores`` (float
+    ``[B, H, n]``)."""
     H = int(live.positions.shape[1])
     width = lane_width(budget)
-    n_protected = int(protected.astype(mx.int32).sum(axis=-1).max().item())  # type: ignore[arg-type]
-    least = floor_rows(budget, floor, n_protected + spare, width)
+    least = least_rows(budget, floor, [protected], spare)
     total = budget * H if total is None else total
     counts = shares(scores, live.positions, protected, total, least, width)
     return cut(live, scores, protected, counts, width, keep_scores)
@@ -220,56 +209,26 @@ def cut_evicting(
     total: int | None,
     **changes: Any,
 ) -> Any:
-    """``state`` with its held rows ``live`` cut into lanes by :func:`allot_evicting`
-    (``total``: the layer's rows under ``global``, from :func:`linked_total`), the slot store
-    emptied for what comes after, and the running ``changes`` applied (the arguments before
-    ``name`` are positional only: a policy's running field may be called ``scores``)."""
-    lanes = allot_evicting(
-        live,
-        scores,
-        protect,
-        budget=state.budget,
-        floor=state.allocation_floor,
-        keep_scores=keep_scores,
-        total=linked_total(state, total, name),
-    )
-    empty = KVSlots.empty_like(live.keys, live.values)
-    return replace(state, slots=empty, lanes=lanes, **changes)
-
-
-def allot_evicting(
-    live: KVSlots,
-    scores: mx.array,
-    protect: Callable[[mx.array], mx.array],
-    *,
-    budget: int,
-    floor: float,
-    keep_scores: bool,
-    total: int | None = None,
-) -> Lanes:
-    """:func:`allot` for a policy that evicts at every decode step: each head's share holds
-    one dead row (its weakest kept row, where the next token goes, as the slot store's dead
-    slot) and at least one row more than its protected ones (``protect(positions)``: bool,
-    the rows no decision may evict). ``keep_scores``: the lanes carry ``scores`` on as their
-    running scores (H2O's sums). ``total``: the layer's rows (default ``budget * H``)."""
-    H = int(live.positions.shape[1])
+    """``state`` with its held rows ``live`` cut into lanes by :func:`allot` for a policy that
+    evicts at every decode step, the slot store emptied for what comes after and the running
+    ``changes`` applied. Each head's share holds one dead row (its weakest kept row, where the
+    next token goes, as the slot store's dead slot) and at least one row more than its
+    protected ones (``protect(positions)``: bool, the rows no decision may evict).
+    ``keep_scores``: the lanes carry ``scores`` on as their running scores (H2O's sums).
+    ``total``: the layer's rows under ``global`` (see :func:`linked_total`). The arguments
+    before ``name`` are positional only: a policy's running field may be called ``scores``."""
     lanes = allot(
         live,
         scores,
         protect(live.positions),
-        budget=budget,
-        floor=floor,
-        total=total,
+        budget=state.budget,
+        floor=state.allocation_floor,
+        total=linked_total(state, total, name),
         keep_scores=scores,
         spare=2,
     )
     assert lanes.scores is not None
-    free = victims(lanes, lanes.scores, protect(lanes.positions), H)
-    return Lanes(
-        lanes.keys,
-        lanes.values,
-        lanes.positions,
-        lanes.owner,
-        free=free,
-        scores=lanes.scores if keep_scores else None,
-    )
+    free = victims(lanes, lanes.scores, protect(lanes.positions), int(live.positions.shape[1]))
+    lanes = replace(lanes, free=free, scores=lanes.scores if keep_scores else None)
+    empty = KVSlots.empty_like(live.keys, live.values)
+    return replace(state, slots=empty, lanes=lanes, **changes)
