@@ -149,19 +149,10 @@ class Lanes:
         """The rows as an ordinary store, each head padded to the fullest one (keys and
         values zero, position :data:`PAD`): for reading and for tests, never for attention."""
         B, N, W = self.positions.shape
-        owner: list[list[int]] = self.owner.tolist()  # type: ignore[assignment]
-        rows = [
-            [
-                [n * W + r for n, o in enumerate(row) if o == h for r in range(W)]
-                for h in range(heads)
-            ]
-            for row in owner
-        ]
-        cap = max((len(r) for row in rows for r in row), default=0)
-        # head h's rows: its lanes in order; the rest of the cap points at a pad row
-        index = mx.array(
-            [[r + [N * W] * (cap - len(r)) for r in row] for row in rows], dtype=mx.int32
-        ).reshape(B, heads * cap)
+        cap = int(self.counts(heads).max().item())  # type: ignore[arg-type]
+        # head h's rows: its lanes in order, then the pad row N * W up to the fullest head's
+        flat = mx.where(self.row_member(heads), mx.arange(N * W), N * W)
+        index = mx.sort(flat, axis=-1)[:, :, :cap].reshape(B, heads * cap)
 
         def gather(rows: mx.array, fill: int) -> mx.array:
             pad = mx.full((B, 1, W, *rows.shape[3:]), fill, dtype=rows.dtype)  # row N * W
@@ -171,8 +162,7 @@ class Lanes:
         keys, values = store_rows.dense(self.keys), store_rows.dense(self.values)
         live = self.positions
         if self.free is not None:  # a dead row is no row of the head's
-            dead = mx.arange(N * W)[None, None, :] == self.free[..., None]  # [B, H, N * W]
-            live = mx.where(dead.any(axis=1).reshape(B, N, W), PAD, live)
+            live = _put(live, self.free, mx.full(self.free.shape, PAD, dtype=live.dtype))
         positions = gather(live, PAD)
         return KVSlots(gather(keys, 0), gather(values, 0), positions.astype(mx.int32))
 
@@ -395,14 +385,12 @@ def attend_weights(
     visible = None
     if tail_logits is not None:
         if mask is not None:
-            m = mx.broadcast_to(mask, (B, *mask.shape[-3:])) if mask.ndim == 4 else mask
-            if m.ndim == 2:  # [L, T]: the same for every row and head
-                m = mx.broadcast_to(m, (B, 1, L, T))
-            if m.shape[1] == H_q:
-                m = m.reshape(B, H, g, L, T)
-            else:  # one for every head, or one per KV head
-                m = mx.broadcast_to(m.reshape(B, m.shape[1], 1, L, T), (B, H, g, L, T))
-            visible = m.reshape(B, H, M, T)
+            if mask.ndim == 2:  # [L, T]: the same for every row and head
+                mask = mask[None, None]
+            m = mx.broadcast_to(mask, (B, *mask.shape[1:]))
+            per = g if m.shape[1] == H_q else 1  # one per query head, per KV head or for all
+            m = m.reshape(B, m.shape[1] // per, per, L, T)
+            visible = mx.broadcast_to(m, (B, H, g, L, T)).reshape(B, H, M, T)
             tail_logits = mx.where(visible, tail_logits, -mx.inf)
         peak = mx.maximum(peak, tail_logits.max(axis=-1))
     sink_logits = None
