@@ -135,6 +135,11 @@ class Lanes:
         """bool ``[B, H, N * W]``: row ``r`` (a flat index) belongs to head ``h``."""
         return mx.repeat(self.member(heads), self.width, axis=2)
 
+    def per_lane(self, a: mx.array) -> mx.array:
+        """Per-head ``a`` ``[B, H, ...]`` per lane, ``[B, N, ...]``: each lane its owner's."""
+        at = self.owner.reshape(*self.owner.shape, *([1] * (a.ndim - 2)))
+        return mx.take_along_axis(a, at, axis=1)
+
     def counts(self, heads: int) -> mx.array:
         """int32 ``[B, H]``: rows each head holds."""
         return self.member(heads).sum(axis=-1).astype(mx.int32) * self.width
@@ -375,9 +380,7 @@ def attend_weights(
     g = H_q // H
     M = g * L
     q = (queries * scale).reshape(B, H, M, D)
-    owner = lanes.owner
-    q_lane = mx.take_along_axis(q, owner[:, :, None, None], axis=1)  # [B, N, M, D]
-    lane_logits = _matmul(q_lane, lanes.keys, True)  # [B, N, M, W]
+    lane_logits = _matmul(lanes.per_lane(q), lanes.keys, True)  # [B, N, M, W]
     lane_max = lane_logits.max(axis=-1)  # [B, N, M]
     member = lanes.member(H)  # [B, H, N]
     peak = mx.where(member[..., None], lane_max[:, None], -mx.inf).max(axis=2)  # [B, H, M]
@@ -399,8 +402,7 @@ def attend_weights(
             sinks.astype(mx.float32).reshape(1, H, g, 1), (B, H, g, L)
         ).reshape(B, H, M)
         peak = mx.maximum(peak, sink_logits)
-    lane_peak = mx.take_along_axis(peak, owner[:, :, None], axis=1)  # [B, N, M]
-    p = exp(lane_logits - lane_peak[..., None])
+    p = exp(lane_logits - lanes.per_lane(peak)[..., None])  # [B, N, M, W]
     weights = member.astype(mx.float32)
     N = lanes.n_lanes
     total = weights @ p.sum(axis=-1)  # [B, H, M]
@@ -415,6 +417,5 @@ def attend_weights(
     if sink_logits is not None:
         total = total + exp(sink_logits - peak)
     out = out / total[..., None]
-    lane_total = mx.take_along_axis(total, owner[:, :, None], axis=1)  # [B, N, M]
-    weights_per_row = (p / lane_total[..., None]).mean(axis=2)  # [B, N, W]
+    weights_per_row = (p / lanes.per_lane(total)[..., None]).mean(axis=2)  # [B, N, W]
     return out.reshape(B, H_q, L, Dv).astype(queries.dtype), weights_per_row

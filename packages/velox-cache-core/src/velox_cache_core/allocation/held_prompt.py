@@ -110,9 +110,7 @@ class HeldPrompt:
 
     def cut_at(self, state: Any, call: Call) -> Any:
         """The held prompt cut at its end, the first single-token call ``call``."""
-        if self.prepare is not None:
-            state = self.prepare(state, call)
-        return self.cut(state, None)
+        return self.cut(state if self.prepare is None else self.prepare(state, call), None)
 
     def lane_rule(self) -> lanes.LaneRule:
         """The policy's decisions over lanes (its record's ``lane_rule``)."""

@@ -40,13 +40,11 @@ def lane_stats(state: Any, stats: QueryStats, lanes: Lanes) -> QueryStats:
     B, H_q, D = stats.mean.shape
     H = kv_heads(state)
     G, N = H_q // H, lanes.n_lanes
-    at = lanes.owner[:, :, None, None]
-    mean = mx.take_along_axis(stats.mean.reshape(B, H, G, D), at, axis=1)
-    cov = None
-    if stats.cov is not None:
-        cov = mx.take_along_axis(stats.cov.reshape(B, H, G, D, D), at[..., None], axis=1)
-        cov = cov.reshape(B, N * G, D, D)
-    return QueryStats(mean.reshape(B, N * G, D), cov)
+    mean = lanes.per_lane(stats.mean.reshape(B, H, G, D)).reshape(B, N * G, D)
+    cov = stats.cov
+    if cov is not None:
+        cov = lanes.per_lane(cov.reshape(B, H, G, D, D)).reshape(B, N * G, D, D)
+    return QueryStats(mean, cov)
 
 
 def rescore_lanes(
@@ -71,7 +69,7 @@ def rescore_lanes(
     per_lane = mx.logsumexp(mx.where(counted, logits, -mx.inf), axis=-1)  # [B, N, G]
     member = lanes.member(H)[..., None]  # [B, H, N, 1]
     per_head = mx.logsumexp(mx.where(member, per_lane[:, None], -mx.inf), axis=2)  # [B, H, G]
-    lane_norm = mx.take_along_axis(per_head, lanes.owner[:, :, None], axis=1)[..., None]
+    lane_norm = lanes.per_lane(per_head)[..., None]  # [B, N, G, 1]
     scores = scores_from_logits(
         logits, lane_norm, lanes.values, use_vnorm=state.use_vnorm, epsilon=state.epsilon
     )
