@@ -167,7 +167,7 @@ class Lanes:
         keys, values = store_rows.dense(self.keys), store_rows.dense(self.values)
         live = self.positions
         if self.free is not None:  # a dead row is no row of the head's
-            live = _put(live, self.free, mx.full(self.free.shape, PAD, dtype=live.dtype))
+            live = put_rows(live, self.free, mx.full(self.free.shape, PAD, dtype=live.dtype))
         positions = gather(live, PAD)
         return KVSlots(gather(keys, 0), gather(values, 0), positions.astype(mx.int32))
 
@@ -274,7 +274,7 @@ def write(
         pos = mx.full((B, H), position, dtype=mx.int32)
     scores = lanes.scores
     if scores is not None:
-        scores = _put(scores, lanes.free, mx.full((B, H), score, dtype=mx.float32))
+        scores = put_rows(scores, lanes.free, mx.full((B, H), score, dtype=mx.float32))
     return _overwrite(lanes, lanes.free, KVSlots(keys, values, pos), free=None, scores=scores)
 
 
@@ -305,7 +305,7 @@ def _overwrite(
     per head: keys ``[B, H, 1, D]``, positions ``[B, H]`` or ``[B, H, 1]``)."""
 
     def put(a: mx.array, new: mx.array) -> mx.array:
-        return _put(a, at, new)
+        return put_rows(a, at, new)
 
     return Lanes(
         keys=store_rows.write(lanes.keys, rows.keys, put),
@@ -325,9 +325,10 @@ def _take(a: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(a.reshape(B, N * W, *tail), at, axis=1)
 
 
-def _put(a: mx.array, idx: mx.array, new: mx.array) -> mx.array:
+def put_rows(a: mx.array, idx: mx.array, new: mx.array) -> mx.array:
     """Lane-shaped ``a`` ``[B, N, W, ...]`` with row ``idx[b, h]`` (int32 ``[B, H]`` flat
-    indices into the ``N * W`` rows) replaced by ``new`` (one row per head), in place."""
+    indices into the ``N * W`` rows, as :func:`rows_at` reads) replaced by ``new`` (one row
+    per head), in place."""
     B, N, W, *tail = a.shape
     H = int(idx.shape[1])
     at = idx.reshape(B, H, *([1] * len(tail)))

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
-from velox_cache_core.lanes import LaneRule, Lanes, rows_at, write
+from velox_cache_core.lanes import LaneRule, Lanes, put_rows, rows_at, write
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
     expected_logits,
@@ -32,19 +32,6 @@ def kv_heads(state: Any) -> int:
     """KV heads of a state cut into lanes (its slot store, emptied by the cut, keeps them)."""
     assert state.slots is not None
     return int(state.slots.keys.shape[1])
-
-
-def lane_stats(state: Any, stats: QueryStats, lanes: Lanes) -> QueryStats:
-    """``stats`` of each lane's owner: mean ``[B, N * G, D]`` (cov ``[B, N * G, D, D]``), so
-    :func:`expected_logits` scores the lanes as ``N`` heads."""
-    B, H_q, D = stats.mean.shape
-    H = kv_heads(state)
-    G, N = H_q // H, lanes.n_lanes
-    mean = lanes.per_lane(stats.mean.reshape(B, H, G, D)).reshape(B, N * G, D)
-    cov = stats.cov
-    if cov is not None:
-        cov = lanes.per_lane(cov.reshape(B, H, G, D, D)).reshape(B, N * G, D, D)
-    return QueryStats(mean, cov)
 
 
 def rescore_lanes(
@@ -64,7 +51,13 @@ def rescore_lanes(
         use_covariance=state.use_covariance,
     )
     H_q, H = int(stats.mean.shape[1]), kv_heads(state)
-    logits = expected_logits(lane_stats(state, stats, lanes), keys, scale)  # [B, N, G, W]
+    G, N = H_q // H, lanes.n_lanes
+    # each lane's owner's statistics, so the lanes are scored as N heads
+    mean = lanes.per_lane(stats.mean.reshape(B, H, G, D)).reshape(B, N * G, D)
+    cov = stats.cov
+    if cov is not None:
+        cov = lanes.per_lane(cov.reshape(B, H, G, D, D)).reshape(B, N * G, D, D)
+    logits = expected_logits(QueryStats(mean, cov), keys, scale)  # [B, N, G, W]
     counted = ~sinks(lanes.positions, state.n_sink)[:, :, None]
     per_lane = mx.logsumexp(mx.where(counted, logits, -mx.inf), axis=-1)  # [B, N, G]
     member = lanes.member(H)[..., None]  # [B, H, N, 1]
@@ -113,8 +106,8 @@ def lane_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.a
     flat = lanes.positions.reshape(B, N * W)
     newest = flat.max(axis=-1, keepdims=True)  # [B, 1]
     mine = lanes.row_member(H) & (flat == newest)[:, None]
-    idx = mx.argmax(mx.where(mine, 1, 0), axis=-1)  # [B, H]
-    new = rows_at(lanes, idx.astype(mx.int32))  # [B, H, 1, D]
+    idx = mx.argmax(mx.where(mine, 1, 0), axis=-1).astype(mx.int32)  # [B, H]
+    new = rows_at(lanes, idx)  # [B, H, 1, D]
     fresh = scores_from_logits(
         expected_logits(state.stats, rows.dense(new.keys), state.scale),
         state.log_norm.reshape(B, H, -1, 1),
@@ -122,8 +115,7 @@ def lane_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.a
         use_vnorm=state.use_vnorm,
         epsilon=state.epsilon,
     )  # [B, H, 1]
-    scores = mx.put_along_axis(lanes.scores.reshape(B, N * W), idx, fresh.reshape(B, H), axis=1)
-    scores = scores.reshape(B, N, W)
+    scores = put_rows(lanes.scores, idx, fresh)
     if state.refreshed_at is not None and state.scores is not None:
         scores = mx.where(newest.reshape(B, 1, 1) == state.refreshed_at, state.scores, scores)
     return scores, scores
