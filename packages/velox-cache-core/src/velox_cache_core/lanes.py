@@ -77,9 +77,8 @@ class GlobalRule:
     the policy goes on as with ``uniform``).
     spare: rows a head needs beyond its protected ones (2 for a policy that evicts at every
     step: its dead row and one that can go; 0 for one that appends).
-    when: ``"prompt_end"`` (the layer's prompt end: every layer arrives, the last one cuts
-    them all) or ``"first_token"`` (the first single-token call, before it is laid out: every
-    layer holds its prompt then).
+    when: ``"prompt_end"`` or ``"first_token"``, when the layers are cut (see
+    :mod:`velox_cache_core.model_shares`).
     """
 
     pending: Callable[[Any], bool]
@@ -119,13 +118,9 @@ class Lanes:
         return int(self.positions.shape[2])
 
     def arrays(self) -> list[mx.array]:
-        out = [
-            *store_rows.arrays(self.keys),
-            *store_rows.arrays(self.values),
-            self.positions,
-            self.owner,
-        ]
-        return out + [a for a in (self.free, self.scores) if a is not None]
+        rest = (self.positions, self.owner, self.free, self.scores)
+        keys, values = store_rows.arrays(self.keys), store_rows.arrays(self.values)
+        return [*keys, *values, *(a for a in rest if a is not None)]
 
     def member(self, heads: int) -> mx.array:
         """bool ``[B, H, N]``: lane ``n`` belongs to head ``h``."""

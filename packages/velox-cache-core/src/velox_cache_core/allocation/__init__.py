@@ -9,17 +9,15 @@ its heads, ``global`` the model's rows across every head of every layer (the lay
 
 A policy takes part by declaring what its scores are, not by carrying the cut itself:
 
-- :class:`HeldPrompt` wraps a policy that evicts at every decode step (TOVA, H2O): the prompt
-  is held whole until the first single-token call, cut then by the policy's prompt scores,
-  and every later step evicts within each head's share by its step scores. It gives the
-  policy record's ``lane_rule`` and ``global_rule``.
+- a policy that evicts at every decode step (TOVA, H2O) is wrapped by :class:`HeldPrompt`
+  (:mod:`~velox_cache_core.allocation.held_prompt`), which gives its record's ``lane_rule``
+  and ``global_rule``;
 - a policy whose cut runs at its prompt end (SnapKV, Expected Attention, KVzip) calls
-  :func:`velox_cache_core.allocation.shares.allot` /
+  :func:`~velox_cache_core.allocation.shares.allot` or
   :func:`~velox_cache_core.allocation.shares.cut_evicting` from its own cut and declares a
   ``GlobalRule`` for its scores.
 
-:mod:`velox_cache_core.allocation.shares` computes the shares and cuts the rows into lanes;
-:mod:`velox_cache_core.lanes` holds the lanes and attends over them.
+:mod:`~velox_cache_core.allocation.shares` computes the shares and cuts the rows into lanes.
 """
 
 from __future__ import annotations
