@@ -229,19 +229,19 @@ def victims(lanes: Lanes, scores: mx.array, protected: mx.array, heads: int) -> 
     """Each head's row to evict: int32 ``[B, H]`` flat indices into the ``N * W`` rows, the
     lowest of ``scores`` (float ``[B, N, W]``) among the head's rows that are not
     ``protected`` (bool ``[B, N, W]``), ties lost by the oldest position."""
-    B, N, W = lanes.positions.shape
-    w, p, pos = (
-        a.reshape(B, 1, N * W) for a in (scores.astype(mx.float32), protected, lanes.positions)
-    )
-    return _victims(w, p, pos, lanes.row_member(heads))
+    return _victims(scores, protected, lanes.positions, lanes.row_member(heads))
 
 
 @mx.compile
 def _victims(
     scores: mx.array, protected: mx.array, positions: mx.array, mine: mx.array
 ) -> mx.array:
-    """:func:`victims` over flat rows (``[B, 1, R]``; ``mine`` bool ``[B, H, R]``), compiled:
-    one fused kernel per shape instead of a dozen ops built every step."""
+    """:func:`victims` (``mine``: bool ``[B, H, N * W]``), compiled: one fused kernel per
+    shape instead of a dozen ops built every step."""
+    B, N, W = positions.shape
+    scores, protected, positions = (
+        a.reshape(B, 1, N * W) for a in (scores.astype(mx.float32), protected, positions)
+    )
     w = mx.where(mine & ~protected, scores, mx.inf)
     tied = mine & (w == w.min(axis=-1, keepdims=True))
     age = mx.where(tied, positions, _NO_POSITION)
