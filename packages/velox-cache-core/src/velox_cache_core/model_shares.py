@@ -101,11 +101,8 @@ def cut_globally(layer: Any, when: str) -> bool:
     (``allocation="global"``) takes part in it: ``"first_token"`` cuts every linked layer now,
     ``"prompt_end"`` arrives (the last layer to arrive cuts them all). Returns whether it
     did."""
-    rule = layer.policy.global_rule
-    state = layer.state
-    if rule is None or rule.when != when or state.allocation != "global":
-        return False
-    if not rule.pending(state):
+    rule, state = layer.policy.global_rule, layer.state
+    if rule is None or rule.when != when or state.allocation != "global" or not rule.pending(state):
         return False
     if layer.shares is None:
         raise ValueError(shares.UNLINKED.format(name=layer.policy.name))
