@@ -54,11 +54,8 @@ class HeldPrompt:
     row; H2O: the attention sums).
     prompt_scores(state, live): float ``[B, H, n]``, the scores the held rows ``live`` are
     shared out by (the highest kept).
-    protect(state, positions, newest): bool, the rows no cut or step evicts (sinks, a recent
-    window); ``newest``: the newest position (int, or int ``[B, 1, 1]``).
-    step_scores(state, lanes, weights): a decode step over lanes: (the scores the lowest of
-    which goes, the running scores the lanes keep or ``None``), from the rows' attention
-    ``weights`` ``[B, N, W]``.
+    protect, step_scores: the :class:`~velox_cache_core.lanes.LaneRule`'s ``protect`` (which
+    spares rows from the cut too) and ``score``.
     keep_scores: whether the lanes carry the prompt scores on as running scores (H2O's sums).
     cleared: running fields the cut resets besides ``history`` (it moves them into the lanes
     or drops them).
