@@ -251,16 +251,11 @@ def _victims(
 _NO_POSITION = 2**31 - 1
 
 
-def write(
-    lanes: Lanes,
-    keys: Rows,
-    values: Rows,
-    position: int | mx.array,
-    score: float = 0.0,
-) -> Lanes:
+def write(lanes: Lanes, keys: Rows, values: Rows, position: int | mx.array) -> Lanes:
     """One new token per head (keys ``[B, H, 1, D]``, values ``[B, H, 1, D_v]``, at
     ``position``, an int or int ``[B]``) written into each head's dead row, in place; its
-    running score (when the lanes keep scores) is ``score``. The result has no dead row."""
+    running score (when the lanes keep scores) is 0 until the policy scores it. The result
+    has no dead row."""
     assert lanes.free is not None
     B, H = lanes.free.shape
     if isinstance(position, mx.array):
@@ -269,7 +264,7 @@ def write(
         pos = mx.full((B, H), position, dtype=mx.int32)
     scores = lanes.scores
     if scores is not None:
-        scores = put_rows(scores, lanes.free, mx.full((B, H), score, dtype=mx.float32))
+        scores = put_rows(scores, lanes.free, mx.zeros((B, H), dtype=mx.float32))
     return _overwrite(lanes, lanes.free, KVSlots(keys, values, pos), free=None, scores=scores)
 
 
