@@ -61,7 +61,6 @@ class HeldPrompt:
     or drops them).
     prepare(state, call): the held state before the first single-token call cuts it (TOVA
     takes that call's scale when the prompt gave none), or ``None``.
-    probe(state): what scores the rows at a step over lanes (default: the state's ``signal``).
     """
 
     name: str
@@ -72,7 +71,6 @@ class HeldPrompt:
     keep_scores: bool
     cleared: Mapping[str, Any] = field(default_factory=dict)
     prepare: Callable[[Any, Call], Any] | None = None
-    probe: Callable[[Any], str | None] = attrgetter("signal")
 
     def scores(self, state: Any) -> tuple[KVSlots, mx.array, mx.array] | None:
         """The held rows, their prompt scores and the rows the cut spares, or ``None`` when
@@ -110,10 +108,10 @@ class HeldPrompt:
         return self.cut(state if self.prepare is None else self.prepare(state, call), None)
 
     def lane_rule(self) -> lanes.LaneRule:
-        """The policy's decisions over lanes (its record's ``lane_rule``)."""
-        return lanes.LaneRule(
-            cut=self.cut_at, probe=self.probe, protect=self.protect, score=self.step_scores
-        )
+        """The policy's decisions over lanes (its record's ``lane_rule``; rows scored by the
+        state's ``signal``)."""
+        signal = attrgetter("signal")
+        return lanes.LaneRule(self.cut_at, signal, self.protect, self.step_scores)
 
     def global_rule(self) -> lanes.GlobalRule:
         """The policy's part in a model-wide cut (its record's ``global_rule``)."""
