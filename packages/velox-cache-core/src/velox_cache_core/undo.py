@@ -95,24 +95,19 @@ class Entry:
     keys_before: store_rows.Rows | None = None
 
     def arrays(self) -> list[mx.array]:
+        """The arrays it records (not its running fields: those may be shared with other
+        entries or with the state)."""
         out: list[mx.array] = [a for step in self.lane_steps for a in step.arrays()]
-        for value in (self.free, self.written, self.order):
-            if value is not None:
-                out.append(value)
-        for store in (self.row, self.victim, self.evicted):
-            if store is not None:
-                out += store.arrays()
+        out += [a for a in (self.free, self.written, self.order) if a is not None]
+        out += [
+            a for s in (self.row, self.victim, self.evicted) if s is not None for a in s.arrays()
+        ]
         if isinstance(self.keys_before, KRows):  # its groups are the store's, or were
             out += [self.keys_before.window, self.keys_before.where]
         if self.inputs is not None:
             k, v, q, _ = self.inputs
             out += [*store_rows.arrays(k), *store_rows.arrays(v), *([] if q is None else [q])]
         return out
-
-    def running_arrays(self) -> list[mx.array]:
-        """The arrays of the running fields it keeps (H2O's scores, a history's rows); some
-        may be shared with other entries or with the state."""
-        return arrays_in(self.running)
 
 
 @dataclass(frozen=True)
@@ -121,18 +116,13 @@ class UndoLog:
 
     window: int
     entries: tuple[Entry, ...] = ()
-    # the entries' tokens (they never change), counted once: a decode step asks every token;
-    # neither saved nor compared
-    known_tokens: int = field(default=-1, compare=False, repr=False, metadata={TRANSIENT: True})
+    # how many of the last fed tokens a trim can take back: the entries' tokens (they never
+    # change), counted once (a decode step asks every token); neither saved nor compared
+    tokens: int = field(default=-1, compare=False, repr=False, metadata={TRANSIENT: True})
 
     def __post_init__(self) -> None:
-        if self.known_tokens < 0:
-            object.__setattr__(self, "known_tokens", sum(e.length for e in self.entries))
-
-    @property
-    def tokens(self) -> int:
-        """How many of the last fed tokens a trim can take back."""
-        return self.known_tokens
+        if self.tokens < 0:
+            object.__setattr__(self, "tokens", sum(e.length for e in self.entries))
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +130,7 @@ class UndoLog:
         indices it records and the running fields it keeps, each array once (one the state
         still holds too is counted here as well: a bound)."""
         rows = sum(a.nbytes for e in self.entries for a in e.arrays())
-        running = {id(a): a.nbytes for e in self.entries for a in e.running_arrays()}
+        running = {id(a): a.nbytes for e in self.entries for a in arrays_in(e.running)}
         return rows + sum(running.values())
 
     def compacted(self) -> list[mx.array]:
@@ -209,18 +199,13 @@ def new_log(window: int) -> UndoLog | None:
     return UndoLog(window) if window else None
 
 
-def _gather(slots: KVSlots, idx: mx.array) -> KVSlots:
-    """Rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not."""
-    return KVSlots(
-        keys=store_rows.take(slots.keys, idx),
-        values=store_rows.take(slots.values, idx),
-        positions=mx.take_along_axis(slots.positions, idx, axis=2),
-    )
+# rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not (the name fast_step imports)
+_gather = KVSlots.take
 
 
 def _permute(rows: KVSlots, order: mx.array) -> KVSlots:
     """Rows placed so that row ``i`` of ``rows`` lands at index ``order[..., i]``."""
-    return _gather(rows, mx.argsort(order, axis=-1).astype(mx.int32))
+    return rows.take(mx.argsort(order, axis=-1).astype(mx.int32))
 
 
 def _concat(a: KVSlots, b: KVSlots) -> KVSlots:
@@ -240,6 +225,20 @@ def running_names(state_type: Any) -> tuple[str, ...]:
     return tuple(name for name in running_fields(state_type) if name not in skip)
 
 
+def _entry(state: PolicyState, start: int, length: int, inputs: Any, **recorded: Any) -> Entry:
+    """The entry of a call of ``length`` tokens from ``start`` on ``state``: its running
+    fields, its ``inputs`` when a chunk, and what it ``recorded``."""
+    state_type: Any = type(state)
+    return Entry(
+        start=start,
+        length=length,
+        running={name: getattr(state, name) for name in running_names(state_type)},
+        slots_none=state.slots is None,
+        inputs=inputs if length > 1 else None,
+        **recorded,
+    )
+
+
 def record(
     state: PolicyState,
     before: KVSlots,
@@ -255,19 +254,18 @@ def record(
     candidates were laid out from (``before`` with a slot freed first, for StreamingLLM), the
     candidates and the ``kept`` slots."""
     L = int(keys.shape[2])
-    state_type: Any = type(state)
     written = row = victim = order = evicted = None
     n_live = 0
     if L == 1 and laid_out_from.free is not None:  # written over one slot
         written = laid_out_from.free
         if laid_out_from.free is not before.free:  # a live row, freed just now (StreamingLLM)
-            row = _gather(before, written[..., None])
+            row = before.take(written[..., None])
     else:
         n_live = before.n_kept
         if before.free is not None:
-            row = _gather(before, before.free[..., None])
+            row = before.take(before.free[..., None])
     if L == 1 and kept.keys is candidates.keys and kept.free is not None:
-        victim = _gather(candidates, kept.free[..., None])
+        victim = candidates.take(kept.free[..., None])
     if kept.keys is not candidates.keys:  # the rule took a subset in a new order
         n, m = candidates.n_slots, kept.n_slots
         same = kept.positions[..., :, None] == candidates.positions[..., None, :]
@@ -276,12 +274,12 @@ def record(
         gone = mx.argsort(mx.where(same.any(axis=2), n + cols, cols), axis=-1)[..., : n - m]
         gone = gone.astype(mx.int32)
         order = mx.concatenate([survivors, gone], axis=-1)
-        evicted = _gather(candidates, gone)
-    return Entry(
-        start=state.offset,
-        length=L,
-        running={name: getattr(state, name) for name in running_names(state_type)},
-        slots_none=state.slots is None,
+        evicted = candidates.take(gone)
+    return _entry(
+        state,
+        state.offset,
+        L,
+        (keys, values, queries, scale),
         free=before.free,
         written=written,
         row=row,
@@ -289,7 +287,6 @@ def record(
         n_live=n_live,
         order=order,
         evicted=evicted,
-        inputs=(keys, values, queries, scale) if L > 1 else None,
         keys_before=before.keys if isinstance(before.keys, KRows) else None,
     )
 
@@ -299,16 +296,8 @@ def record_lanes(
 ) -> Entry:
     """The entry of one call over lanes (``steps``: one per token, in order); the tail slots
     do not change on that path."""
-    state_type: Any = type(state)
-    return Entry(
-        start=call_start,
-        length=length,
-        running={name: getattr(state, name) for name in running_names(state_type)},
-        slots_none=state.slots is None,
-        free=None if state.slots is None else state.slots.free,
-        lane_steps=tuple(steps),
-        inputs=inputs if length > 1 else None,
-    )
+    free = None if state.slots is None else state.slots.free
+    return _entry(state, call_start, length, inputs, free=free, lane_steps=tuple(steps))
 
 
 def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
@@ -323,6 +312,14 @@ def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
     return replace(state, lanes=lanes, **_running_before([entry], state))
 
 
+def _row_back(entry: Entry, previous: Entry | None) -> KVSlots | None:
+    """The row that undoing ``entry`` (a token written over a slot) puts back in that slot:
+    the live row it overwrote, else the previous call's victim (``previous``: the entry before
+    it, if the log still has it). ``None``: the slot was dead and stays dead (its content is
+    moot)."""
+    return entry.row or (previous.victim if previous is not None else None)
+
+
 def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
     """The state before the call ``entry`` recorded, from the state right after it
     (``previous``: the entry before it, whose victim the call may have overwritten)."""
@@ -334,24 +331,21 @@ def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
         assert entry.order is not None
         candidates = _permute(_concat(kept.compact(), entry.evicted), entry.order)
     else:
-        candidates = KVSlots(kept.keys, kept.values, kept.positions, None, kept.reserve)
+        candidates = replace(kept, free=None)
     if entry.written is not None:
-        row = entry.row or (previous.victim if previous is not None else None)
-        slots = KVSlots(candidates.keys, candidates.values, candidates.positions, entry.free)
-        if row is not None:  # else the slot was dead and stays dead: its content is moot
-            held = (candidates.keys, candidates.values, candidates.positions)
-            put = _put_row(*held, entry.written, row.keys, row.values, row.positions)
-            slots = KVSlots(*put, entry.free)
+        held = (candidates.keys, candidates.values, candidates.positions)
+        row = _row_back(entry, previous)
+        if row is not None:
+            held = _put_row(held, entry.written, row)
+        slots = KVSlots(*held, entry.free)
     else:
-        live = candidates.head(entry.n_live)
+        slots = candidates.head(entry.n_live)
         if entry.free is not None:  # put the compacted-away dead slot back where it was
             assert entry.row is not None
-            n = entry.n_live + 1
-            idx = mx.arange(n - 1, dtype=mx.int32)
+            idx = mx.arange(entry.n_live, dtype=mx.int32)
             live_index = idx + (idx >= entry.free[..., None]).astype(mx.int32)
             order = mx.concatenate([live_index, entry.free[..., None]], axis=-1)
-            live = replace(_permute(_concat(live, entry.row), order), free=entry.free)
-        slots = live
+            slots = replace(_permute(_concat(slots, entry.row), order), free=entry.free)
     if entry.keys_before is not None:  # the same rows as they were held, bit for bit
         slots = KVSlots(entry.keys_before, slots.values, slots.positions, slots.free)
     return replace(
@@ -384,55 +378,39 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
         return state, n
     kept = state.slots
     assert kept is not None
-    puts = _rows_back(entries, steps)
-    arrays: tuple[store_rows.Rows, store_rows.Rows, mx.array] = (
-        kept.keys,
-        kept.values,
-        kept.positions,
-    )
+    puts = []  # (slot [B, H_kv], row) newest first
+    for i in range(len(entries) - 1, len(entries) - 1 - steps, -1):
+        row, slot = _row_back(entries[i], entries[i - 1] if i else None), entries[i].written
+        if row is not None:
+            assert slot is not None
+            puts.append((slot, row))
+    held: Held = (kept.keys, kept.values, kept.positions)
     rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
-    plain = all(a.__class__ is mx.array for r in (arrays, *rows_in) for a in r)
+    plain = all(a.__class__ is mx.array for r in (held, *rows_in) for a in r)
     if plain and puts:  # one compiled call
-        arrays = puts_kernel(len(puts))(*arrays, [slot for slot, _ in puts], rows_in)
+        held = puts_kernel(len(puts))(*held, [slot for slot, _ in puts], rows_in)
     else:
         for slot, row in puts:
-            arrays = _put_row(*arrays, slot, row.keys, row.values, row.positions)
+            held = _put_row(held, slot, row)
     undone = entries[-steps:]
     del entries[-steps:]
-    slots = KVSlots(*arrays, undone[0].free)
     # the running fields as they were before the oldest
-    return replace(state, slots=slots, **_running_before(undone, state)), n - steps
+    state = replace(state, slots=KVSlots(*held, undone[0].free), **_running_before(undone, state))
+    return state, n - steps
 
 
-def _rows_back(entries: list[Entry], steps: int) -> list[tuple[mx.array, KVSlots]]:
-    """(slot ``[B, H_kv]``, row) that :func:`undo` puts back for each of the last ``steps``
-    entries, newest first; an entry whose slot was dead puts nothing back."""
-    puts = []
-    for i in range(len(entries) - 1, len(entries) - 1 - steps, -1):
-        entry = entries[i]
-        row = entry.row or (entries[i - 1].victim if i > 0 else None)
-        if row is not None:  # else the slot was dead and stays dead: its content is moot
-            assert entry.written is not None
-            puts.append((entry.written, row))
-    return puts
+Held = tuple[store_rows.Rows, store_rows.Rows, mx.array]  # a store's keys, values, positions
 
 
-def _put_row(
-    keys: store_rows.Rows,
-    values: store_rows.Rows,
-    positions: mx.array,
-    slot: mx.array,
-    row_keys: store_rows.Rows,
-    row_values: store_rows.Rows,
-    row_positions: mx.array,
-) -> tuple[store_rows.Rows, store_rows.Rows, mx.array]:
-    """The store's rows with ``slot`` (int ``[B, H_kv]``) of each head set to the given row,
-    as :func:`undo` puts it back."""
+def _put_row(held: Held, slot: mx.array, row: KVSlots) -> Held:
+    """A store's (keys, values, positions) with ``slot`` (int ``[B, H_kv]``) of each head set
+    to ``row``, as :func:`undo` puts it back."""
     at = slot[..., None]
+    keys, values, positions = held
     return (
-        store_rows.put(keys, at, row_keys),
-        store_rows.put(values, at, row_values),
-        mx.put_along_axis(positions, at, row_positions, axis=2),
+        store_rows.put(keys, at, row.keys),
+        store_rows.put(values, at, row.values),
+        mx.put_along_axis(positions, at, row.positions, axis=2),
     )
 
 
@@ -446,10 +424,10 @@ def puts_kernel(n: int) -> Callable[..., Any]:
         positions: mx.array,
         slots: list[mx.array],
         rows: list[list[mx.array]],
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        held: tuple[Any, Any, mx.array] = (keys, values, positions)
+    ) -> Held:
+        held: Held = (keys, values, positions)
         for slot, (k, v, p) in zip(slots, rows, strict=True):
-            held = _put_row(*held, slot, k, v, p)
+            held = _put_row(held, slot, KVSlots(k, v, p))
         return held
 
     return mx.compile(kernel)
