@@ -40,8 +40,8 @@ class Packed:
     state: the ``B``-row state (its ``offset``/``tokens_seen`` only count packed calls);
     log: the packed calls' undo log (``None`` without logs); offsets, seen: each row's
     ``offset`` and ``tokens_seen`` now; logs: each row's undo log from before packing;
-    calls: packed calls so far; pads: padding slots before each row's slots (all 0 when the
-    rows were laid out alike), hidden from attention by :attr:`mask`.
+    pads: padding slots before each row's slots (all 0 when the rows were laid out alike),
+    hidden from attention by :attr:`mask`; budget: the policy's; calls: packed calls so far.
     """
 
     state: Any
@@ -49,9 +49,9 @@ class Packed:
     offsets: tuple[int, ...]
     seen: tuple[int, ...]
     logs: tuple[UndoLog | None, ...]
+    pads: tuple[int, ...]
+    budget: int | None
     calls: int = 0
-    pads: tuple[int, ...] = ()
-    budget: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -60,8 +60,7 @@ class Packed:
     @property
     def tokens_kept(self) -> list[int]:
         """Each row's retained tokens (per KV head), padding not counted."""
-        n = int(self.state.n_kept)
-        return [n - pad for pad in self.pads] if self.pads else [n] * len(self.offsets)
+        return [int(self.state.n_kept) - pad for pad in self.pads]
 
     def can_step(self) -> bool:
         """Whether the next decode step can run packed: always for rows laid out alike; for
@@ -95,52 +94,31 @@ def can_pack(policy: Policy, states: Sequence[Any]) -> bool:
     slot in all or none) and every other running field is an array in all of them or ``None``
     in all, or (padded, see the module doc) no state has a dead slot or any running array
     and the longest row's next decode step stays within the budget."""
-    if not policy.packs_rows or len(states) < 2 or not _single_rows(states):
+    if not policy.packs_rows or len(states) < 2:
         return False
-    if _laid_out_alike(states):
-        return _running_arrays_alike(states)
-    return _can_pad(policy, states)
-
-
-def _single_rows(states: Sequence[Any]) -> bool:
-    return all(s.slots is not None and s.slots.keys.shape[0] == 1 for s in states)
-
-
-def _laid_out_alike(states: Sequence[Any]) -> bool:
-    first = states[0].slots
-    n, dead = first.n_slots, first.free is None
-    return all(s.slots.n_slots == n and (s.slots.free is None) == dead for s in states)
+    if not all(s.slots is not None and s.slots.keys.shape[0] == 1 for s in states):
+        return False
+    slots = [s.slots for s in states]
+    others = [[getattr(s, name) for s in states] for name in _others(states[0])]
+    n, dead = slots[0].n_slots, slots[0].free is None
+    if all(s.n_slots == n and (s.free is None) == dead for s in slots):  # laid out alike
+        return all(
+            all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)
+            for values in others
+        )
+    budget = policy.traits.budget(states[0])
+    return (
+        budget is not None
+        and max(s.n_slots for s in slots) + 1 <= budget
+        and all(s.free is None for s in slots)
+        and all(v is None for values in others for v in values)
+    )
 
 
 def _others(state: Any) -> list[str]:
-    """The running fields besides the slots and counters."""
-    return [name for name in running_fields(state) if name not in _COUNTERS]
-
-
-def _running_arrays_alike(states: Sequence[Any]) -> bool:
-    for name in _others(states[0]):
-        if name == "pins":  # rows without pins pack with empty spans
-            continue
-        values = [getattr(s, name) for s in states]
-        if not (all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)):
-            return False
-    return True
-
-
-def _can_pad(policy: Policy, states: Sequence[Any]) -> bool:
-    budget = policy.traits.budget(states[0])
-    longest = max(s.slots.n_slots for s in states)
-    return (
-        budget is not None
-        and longest + 1 <= budget
-        and all(s.slots.free is None for s in states)
-        and all(
-            getattr(s, name) is None
-            for s in states
-            for name in _others(states[0])
-            if name != "pins"
-        )
-    )
+    """The running fields besides the slots, counters and pinned spans (rows without pins pack
+    with empty spans)."""
+    return [name for name in running_fields(state) if name not in (*_COUNTERS, "pins")]
 
 
 def _padded(slots: KVSlots, pad: int) -> KVSlots:
@@ -161,11 +139,14 @@ def pack(policy: Policy, states: Sequence[Any], logs: Sequence[UndoLog | None]) 
     first = states[0]
     longest = max(s.slots.n_slots for s in states)
     pads = tuple(longest - s.slots.n_slots for s in states)
-    changes: dict[str, Any] = {"slots": _stack_slots(states, pads), "offset": 0, "tokens_seen": 0}
+    changes: dict[str, Any] = {
+        "slots": _stack_slots(states, pads),
+        "offset": 0,
+        "tokens_seen": 0,
+        "pins": _stacked_pins(states),
+    }
     for name in _others(first):
-        if name == "pins":
-            changes[name] = _stacked_pins(states)
-        elif getattr(first, name) is not None:
+        if getattr(first, name) is not None:
             changes[name] = mx.concatenate([getattr(s, name) for s in states], axis=0)
     window = next((lg.window for lg in logs if lg is not None), 0)
     return Packed(
@@ -290,19 +271,18 @@ def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
     states, logs = [], []
     held = () if packed.log is None else packed.log.entries
     dropped = packed.calls - len(held)  # packed calls the packed log no longer holds
-    pads = packed.pads or (0,) * len(packed.offsets)
-    for b, (offset, seen) in enumerate(zip(packed.offsets, packed.seen, strict=True)):
+    for b, (offset, seen, pad) in enumerate(
+        zip(packed.offsets, packed.seen, packed.pads, strict=True)
+    ):
         changes = {
             name: _slice_rows(getattr(state, name), b)
             for name in running_fields(state)
             if name not in ("offset", "tokens_seen")
         }
-        if pads[b]:  # a padded row holds no dead slot (see can_pack)
+        if pad:  # a padded row holds no dead slot (see can_pack)
             slots = changes["slots"]
             changes["slots"] = KVSlots(
-                slots.keys[:, :, pads[b] :],
-                slots.values[:, :, pads[b] :],
-                slots.positions[:, :, pads[b] :],
+                slots.keys[:, :, pad:], slots.values[:, :, pad:], slots.positions[:, :, pad:]
             )
         states.append(replace(state, offset=offset, tokens_seen=seen, **changes))
         log = packed.logs[b]
@@ -311,6 +291,6 @@ def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
             log = log.cleared() if dropped else log
             for i, entry in enumerate(held):
                 back = len(held) - i  # calls from this entry's to now
-                log = log.push(_row_entry(entry, b, offset - back, seen - back * H, pads[b]))
+                log = log.push(_row_entry(entry, b, offset - back, seen - back * H, pad))
         logs.append(log)
     return states, logs
