@@ -16,7 +16,7 @@ Packed rows (a batch's decode steps as one engine call) are :mod:`velox_cache_co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +56,23 @@ def check_compatible(first: dict[str, Any], other: dict[str, Any], what: str) ->
         raise ValueError(f"cannot batch {what}: they differ in " + "; ".join(diff))
 
 
-def _check_single(state: Any, i: int) -> None:
-    if not isinstance(state, PolicyState):
-        raise TypeError(f"states[{i}] must be a PolicyState, got {type(state).__name__}")
+def check_single(state: PolicyState, name: str) -> None:
+    """``ValueError`` unless ``state`` (called ``name``) holds one sequence (``B = 1``) or none."""
     if state.slots is not None and state.slots.keys.shape[0] != 1:
         raise ValueError(
-            f"states[{i}] holds {state.slots.keys.shape[0]} rows; a batch stacks "
-            "single-sequence states (B = 1)"
+            f"{name} holds {state.slots.keys.shape[0]} sequences in lockstep; a batch takes "
+            "single-sequence rows (B = 1)"
         )
+
+
+def check_index(index: Any, size: int, what: str) -> int:
+    """``index`` (called ``what``) of a row of a batch of ``size``, from ``0``: ``TypeError``
+    unless an int, ``IndexError`` unless in ``[-size, size)``."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"{what} must be an int, got {type(index).__name__}")
+    if not -size <= index < size:
+        raise IndexError(f"{what} {index} out of range for a batch of {size}")
+    return index % size
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,8 @@ class BatchState:
 
     def row(self, index: int) -> tuple[Any, UndoLog | None]:
         """Row ``index``'s single-sequence state and undo log (``IndexError`` if absent)."""
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"index must be an int, got {type(index).__name__}")
-        if not -self.batch_size <= index < self.batch_size:
-            raise IndexError(f"row {index} out of range for a batch of {self.batch_size}")
-        return self.rows[index], self.logs[index]
+        b = check_index(index, self.batch_size, "row")
+        return self.rows[b], self.logs[b]
 
     def keep(self, indices: Sequence[int]) -> BatchState:
         """The batch of rows ``indices``, in that order (``IndexError`` for a missing row)."""
@@ -124,7 +130,9 @@ def stack(states: Sequence[Any], logs: Sequence[UndoLog | None] | None = None) -
     if len(logs) != len(states):
         raise ValueError(f"logs must have one entry per state ({len(states)}), got {len(logs)}")
     for i, state in enumerate(states):
-        _check_single(state, i)
+        if not isinstance(state, PolicyState):
+            raise TypeError(f"states[{i}] must be a PolicyState, got {type(state).__name__}")
+        check_single(state, f"states[{i}]")
     first = row_signature(states[0])
     for i, state in enumerate(states[1:], 1):
         check_compatible(first, row_signature(state), f"states[0] and states[{i}]")
@@ -164,18 +172,28 @@ def scatter(
     which is the values' width)."""
     _B, H, L, D = like.shape
     D = next((int(p.shape[3]) for p in parts if p is not None), D)
-    rows = []
-    for part, (first, count) in zip(parts, row_spans, strict=True):
-        if part is None or count == 0:
-            rows.append(mx.zeros((1, H, L, D), dtype=like.dtype))
-            continue
-        pieces = [part.astype(like.dtype)]
-        if first:
-            pieces.insert(0, mx.zeros((1, H, first, D), dtype=like.dtype))
-        if first + count < L:
-            pieces.append(mx.zeros((1, H, L - first - count, D), dtype=like.dtype))
-        rows.append(mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0])
+    rows = [
+        mx.zeros((1, H, L, D), dtype=like.dtype)
+        if part is None or count == 0
+        else mx.pad(part.astype(like.dtype), [(0, 0), (0, 0), (first, L - first - count), (0, 0)])
+        for part, (first, count) in zip(parts, row_spans, strict=True)
+    ]
     return mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+
+def attend_rows(
+    queries: mx.array,
+    row_spans: Sequence[Span],
+    attend_row: Callable[[int, mx.array], mx.array],
+) -> mx.array:
+    """``[B, H_q, L, D]``: ``attend_row(b, q)`` of each row's real queries ``q``
+    ``[1, H_q, n_b, D]`` (rows with none are not asked), at their spans; zero at padded
+    queries."""
+    parts = [
+        attend_row(b, queries[b : b + 1, :, first : first + count]) if count else None
+        for b, (first, count) in enumerate(row_spans)
+    ]
+    return scatter(parts, row_spans, queries)
 
 
 @dataclass(frozen=True)
@@ -211,22 +229,18 @@ def update(
     if batch.batch_size != B:
         raise ValueError(f"keys B ({B}) differs from the batch's {batch.batch_size} rows")
     row_spans = spans(B, L, lengths, left_padding)
-    calls = []
-    for b, (first, count) in enumerate(row_spans):
-        part = slice(first, first + count)
-        q = None if queries is None else queries[b : b + 1, :, part]
-        calls.append((keys[b : b + 1, :, part], values[b : b + 1, :, part], q))
     steps: list[Step | None] = []
     rows, logs = list(batch.rows), list(batch.logs)
-    for b, ((k, v, q), (_, count)) in enumerate(zip(calls, row_spans, strict=True)):
+    for b, (first, count) in enumerate(row_spans):
         if count == 0:
             steps.append(None)
             continue
+        part = (slice(b, b + 1), slice(None), slice(first, first + count))
         step = policy.update(
             rows[b],
-            keys=k,
-            values=v,
-            queries=q,
+            keys=keys[part],
+            values=values[part],
+            queries=None if queries is None else queries[part],
             scale=scale,
             check_finite=check_finite,
             log=logs[b],
@@ -241,14 +255,13 @@ def attend(
 ) -> mx.array:
     """``[B, H_q, L, D]``: each row's queries over its own step (its own keys, positions and
     mask: rows never see each other's padding); zero at padded queries."""
-    parts: list[mx.array | None] = []
-    for b, (row_step, (first, count)) in enumerate(zip(step.steps, step.spans, strict=True)):
-        if row_step is None:
-            parts.append(None)
-            continue
-        q = queries[b : b + 1, :, first : first + count]
-        parts.append(attend_step(q, row_step, scale, sinks))
-    return scatter(parts, step.spans, queries)
+
+    def attend_row(b: int, q: mx.array) -> mx.array:
+        row_step = step.steps[b]
+        assert row_step is not None  # a row with real queries has a step
+        return attend_step(q, row_step, scale, sinks)
+
+    return attend_rows(queries, step.spans, attend_row)
 
 
 def end_prompt(

@@ -24,7 +24,13 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.batch import check_compatible, row_signature, scatter
+from velox_cache_core.batch import (
+    attend_rows,
+    check_compatible,
+    check_index,
+    check_single,
+    row_signature,
+)
 from velox_cache_core.distributed import summing_over
 from velox_cache_core.layer import Layer
 from velox_cache_core.packed import Packed, can_pack, detach, pack, packed_update, unpack
@@ -53,12 +59,7 @@ def check_rows(rows: Sequence[Layer], what: str) -> None:
     for i, row in enumerate(rows):
         if row.phase is not None:
             raise ValueError(f"{what}[{i}] is in its policy's scoring phase; finish it first")
-        state = row.view()
-        if state.slots is not None and state.slots.keys.shape[0] != 1:
-            raise ValueError(
-                f"{what}[{i}] holds {state.slots.keys.shape[0]} sequences in lockstep; "
-                "a batch takes single-sequence rows"
-            )
+        check_single(row.view(), f"{what}[{i}]")
     first = _signature(rows[0])
     for i, row in enumerate(rows[1:], 1):
         check_compatible(first, _signature(row), f"row 0 and row {i}")
@@ -70,14 +71,7 @@ def indices(batch_indices: Any, size: int) -> list[int]:
         batch_indices = batch_indices.tolist()
     if isinstance(batch_indices, int):
         batch_indices = [batch_indices]
-    out = []
-    for i in batch_indices:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"batch_indices must be ints, got {type(i).__name__}")
-        if not -size <= i < size:
-            raise IndexError(f"batch index {i} out of range for a batch of {size}")
-        out.append(i % size)
-    return out
+    return [check_index(i, size, "batch index") for i in batch_indices]
 
 
 def _counts(name: str, value: Any, size: int) -> list[int]:
@@ -102,21 +96,13 @@ class LayerBatch:
             raise ValueError("a batch needs at least one row")
         check_rows(rows, "rows")
         self._rows = rows
-        self._packed: Packed | None = None  # the rows while they decode packed (see below)
-        self._packed_call: tuple[store_rows.Rows, store_rows.Rows] | None = (
-            None  # packed step awaiting attend
-        )
+        self._packed: Packed | None = None  # the rows while they decode packed (module doc)
+        self._packed_call: tuple[store_rows.Rows, store_rows.Rows] | None = None  # to attend
         self._pad_left = [0] * len(rows)  # padding tokens before each row's next real token
         self._real_left: list[int | None] = [None] * len(rows)  # real tokens until padding
         self._spans: list[tuple[int, int]] | None = None  # the call awaiting attend
 
-    # -- packed rows -------------------------------------------------------------------------
-    # While every row decodes one token per step and their slots are laid out alike (a bounded
-    # policy's rows once each has evicted) or can be padded alike (rows below their budget),
-    # the rows are held as one B-row core state (velox_cache_core.packed.pack) and each step is
-    # one engine call, not B. Anything else (a prefill, a row joining or leaving, a trim,
-    # reading a row, padded rows about to reach their budget) unpacks them first: each row gets
-    # back exactly the state and undo log it would have had alone.
+    # -- packed rows (see the module doc) -------------------------------------------------------
     @property
     def rows(self) -> list[Layer]:
         """The rows' single-sequence layers (unpacked first when packed)."""
@@ -134,7 +120,7 @@ class LayerBatch:
             row.restore(state, log)
 
     def _try_pack(self) -> bool:
-        """Pack the rows for a decode step when they can be (see above)."""
+        """Pack the rows for a decode step when they can be (see the module doc)."""
         if self._packed is not None:
             if self._packed.can_step():
                 return True
@@ -336,19 +322,18 @@ class LayerBatch:
             self._spans = [(0, 1)] * len(self._rows)
             return
         self._unpack()
-        fed = next((r.view() for r in self._rows if r.view().slots is not None), None)
-        expect = None
-        dtype = None
-        value_dim = None
-        if fed is not None:
-            _, H, _, D = fed.slots.keys.shape
-            expect, dtype = (len(self._rows), H, D), fed.slots.keys.dtype
-            value_dim = int(fed.slots.values.shape[3])
-        check_kv(keys, values, expect=expect, dtype=dtype, value_dim=value_dim)
-        if keys.shape[0] != len(self._rows):
-            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {len(self._rows)} rows")
+        B = len(self._rows)
+        fed = next((r.view().slots for r in self._rows if r.view().slots is not None), None)
+        if fed is None:
+            check_kv(keys, values, expect=None, dtype=None)
+        else:
+            _, H, _, D = fed.keys.shape
+            value_dim = int(fed.values.shape[3])
+            check_kv(keys, values, expect=(B, H, D), dtype=fed.keys.dtype, value_dim=value_dim)
+        if keys.shape[0] != B:
+            raise ValueError(f"keys B ({keys.shape[0]}) differs from the {B} rows")
         spans = self._take_spans(keys.shape[2])
-        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
+        for b, (row, (first, count)) in enumerate(zip(self._rows, spans, strict=True)):
             if count:
                 part = slice(first, first + count)
                 row.lay_out(keys[b : b + 1, :, part], values[b : b + 1, :, part])
@@ -369,14 +354,7 @@ class LayerBatch:
                     row.policy, self._packed, keys=keys, values=values, queries=queries, scale=scale
                 )
             return attend_step(queries, step, scale, sinks)
-        parts: list[mx.array | None] = []
-        for row, b, (first, count) in zip(self._rows, range(len(self._rows)), spans, strict=True):
-            if count == 0:
-                parts.append(None)
-                continue
-            q = queries[b : b + 1, :, first : first + count]
-            parts.append(row.attend(q, scale, sinks))
-        return scatter(parts, spans, queries)
+        return attend_rows(queries, spans, lambda b, q: self._rows[b].attend(q, scale, sinks))
 
     def _decode_call(self, keys: mx.array) -> bool:
         """Whether a call is one real token for every row (no padding pending)."""
@@ -384,19 +362,17 @@ class LayerBatch:
             keys.ndim == 4
             and keys.shape[2] == 1
             and keys.shape[0] == len(self._rows)
-            and not any(self._pad_left)
-            and all(r is None for r in self._real_left)
+            and not self._padding_pending()
         )
+
+    def _padding_pending(self) -> bool:
+        return any(self._pad_left) or any(r is not None for r in self._real_left)
 
     # -- batch membership ----------------------------------------------------------------------
     def copy_rows(self) -> list[Layer]:
         """Independent copies of every row's layer (between calls only)."""
         self._unpack()
-        if (
-            self._spans is not None
-            or any(self._pad_left)
-            or any(r is not None for r in self._real_left)
-        ):
+        if self._spans is not None or self._padding_pending():
             raise ValueError("cannot take rows out of a batched cache in the middle of a call")
         return [copy.copy(row) for row in self._rows]
 
@@ -426,8 +402,7 @@ class LayerBatch:
         self._unpack()
         pads, real = padding or ([0] * len(new), [None] * len(new))
         check_rows(new, "other")
-        check_compatible(_signature(self._rows[0]), _signature(new[0]), "this batch and other")
-        for row in self._rows[1:]:
+        for row in self._rows:
             check_compatible(_signature(row), _signature(new[0]), "this batch and other")
         self._rows = [*self._rows, *new]
         self._pad_left += pads
@@ -447,9 +422,6 @@ class LayerBatch:
         return row
 
     # -- trims (speculative decoding is one sequence at a time in mlx-lm; kept for symmetry) ----
-    def is_trimmable(self) -> bool:
-        return all(row.log is not None for row in self.rows)
-
     def trim(self, n: int) -> int:
         """Trim ``n`` tokens from every row exactly; all or nothing."""
         trimmed = [copy.copy(row) for row in self.rows]
