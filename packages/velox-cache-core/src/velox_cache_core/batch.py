@@ -44,16 +44,18 @@ def row_signature(state: PolicyState) -> dict[str, Any]:
     return sig
 
 
-def check_compatible(first: dict[str, Any], other: dict[str, Any], what: str) -> None:
-    """Raise ``ValueError`` naming every field where two row signatures differ (a field only
-    one of them has, like the dtype of a row not fed yet, is not a difference)."""
-    diff = [
-        f"{k}: {first[k]!r} != {other[k]!r}" for k in first if k in other and first[k] != other[k]
-    ]
-    if first["policy state"] != other["policy state"]:
-        diff = [f"policy state: {first['policy state']} != {other['policy state']}"]
-    if diff:
-        raise ValueError(f"cannot batch {what}: they differ in " + "; ".join(diff))
+def check_compatible(signatures: Sequence[dict[str, Any]], what: str) -> None:
+    """Raise ``ValueError`` naming every field where a row signature differs from those before
+    it (a field only one of them has, like the dtype of a row not fed yet, is not a
+    difference); ``what``: the two rows, formatted with the later one's index."""
+    first = signatures[0]
+    for i, other in enumerate(signatures[1:], 1):
+        diff = [f"{k}: {v!r} != {other[k]!r}" for k, v in first.items() if other.get(k, v) != v]
+        if first["policy state"] != other["policy state"]:
+            diff = [f"policy state: {first['policy state']} != {other['policy state']}"]
+        if diff:
+            raise ValueError(f"cannot batch {what.format(i)}: they differ in " + "; ".join(diff))
+        first = {**other, **first}
 
 
 def check_single(state: PolicyState, name: str) -> None:
@@ -133,10 +135,7 @@ def stack(states: Sequence[Any], logs: Sequence[UndoLog | None] | None = None) -
         if not isinstance(state, PolicyState):
             raise TypeError(f"states[{i}] must be a PolicyState, got {type(state).__name__}")
         check_single(state, f"states[{i}]")
-    first = row_signature(states[0])
-    for i, state in enumerate(states[1:], 1):
-        check_compatible(first, row_signature(state), f"states[0] and states[{i}]")
-        first = {**row_signature(state), **first}
+    check_compatible([row_signature(s) for s in states], "states[0] and states[{}]")
     return BatchState(tuple(states), tuple(logs))
 
 

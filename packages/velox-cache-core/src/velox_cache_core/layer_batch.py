@@ -60,10 +60,7 @@ def check_rows(rows: Sequence[Layer], what: str) -> None:
         if row.phase is not None:
             raise ValueError(f"{what}[{i}] is in its policy's scoring phase; finish it first")
         check_single(row.view(), f"{what}[{i}]")
-    first = _signature(rows[0])
-    for i, row in enumerate(rows[1:], 1):
-        check_compatible(first, _signature(row), f"row 0 and row {i}")
-        first = {**_signature(row), **first}
+    check_compatible([_signature(row) for row in rows], "row 0 and row {}")
 
 
 def indices(batch_indices: Any, size: int) -> list[int]:
@@ -382,12 +379,10 @@ class LayerBatch:
         keep = indices(batch_indices, len(self._rows))
         if not keep:
             raise ValueError("filter() must keep at least one row (drop the cache instead)")
-        seen: set[int] = set()
-        rows = []
-        for i in keep:
-            rows.append(copy.copy(self._rows[i]) if i in seen else self._rows[i])
-            seen.add(i)
-        self._rows = rows
+        # a row kept twice: the second is a copy
+        self._rows = [
+            copy.copy(self._rows[i]) if i in keep[:j] else self._rows[i] for j, i in enumerate(keep)
+        ]
         self._pad_left = [self._pad_left[i] for i in keep]
         self._real_left = [self._real_left[i] for i in keep]
 
@@ -402,8 +397,8 @@ class LayerBatch:
         self._unpack()
         pads, real = padding or ([0] * len(new), [None] * len(new))
         check_rows(new, "other")
-        for row in self._rows:
-            check_compatible(_signature(row), _signature(new[0]), "this batch and other")
+        signatures = [_signature(row) for row in (*self._rows, new[0])]
+        check_compatible(signatures, "this batch and other")  # its rows are compatible already
         self._rows = [*self._rows, *new]
         self._pad_left += pads
         self._real_left += real

@@ -225,18 +225,9 @@ def _row_entry(entry: Entry, b: int, offset: int, seen: int, pad: int) -> Entry:
     ``seen`` before the call, after ``pad`` padding slots."""
     running = {k: _slice_rows(v, b) for k, v in entry.running.items()}
     running.update(offset=offset, tokens_seen=seen)
-    return replace(
-        entry,
-        start=offset,
-        running=running,
-        n_live=entry.n_live - pad,
-        free=_slice_rows(entry.free, b),
-        written=_slice_rows(entry.written, b),
-        row=_slice_rows(entry.row, b),
-        victim=_slice_rows(entry.victim, b),
-        order=_slice_rows(entry.order, b),
-        evicted=_slice_rows(entry.evicted, b),
-    )
+    fields = ("free", "written", "row", "victim", "order", "evicted")
+    sliced = {name: _slice_rows(getattr(entry, name), b) for name in fields}
+    return replace(entry, start=offset, running=running, n_live=entry.n_live - pad, **sliced)
 
 
 def detach(state: Any) -> Any:
