@@ -76,15 +76,15 @@ class Packed:
         return (mx.arange(n, dtype=mx.int32)[None] >= pads[:, None])[:, None, None]
 
 
-def _slice_rows(value: Any, b: int) -> Any:
-    """Row ``b`` of a packed field (arrays, slot stores; ``None`` stays ``None``)."""
+def _slice_rows(value: Any, b: int, pad: int = 0) -> Any:
+    """Row ``b`` of a packed field: of arrays, and of slot stores less their first ``pad``
+    (padding) slots; anything else (``None``) as it is."""
     if isinstance(value, mx.array):
         return value[b : b + 1]
     if isinstance(value, KVSlots):
+        at = (slice(b, b + 1), slice(None), slice(pad, None))
         free = None if value.free is None else value.free[b : b + 1]
-        return KVSlots(
-            value.keys[b : b + 1], value.values[b : b + 1], value.positions[b : b + 1], free
-        )
+        return KVSlots(value.keys[at], value.values[at], value.positions[at], free)
     return value
 
 
@@ -265,16 +265,11 @@ def unpack(packed: Packed) -> tuple[list[Any], list[UndoLog | None]]:
     for b, (offset, seen, pad) in enumerate(
         zip(packed.offsets, packed.seen, packed.pads, strict=True)
     ):
-        changes = {
-            name: _slice_rows(getattr(state, name), b)
+        changes = {  # a padded row holds no dead slot and no other running array (can_pack)
+            name: _slice_rows(getattr(state, name), b, pad)
             for name in running_fields(state)
             if name not in ("offset", "tokens_seen")
         }
-        if pad:  # a padded row holds no dead slot (see can_pack)
-            slots = changes["slots"]
-            changes["slots"] = KVSlots(
-                slots.keys[:, :, pad:], slots.values[:, :, pad:], slots.positions[:, :, pad:]
-            )
         states.append(replace(state, offset=offset, tokens_seen=seen, **changes))
         log = packed.logs[b]
         if log is not None:
