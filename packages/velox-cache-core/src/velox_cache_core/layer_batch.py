@@ -438,16 +438,14 @@ def _row_stats(row: Layer) -> dict[str, int]:
     """One unpacked row's stats (as ``LayerBatch.row_stats`` gives them)."""
     state = row.view()
     undo = 0 if row.log is None else row.log.nbytes
-    tier = row.tier
+    tier = 0 if row.tier is None else row.tier.nbytes  # the demoted tier (velox_cache_core.demoted)
     stats = {
         "tokens_seen": row.offset,
         "tokens_kept": int(state.tokens_kept),
         "pinned_tokens": seen_pinned(state.pins, row.offset),
-        "kv_bytes": int(state.nbytes),
-        "cache_bytes": int(state.held_nbytes) + undo,
+        "kv_bytes": int(state.nbytes) + tier,
+        "cache_bytes": int(state.held_nbytes) + undo + tier,
     }
-    if tier is not None:  # the demoted tier (velox_cache_core.demoted): its rows and bytes
-        stats["demoted_tokens"] = tier.n_rows
-        stats["kv_bytes"] += tier.nbytes
-        stats["cache_bytes"] += tier.nbytes
+    if row.tier is not None:
+        stats["demoted_tokens"] = row.tier.n_rows
     return stats

@@ -247,8 +247,7 @@ def detach(state: Any) -> Any:
         )
     }
     for name in running_fields(state):
-        value = getattr(state, name)
-        if name not in _COUNTERS and isinstance(value, mx.array):
+        if name not in _COUNTERS and isinstance(value := getattr(state, name), mx.array):
             changes[name] = mx.contiguous(value)
     return replace(state, **changes)
 
