@@ -300,18 +300,6 @@ def record_lanes(
     return _entry(state, call_start, length, inputs, free=free, lane_steps=tuple(steps))
 
 
-def _undo_lanes(state: Any, entry: Entry, previous: Entry | None) -> Any:
-    """The lanes before ``entry``'s tokens: newest first, each token's dead rows back (holding
-    the previous token's victims, when the log still has it: else they stay dead), its scores
-    back."""
-    lanes = state.lanes
-    steps = list(entry.lane_steps)
-    prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
-    for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
-        lanes = unwrite(lanes, step.free, None if before is None else before.victim, step.scores)
-    return replace(state, lanes=lanes, **_running_before([entry], state))
-
-
 def _row_back(entry: Entry, previous: Entry | None) -> KVSlots | None:
     """The row that undoing ``entry`` (a token written over a slot) puts back in that slot:
     the live row it overwrote, else the previous call's victim (``previous``: the entry before
@@ -320,11 +308,18 @@ def _row_back(entry: Entry, previous: Entry | None) -> KVSlots | None:
     return entry.row or (previous.victim if previous is not None else None)
 
 
-def undo(state: Any, entry: Entry, previous: Entry | None = None) -> Any:
+def undo(state: Any, entry: Entry, previous: Entry | None) -> Any:
     """The state before the call ``entry`` recorded, from the state right after it
     (``previous``: the entry before it, whose victim the call may have overwritten)."""
-    if entry.lane_steps:
-        return _undo_lanes(state, entry, previous)
+    if entry.lane_steps:  # newest first, each token's dead rows back (holding the previous
+        # token's victims, when the log still has it: else they stay dead), its scores back
+        lanes = state.lanes
+        steps = list(entry.lane_steps)
+        prior = previous.lane_steps[-1] if previous is not None and previous.lane_steps else None
+        for step, before in reversed(list(zip(steps, [prior, *steps[:-1]], strict=True))):
+            victim = None if before is None else before.victim
+            lanes = unwrite(lanes, step.free, victim, step.scores)
+        return replace(state, lanes=lanes, **_running_before([entry], state))
     kept = state.slots
     assert kept is not None
     if entry.evicted is not None:
