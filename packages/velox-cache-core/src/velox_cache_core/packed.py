@@ -102,11 +102,18 @@ def can_pack(policy: Policy, states: Sequence[Any]) -> bool:
     others = [[getattr(s, name) for s in states] for name in _others(states[0])]
     n, dead = slots[0].n_slots, slots[0].free is None
     if all(s.n_slots == n and (s.free is None) == dead for s in slots):  # laid out alike
-        return all(
-            all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)
-            for values in others
-        )
-    budget = policy.traits.budget(states[0])
+        return all(_alike(values) for values in others)
+    return _can_pad(policy.traits.budget(states[0]), slots, others)
+
+
+def _alike(values: list[Any]) -> bool:
+    """Whether a running field is ``None`` in every row or an array in every row."""
+    return all(v is None for v in values) or all(isinstance(v, mx.array) for v in values)
+
+
+def _can_pad(budget: int | None, slots: list[KVSlots], others: list[list[Any]]) -> bool:
+    """Whether rows laid out differently can pack padded: no dead slot, no other running
+    array, and the longest row's next decode step within the ``budget``."""
     return (
         budget is not None
         and max(s.n_slots for s in slots) + 1 <= budget

@@ -379,14 +379,7 @@ def _undo_steps(state: Any, entries: list[Entry], n: int) -> tuple[Any, int]:
         if row is not None:
             assert slot is not None
             puts.append((slot, row))
-    held: Held = (kept.keys, kept.values, kept.positions)
-    rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
-    plain = all(a.__class__ is mx.array for r in (held, *rows_in) for a in r)
-    if plain and puts:  # one compiled call
-        held = puts_kernel(len(puts))(*held, [slot for slot, _ in puts], rows_in)
-    else:
-        for slot, row in puts:
-            held = _put_row(held, slot, row)
+    held = _put_rows((kept.keys, kept.values, kept.positions), puts)
     undone = entries[-steps:]
     del entries[-steps:]
     # the running fields as they were before the oldest
@@ -407,6 +400,17 @@ def _put_row(held: Held, slot: mx.array, row: KVSlots) -> Held:
         store_rows.put(values, at, row.values),
         mx.put_along_axis(positions, at, row.positions, axis=2),
     )
+
+
+def _put_rows(held: Held, puts: list[tuple[mx.array, KVSlots]]) -> Held:
+    """``held`` with each ``(slot, row)`` of ``puts`` put back in turn (:func:`_put_row`): one
+    compiled call for full-precision rows."""
+    rows_in = [[row.keys, row.values, row.positions] for _, row in puts]
+    if puts and all(a.__class__ is mx.array for r in (held, *rows_in) for a in r):
+        return puts_kernel(len(puts))(*held, [slot for slot, _ in puts], rows_in)
+    for slot, row in puts:
+        held = _put_row(held, slot, row)
+    return held
 
 
 @cache
