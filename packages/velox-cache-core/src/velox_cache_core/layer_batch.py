@@ -407,7 +407,7 @@ class LayerBatch:
         """Row ``idx`` as an independent single-sequence layer whose arrays are its own: a row
         of packed rows would otherwise keep every row's buffers alive (``nbytes`` would then
         under-count what a prompt cache holds)."""
-        (i,) = indices([idx], len(self._rows))
+        i = check_index(idx, len(self._rows), "batch index")
         if self._spans is not None:
             raise ValueError("cannot extract a row in the middle of a call")
         self._unpack()
