@@ -38,6 +38,40 @@ LANES_REFUSED = (
 )
 
 
+def row_index(index: Any) -> tuple[Any, ...]:
+    """The parts of an index into quantized rows (batch, head, row axes); ``ValueError`` when
+    it would reach their features, which are packed."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if len(parts) > 3 or any(p is Ellipsis for p in parts):
+        raise ValueError(
+            "quantized rows (kv_bits) cannot be indexed along their features: the model "
+            "transforms the cached keys or values itself; serve it with kv_bits=None"
+        )
+    return parts
+
+
+def quantized_matmul(rows: Any, x: mx.array, transpose: bool) -> mx.array:
+    """``x [B, H, G, L, *]`` times each head's packed ``rows`` (anything with ``packed``,
+    ``scales``, ``biases``, ``bits`` and ``group_size`` in ``mx.quantize``'s layout)."""
+    return mx.quantized_matmul(
+        x,
+        rows.packed[:, :, None],
+        rows.scales[:, :, None],
+        rows.biases[:, :, None],
+        transpose=transpose,
+        group_size=rows.group_size,
+        bits=rows.bits,
+    )
+
+
+def padded(a: mx.array, n: int, axis: int = 2, at_end: bool = True) -> mx.array:
+    """``a`` with ``n`` zero entries added after (or before) it along ``axis``."""
+    shape = list(a.shape)
+    shape[axis] = n
+    zeros = mx.zeros(shape, dtype=a.dtype)
+    return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=axis)
+
+
 @dataclass(frozen=True, eq=False)
 class KRows:
     """Keys per channel over groups of ``group_size`` tokens plus a full-precision window; the
@@ -132,17 +166,7 @@ class KRows:
             return x @ self.dense()[:, :, None].astype(x.dtype)
         parts = []
         if self.n_quantized:
-            parts.append(
-                mx.quantized_matmul(
-                    x,
-                    self.packed[:, :, None],
-                    self.scales[:, :, None],
-                    self.biases[:, :, None],
-                    transpose=False,
-                    group_size=self.group_size,
-                    bits=self.bits,
-                )
-            )
+            parts.append(quantized_matmul(self, x, transpose=False))
         if self.window.shape[2]:
             parts.append(x @ self.window[:, :, None].swapaxes(-1, -2).astype(x.dtype))
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
@@ -168,13 +192,7 @@ class KRows:
     def __getitem__(self, index: Any) -> KRows:
         """Index the batch, head and row axes (slices on the first two). A view: the physical
         rows are shared, not repacked (a store's first rows over its reserved ones)."""
-        parts = index if isinstance(index, tuple) else (index,)
-        if len(parts) > 3 or any(p is Ellipsis for p in parts):
-            raise ValueError(
-                "quantized rows (kv_bits) cannot be indexed along their features: the model "
-                "transforms the cached keys or values itself; serve it with kv_bits=None"
-            )
-        b, h, r = (*parts, slice(None), slice(None), slice(None))[:3]
+        b, h, r = (*row_index(index), slice(None), slice(None), slice(None))[:3]
         if not isinstance(b, slice) or not isinstance(h, slice):
             raise TypeError("per-channel keys take slices on their batch and head axes")
         where = self.where[b, h, r]
@@ -352,27 +370,21 @@ def join(parts: list[KRows], axis: int) -> KRows:
     # batch rows: every part padded to the same physical rows (zero groups, zero window rows)
     P = max(p.n_quantized for p in parts)
     W = max(int(p.window.shape[2]) for p in parts)
-    padded = []
+    grown = []
     for p in parts:
         nq, nw = p.n_quantized, int(p.window.shape[2])
-        words = (P - nq) * p.bits // 32
-
-        def grow(a: mx.array, n: int, axis: int) -> mx.array:
-            shape = list(a.shape)
-            shape[axis] = n
-            return mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
-
-        padded.append(
-            KRows(
-                grow(p.packed, words, 3),
-                grow(p.scales, (P - nq) // p.group_size, 3),
-                grow(p.biases, (P - nq) // p.group_size, 3),
-                grow(p.window, W - nw, 2),
-                mx.where(p.where < nq, p.where, p.where - nq + P),
-                p.bits,
-                p.group_size,
+        groups = (P - nq) // p.group_size
+        grown.append(
+            p.rebuilt(
+                [
+                    padded(p.packed, (P - nq) * p.bits // 32, 3),
+                    padded(p.scales, groups, 3),
+                    padded(p.biases, groups, 3),
+                    padded(p.window, W - nw),
+                    mx.where(p.where < nq, p.where, p.where - nq + P),
+                ]
             )
         )
-    return padded[0].rebuilt(
-        [mx.concatenate(list(a), axis=0) for a in zip(*(p.arrays() for p in padded), strict=True)]
+    return grown[0].rebuilt(
+        [mx.concatenate(list(a), axis=0) for a in zip(*(p.arrays() for p in grown), strict=True)]
     )

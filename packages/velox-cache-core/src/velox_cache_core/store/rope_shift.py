@@ -36,7 +36,7 @@ Nothing here imports the rest of the core but the store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -85,24 +85,21 @@ def rotate(x: mx.array, shift: int | mx.array, rope: Rope) -> mx.array:
     B, H, n, D = x.shape
     if rope.dims > D:
         raise ValueError(f"rope.dims must be <= the head dim {D}, got {rope.dims}")
+    offset: int | mx.array
     if isinstance(shift, int) and not isinstance(shift, bool):
-        if shift == 0 or n == 0:
-            return x
-        offset: int | mx.array = -shift
-        rows = x.reshape(B * H * n, 1, D)
+        offset = -shift
     elif isinstance(shift, mx.array):
         if tuple(shift.shape) != (B, H, n):
             raise ValueError(f"shift must be an int or [B, H, n] = {(B, H, n)}, got {shift.shape}")
         if not mx.issubdtype(shift.dtype, mx.integer):
             raise TypeError(f"shift must hold integers, got {shift.dtype}")
-        if n == 0:
-            return x
         offset = -shift.reshape(-1).astype(mx.int32)
-        rows = x.reshape(B * H * n, 1, D)
     else:
         raise TypeError(f"shift must be an int or an mx.array, got {type(shift).__name__}")
+    if n == 0 or (isinstance(offset, int) and offset == 0):
+        return x
     out = mx.fast.rope(
-        rows.astype(mx.float32),
+        x.reshape(B * H * n, 1, D).astype(mx.float32),
         rope.dims,
         traditional=rope.traditional,
         base=float(rope.base),
@@ -131,14 +128,6 @@ def rotate_tier(tier: Tier, shift: mx.array, rope: Rope) -> Tier:
     keys = rotate(tier.keys.dense(), shift, rope)
     rotated = KRows.from_dense(keys, tier.keys.bits, tier.keys.group_size, window=True)
     return replace(tier, keys=rotated.settled())
-
-
-def live_rows(slots: KVSlots) -> mx.array:
-    """bool ``[B, H, S]``: slots holding a kept row (all but each row's dead ``free`` slot)."""
-    B, H, S = slots.positions.shape
-    if slots.free is None:
-        return mx.ones((B, H, S), dtype=mx.bool_)
-    return mx.arange(S)[None, None, :] != slots.free[:, :, None]
 
 
 def compacted(
@@ -252,14 +241,18 @@ class Compaction:
         delta = self.offset(token_offset) - self.top
         if delta <= 0:  # nothing to close (cannot happen when needs_shift held)
             return slots, tier, self, 0
+        after = replace(self, lag=self.lag + delta, shifted_at=token_offset, shifts=self.shifts + 1)
         if slots is None or slots.positions.shape[-1] == 0:
-            after = replace(self, lag=self.lag + delta, shifted_at=token_offset)
-            return slots, tier, replace(after, shifts=self.shifts + 1), delta
+            return slots, tier, after, delta
         positions = slots.positions
-        live = live_rows(slots)
+        S = int(positions.shape[-1])
+        live = (  # bool [B, H, S]: every slot but each row's dead one
+            mx.ones(positions.shape, dtype=mx.bool_)
+            if slots.free is None
+            else mx.arange(S)[None, None, :] != slots.free[:, :, None]
+        )
         kept = None if fixed is None else fixed(positions)
         anchors = mx.where(live, positions, -1).astype(mx.int32)
-        S = int(positions.shape[-1])
         moving = tier if tier is not None and tier.n_rows else None
         if moving is not None:  # ranked together, in token order
             none = mx.zeros(moving.positions.shape, dtype=mx.bool_)
@@ -277,35 +270,15 @@ class Compaction:
         )
         if moving is not None:
             tier = rotate_tier(moving, moves[..., S:], self.rope)
-        after = Compaction(
-            context=self.context,
-            rope=self.rope,
-            top=self.top,
-            n_sink=self.n_sink,
-            lag=self.lag + delta,
-            shifted_at=token_offset,
-            shifts=self.shifts + 1,
-            anchor_positions=anchors,
-            anchor_ropes=new,
-        )
-        return shifted, tier, after, delta
+        return shifted, tier, replace(after, anchor_positions=anchors, anchor_ropes=new), delta
 
     # -- saving ------------------------------------------------------------------------------
     def scalars(self) -> dict[str, Any]:
         """The JSON-ready fields (the anchors are arrays: :meth:`arrays`)."""
         return {
-            "context": self.context,
-            "rope": {
-                "dims": self.rope.dims,
-                "base": self.rope.base,
-                "traditional": self.rope.traditional,
-                "scale": self.rope.scale,
-            },
-            "top": self.top,
-            "n_sink": self.n_sink,
-            "lag": self.lag,
-            "shifted_at": self.shifted_at,
-            "shifts": self.shifts,
+            f.name: asdict(self.rope) if f.name == "rope" else getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in self.ARRAYS
         }
 
     def arrays(self) -> dict[str, mx.array | None]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, Union
 
 import mlx.core as mx
 
-from velox_cache_core.store.channel_keys import KRows, join
+from velox_cache_core.store.channel_keys import KRows, join, padded
 from velox_cache_core.store.token_rows import QRows, Quant
 
 
@@ -124,13 +124,9 @@ def concat(parts: Sequence[Rows], axis: int) -> Rows:
         return join(list(parts), axis)  # type: ignore[arg-type]
     if isinstance(first, QRows):
         qs = [_same_format(first, p) for p in parts]
-        return QRows(
-            mx.concatenate([q.packed for q in qs], axis=axis),
-            mx.concatenate([q.scales for q in qs], axis=axis),
-            mx.concatenate([q.biases for q in qs], axis=axis),
-            first.bits,
-            first.group_size,
-        )
+        arrays = zip(*(q.arrays() for q in qs), strict=True)
+        packed, scales, biases = (mx.concatenate(list(a), axis=axis) for a in arrays)
+        return QRows(packed, scales, biases, first.bits, first.group_size)
     if any(isinstance(p, QUANTIZED) for p in parts):
         raise TypeError("cannot join quantized and full-precision rows")
     return mx.concatenate(list(parts), axis=axis)  # type: ignore[arg-type]
@@ -174,11 +170,7 @@ def put(rows: Rows, row: mx.array, new: Rows) -> Rows:
 
 def pad(rows: Rows, n: int, at_end: bool = True) -> Rows:
     """``rows`` with ``n`` zero rows added after (or before) them."""
-    if isinstance(rows, QUANTIZED):
-        return rows.pad(n, at_end)
-    B, H, _, W = rows.shape
-    zeros = mx.zeros((B, H, n, W), dtype=rows.dtype)
-    return mx.concatenate([rows, zeros] if at_end else [zeros, rows], axis=2)
+    return rows.pad(n, at_end) if isinstance(rows, QUANTIZED) else padded(rows, n, 2, at_end)
 
 
 def tie(rows: Rows, others: list[mx.array]) -> Rows:

@@ -160,27 +160,26 @@ class KVSlots:
         n = self.n_slots + L
         if room is not None and n <= room.rows:
             at = mx.array([self.n_slots])
+
+            def put(a: mx.array, b: mx.array) -> mx.array:
+                return mx.slice_update(a, b, at, (2,))
+
             room = Reserve(
-                store_rows.write(room.keys, keys, lambda a, b: mx.slice_update(a, b, at, (2,))),
-                store_rows.write(room.values, values, lambda a, b: mx.slice_update(a, b, at, (2,))),
-                mx.slice_update(room.positions, positions, at, (2,)),
+                store_rows.write(room.keys, keys, put),
+                store_rows.write(room.values, values, put),
+                put(room.positions, positions),
                 room.view,
             )
             return _view(room, n)
         live = self.compact()
+        keys = store_rows.concat([live.keys, keys], axis=2)
+        values = store_rows.concat([live.values, values], axis=2)
+        room_rows = [mx.zeros((B, H, reserve), dtype=mx.int32)] if reserve > 0 else []
+        positions = mx.concatenate([live.positions, positions, *room_rows], axis=2)
         if reserve <= 0:
-            return KVSlots(
-                keys=store_rows.concat([live.keys, keys], axis=2),
-                values=store_rows.concat([live.values, values], axis=2),
-                positions=mx.concatenate([live.positions, positions], axis=2),
-            )
+            return KVSlots(keys, values, positions)
         room = Reserve(
-            store_rows.pad(store_rows.concat([live.keys, keys], axis=2), reserve),
-            store_rows.pad(store_rows.concat([live.values, values], axis=2), reserve),
-            mx.concatenate(
-                [live.positions, positions, mx.zeros((B, H, reserve), dtype=mx.int32)], axis=2
-            ),
-            live.keys,
+            store_rows.pad(keys, reserve), store_rows.pad(values, reserve), positions, live.keys
         )
         return _view(room, n)
 

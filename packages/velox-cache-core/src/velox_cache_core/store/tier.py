@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from velox_cache_core.store import rows
 from velox_cache_core.store.channel_keys import KRows
-from velox_cache_core.store.token_rows import GROUP_SIZES, QRows, Quant
+from velox_cache_core.store.token_rows import GROUP_SIZES, QRows, Quant, check_member
 from velox_cache_core.validation import check_int
 
 TIER_BITS = (2, 4)
@@ -42,12 +42,7 @@ class TierSpec:
     scoring: str = "weights"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"demote_bits must be an int, got {type(self.bits).__name__}")
-        if self.bits not in TIER_BITS:
-            raise ValueError(
-                f"demote_bits must be one of {', '.join(map(str, TIER_BITS))}, got {self.bits}"
-            )
+        check_member("demote_bits", self.bits, TIER_BITS)
         check_int("demote_budget", self.budget, minimum=1)
         if self.group_size not in GROUP_SIZES:
             choices = ", ".join(map(str, GROUP_SIZES))

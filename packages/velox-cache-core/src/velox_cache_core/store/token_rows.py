@@ -24,11 +24,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.store.channel_keys import KRows
+from velox_cache_core.store.channel_keys import KRows, padded, quantized_matmul, row_index
 
 BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize accepts (mlx 0.32)
 GROUP_SIZES = (32, 64, 128)
 KEY_LAYOUTS = ("token", "channel")
+
+
+def check_member(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """``value`` must be one of ``choices`` (``ValueError``), and an int (not a bool) where
+    they are ints (``TypeError``)."""
+    if isinstance(choices[0], int) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -44,19 +53,9 @@ class Quant:
     keys: str = "token"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"kv_bits must be an int, got {type(self.bits).__name__}")
-        if self.bits not in BITS:
-            raise ValueError(f"kv_bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
-        group = self.group_size
-        if isinstance(group, bool) or not isinstance(group, int):
-            raise TypeError(f"kv_group_size must be an int, got {type(group).__name__}")
-        if group not in GROUP_SIZES:
-            choices = ", ".join(map(str, GROUP_SIZES))
-            raise ValueError(f"kv_group_size must be one of {choices}, got {group}")
-        if self.keys not in KEY_LAYOUTS:
-            choices = ", ".join(repr(k) for k in KEY_LAYOUTS)
-            raise ValueError(f"kv_key_layout must be one of {choices}, got {self.keys!r}")
+        check_member("kv_bits", self.bits, BITS)
+        check_member("kv_group_size", self.group_size, GROUP_SIZES)
+        check_member("kv_key_layout", self.keys, KEY_LAYOUTS)
 
     def check_width(self, width: int, what: str = "head_dim", off: str = "kv_bits") -> None:
         """``ValueError`` unless rows ``width`` features wide can be quantized in groups
@@ -142,12 +141,7 @@ class QRows:
 
     def __getitem__(self, index: Any) -> QRows:
         """Index the batch, head and row axes (the feature axis is packed: it cannot be)."""
-        parts = index if isinstance(index, tuple) else (index,)
-        if len(parts) > 3 or any(p is Ellipsis for p in parts):
-            raise ValueError(
-                "quantized rows (kv_bits) cannot be indexed along their features: the model "
-                "transforms the cached keys or values itself; serve it with kv_bits=None"
-            )
+        row_index(index)
         return self.map(lambda a: a[index])
 
     def write(self, new: QRows, fn: Callable[[mx.array, mx.array], mx.array]) -> QRows:
@@ -159,13 +153,7 @@ class QRows:
 
     def pad(self, n: int, at_end: bool) -> QRows:
         """``n`` zero rows added after (or before) the rows, in each of the three arrays."""
-
-        def grow(a: mx.array) -> mx.array:
-            B, H, _, W = a.shape
-            zeros = mx.zeros((B, H, n, W), dtype=a.dtype)
-            return mx.concatenate([a, zeros] if at_end else [zeros, a], axis=2)
-
-        return self.map(grow)
+        return self.map(lambda a: padded(a, n, 2, at_end))
 
     def tie(self, others: list[mx.array]) -> QRows:
         """The same rows, evaluated only after ``others`` (``mx.depends`` on each array)."""
@@ -180,15 +168,7 @@ class QRows:
     def matmul(self, x: mx.array, transpose: bool) -> mx.array:
         """``x [B, H, G, L, *]`` times each head's rows, read packed (``mx.quantized_matmul``):
         ``x @ rows^T`` (``transpose``: ``[B, H, G, L, S]``) or ``x @ rows`` (``[..., D]``)."""
-        return mx.quantized_matmul(
-            x,
-            self.packed[:, :, None],
-            self.scales[:, :, None],
-            self.biases[:, :, None],
-            transpose=transpose,
-            group_size=self.group_size,
-            bits=self.bits,
-        )
+        return quantized_matmul(self, x, transpose)
 
     def dense(self) -> mx.array:
         """The rows dequantized: ``[B, H, S, D]`` in :attr:`dtype` (what attention sees)."""
