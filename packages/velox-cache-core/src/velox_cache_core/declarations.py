@@ -197,7 +197,7 @@ class PolicyState:
             total += int(self.lanes.positions.nbytes) + int(self.lanes.owner.nbytes)
         for name in running_fields(self):
             if name not in ("slots", "lanes"):
-                total += arrays_nbytes(getattr(self, name))
+                total += sum(int(a.nbytes) for a in arrays_in(getattr(self, name)))
         return total
 
     @property
@@ -219,11 +219,6 @@ def arrays_in(value: Any) -> list[mx.array]:
     if isinstance(value, dict):
         return [a for v in value.values() for a in arrays_in(v)]
     return []
-
-
-def arrays_nbytes(value: Any) -> int:
-    """Bytes of every array in ``value`` (:func:`arrays_in`)."""
-    return sum(int(a.nbytes) for a in arrays_in(value))
 
 
 # -- settings --------------------------------------------------------------------------------
@@ -295,7 +290,7 @@ def policy_settings(init: Callable[..., Any], help: Mapping[str, str]) -> tuple[
     """Every setting ``init`` takes (``preset`` excepted), with ``help`` lines attached (the
     policy's own, else :data:`COMMON_HELP`'s)."""
     return tuple(
-        Setting(s.name, s.kind, s.default, s.choices, help.get(s.name, COMMON_HELP.get(s.name, "")))
+        dataclasses.replace(s, help=help.get(s.name, COMMON_HELP.get(s.name, "")))
         for s in _settings(init)
     )
 
@@ -304,34 +299,6 @@ def policy_settings(init: Callable[..., Any], help: Mapping[str, str]) -> tuple[
 
 Signal = Literal["query", "key"]
 Prefill = Literal["sequential", "oneshot"]
-
-
-def _no_signal(state: Any) -> Signal | None:
-    return None
-
-
-def _layer_scope(state: Any) -> Scope:
-    return "layer"
-
-
-def _no_prefill(state: Any) -> Prefill | None:
-    return None
-
-
-def _no_budget(state: Any) -> int | None:
-    return None
-
-
-def _no_hidden_rows(state: Any) -> bool:
-    return False
-
-
-def _none_reserved(state: Any) -> int:
-    return 0
-
-
-def _no_sinks(state: Any) -> int:
-    return 0
 
 
 @dataclass(frozen=True)
@@ -353,13 +320,13 @@ class Traits:
     leave a row to evict (:mod:`velox_cache_core.pins`).
     """
 
-    signal: Callable[[Any], Signal | None] = _no_signal
-    scope: Callable[[Any], Scope] = _layer_scope
-    prefill: Callable[[Any], Prefill | None] = _no_prefill
-    budget: Callable[[Any], int | None] = _no_budget
-    hides_rows: Callable[[Any], bool] = _no_hidden_rows
-    n_sink: Callable[[Any], int] = _no_sinks
-    reserved: Callable[[Any], int] = _none_reserved
+    signal: Callable[[Any], Signal | None] = lambda state: None
+    scope: Callable[[Any], Scope] = lambda state: "layer"
+    prefill: Callable[[Any], Prefill | None] = lambda state: None
+    budget: Callable[[Any], int | None] = lambda state: None
+    hides_rows: Callable[[Any], bool] = lambda state: False
+    n_sink: Callable[[Any], int] = lambda state: 0
+    reserved: Callable[[Any], int] = lambda state: 0
 
 
 def read_settings(*names: str, **others: Callable[[Any], Any]) -> Traits:

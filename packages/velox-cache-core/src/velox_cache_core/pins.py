@@ -56,12 +56,6 @@ def count(found: list[tuple[int, int]], n_sink: int = 0) -> int:
     return sum(max(0, b - max(a, n_sink)) for a, b in merged(found))
 
 
-def as_array(found: list[tuple[int, int]], batch: int) -> mx.array:
-    """int32 ``[batch, MAX_SPANS, 2]``: the spans in every row, padded with ``[0, 0)``."""
-    padded = [*found, *([(0, 0)] * (MAX_SPANS - len(found)))]
-    return mx.broadcast_to(mx.array(padded, dtype=mx.int32)[None], (batch, MAX_SPANS, 2))
-
-
 def seen_pinned(pins: mx.array | None, offset: int, row: int = 0) -> int:
     """Tokens of row ``row``'s pinned spans among its first ``offset`` (all of them kept)."""
     if pins is None:
@@ -80,21 +74,16 @@ def pin_room(policy: Policy, state: Any) -> int | None:
     return budget - 1 - policy.traits.n_sink(state) - policy.traits.reserved(state)
 
 
-def check_span(start: Any, stop: Any) -> None:
-    """``start``/``stop``: ints with ``0 <= start < stop``."""
-    check_int("start", start, minimum=0)
-    check_int("stop", stop, minimum=1)
-    if stop <= start:
-        raise ValueError(f"stop must be > start ({start}), got {stop}")
-
-
 def pin(policy: Policy, state: Any, start: int, stop: int) -> Any:
     """``state`` with tokens ``[start, stop)`` pinned in every row (joined with its spans).
 
     ``ValueError`` (and ``state`` unchanged) when the spans would not fit the policy's budget,
     exceed :data:`MAX_SPANS`, or cover a token already evicted from some head.
     """
-    check_span(start, stop)
+    check_int("start", start, minimum=0)
+    check_int("stop", stop, minimum=1)
+    if stop <= start:
+        raise ValueError(f"stop must be > start ({start}), got {stop}")
     found = merged([*spans(state.pins), (start, stop)])
     if len(found) > MAX_SPANS:
         raise ValueError(
@@ -104,7 +93,9 @@ def pin(policy: Policy, state: Any, start: int, stop: int) -> Any:
     _check_fits(policy, state, found, start, stop)
     _check_present(policy, state, start, stop)
     batch = 1 if state.slots is None else int(state.slots.positions.shape[0])
-    return replace(state, pins=as_array(found, batch))
+    padded = [*found, *([(0, 0)] * (MAX_SPANS - len(found)))]  # int32 [batch, MAX_SPANS, 2]
+    pins = mx.broadcast_to(mx.array(padded, dtype=mx.int32)[None], (batch, MAX_SPANS, 2))
+    return replace(state, pins=pins)
 
 
 def _check_fits(
@@ -132,8 +123,7 @@ def _check_present(policy: Policy, state: Any, start: int, stop: int) -> None:
     seen = min(stop, int(state.offset))
     if state.slots is None or seen <= start:
         return
-    live = state._live()
-    positions = live.positions
+    positions = state._live().positions
     inside = (positions >= start) & (positions < seen) & (positions < PAD)
     least = int(inside.astype(mx.int32).sum(axis=-1).min().item())
     if least < seen - start:

@@ -138,10 +138,7 @@ class Policy:
         ``ValueError`` when the log holds fewer (see :mod:`velox_cache_core.undo`). The re-fed
         calls decide as :meth:`update`'s (under tensor parallelism, within
         :func:`velox_cache_core.distributed.summing_over`)."""
-        if not isinstance(state, self.state_type):
-            raise TypeError(
-                f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
-            )
+        self._check_state(state)
         if not isinstance(log, UndoLog):
             raise TypeError(f"log must be an UndoLog, got {type(log).__name__}")
 
@@ -152,6 +149,12 @@ class Policy:
             return step.state, step.log
 
         return undo.trim(state, log, n, feed)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, self.state_type):
+            raise TypeError(
+                f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
+            )
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -167,10 +170,6 @@ class Policy:
     def setting_names(self) -> tuple[str, ...]:
         """``init``'s keyword arguments a user sets (``preset`` is chosen by the method)."""
         return tuple(s.name for s in self.settings)
-
-    def defaults(self) -> dict[str, Any]:
-        """``init``'s default for every setting (``None`` where the method/preset decides)."""
-        return {s.name: s.default for s in self.settings}
 
     def rebudget(self, state: Any, budget: int | None) -> Any:
         """``state`` with another ``budget`` (validated like a new state); unchanged for
@@ -188,10 +187,7 @@ class Policy:
 
     def end_prompt(self, state: Any) -> Any:
         """The state after the prompt ends (unchanged for policies without a prompt-end step)."""
-        if not isinstance(state, self.state_type):
-            raise TypeError(
-                f"state must be a {self.state_type.__name__}, got {type(state).__name__}"
-            )
+        self._check_state(state)
         return state if self.prompt_end is None else self.prompt_end(state)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from velox_cache_core.store.rows import QUANTIZED, quant_of
+from velox_cache_core.store.token_rows import check_member
 
 if TYPE_CHECKING:
     from velox_cache_core.store.slots import KVSlots
@@ -24,9 +25,7 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
 
 
 def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    check_member(name, value, tuple(choices))
     return str(value)
 
 
@@ -126,13 +125,9 @@ def require_finite(**arrays: Any) -> None:
     """Raise if any given array (or quantized rows' scales and biases) has NaN or inf
     (forces evaluation: boundary use only)."""
     for name, given in arrays.items():
-        parts = (
-            []
-            if given is None
-            else given.arrays()[1:4]
-            if isinstance(given, QUANTIZED)
-            else [given]
-        )
+        if given is None:
+            continue
+        parts = given.arrays()[1:4] if isinstance(given, QUANTIZED) else [given]
         if any(x.size and not mx.isfinite(x).all().item() for x in parts):
             raise ValueError(f"{name} contains NaN or inf")
 
