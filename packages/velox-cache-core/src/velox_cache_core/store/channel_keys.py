@@ -198,15 +198,7 @@ class KRows:
         where = self.where[b, h, r]
         if where.ndim != 3:
             raise TypeError("per-channel keys take a slice or an index array on their rows")
-        return KRows(
-            self.packed[b, h],
-            self.scales[b, h],
-            self.biases[b, h],
-            self.window[b, h],
-            where,
-            self.bits,
-            self.group_size,
-        )
+        return self.rebuilt([*(a[b, h] for a in self.arrays()[:4]), where])
 
     def tie(self, others: list[mx.array]) -> KRows:
         """The same rows, evaluated only after ``others``."""

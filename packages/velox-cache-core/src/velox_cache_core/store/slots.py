@@ -164,13 +164,12 @@ class KVSlots:
             def put(a: mx.array, b: mx.array) -> mx.array:
                 return mx.slice_update(a, b, at, (2,))
 
-            room = Reserve(
+            return KVSlots.in_reserve(
                 store_rows.write(room.keys, keys, put),
                 store_rows.write(room.values, values, put),
                 put(room.positions, positions),
-                room.view,
+                n,
             )
-            return _view(room, n)
         live = self.compact()
         keys = store_rows.concat([live.keys, keys], axis=2)
         values = store_rows.concat([live.values, values], axis=2)
@@ -178,16 +177,17 @@ class KVSlots:
         positions = mx.concatenate([live.positions, positions, *room_rows], axis=2)
         if reserve <= 0:
             return KVSlots(keys, values, positions)
-        room = Reserve(
-            store_rows.pad(keys, reserve), store_rows.pad(values, reserve), positions, live.keys
+        return KVSlots.in_reserve(
+            store_rows.pad(keys, reserve), store_rows.pad(values, reserve), positions, n
         )
-        return _view(room, n)
 
     @classmethod
     def in_reserve(cls, keys: Rows, values: Rows, positions: mx.array, n: int) -> KVSlots:
         """The store of the first ``n`` rows of these buffers (``[B, H_kv, R, *]``), owning
         them: appends write into the rows after them in place."""
-        return _view(Reserve(keys, values, positions, keys), n)
+        view = keys[:, :, :n]
+        reserve = Reserve(keys, values, positions, view)
+        return cls(view, values[:, :, :n], positions[:, :, :n], None, reserve)
 
     def write_free(self, keys: Rows, values: Rows, position: int | mx.array) -> KVSlots:
         """Write one new token (keys ``[B, H_kv, 1, D]``, values ``[B, H_kv, 1, D_v]``) into the
@@ -213,10 +213,3 @@ class KVSlots:
         B, H = self.positions.shape[:2]
         free = mx.broadcast_to(free.astype(mx.int32), (B, H))
         return KVSlots(self.keys, self.values, self.positions, free)
-
-
-def _view(room: Reserve, n: int) -> KVSlots:
-    """The store of the first ``n`` rows of ``room``'s buffers, owning them."""
-    keys = room.keys[:, :, :n]
-    owned = Reserve(room.keys, room.values, room.positions, keys)  # cheaper than replace()
-    return KVSlots(keys, room.values[:, :, :n], room.positions[:, :, :n], None, owned)
