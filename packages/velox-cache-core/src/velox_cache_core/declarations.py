@@ -332,7 +332,7 @@ class Traits:
 def read_settings(*names: str, **others: Callable[[Any], Any]) -> Traits:
     """Traits answered by the state's settings of the same names (``"signal"``, ``"scope"``,
     ``"prefill"``, ``"budget"``, ``"n_sink"``), plus ``others`` given as functions of the state."""
-    known = {"signal", "scope", "prefill", "budget", "hides_rows", "n_sink", "reserved"}
+    known = {f.name for f in dataclasses.fields(Traits)}
     unknown = sorted((set(names) | set(others)) - known)
     if unknown:
         raise ValueError(f"traits must be among {sorted(known)}, got {unknown}")
