@@ -29,29 +29,27 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     return str(value)
 
 
-def check_budget_and_sinks(budget: Any, n_sink: Any, *, prefix: str = "") -> None:
+def check_budget_and_sinks(budget: Any, n_sink: Any) -> None:
     """``budget >= 1``; ``0 <= n_sink < budget``."""
-    check_int(f"{prefix}budget", budget, minimum=1)
-    check_int(f"{prefix}n_sink", n_sink, minimum=0)
+    check_int("budget", budget, minimum=1)
+    check_int("n_sink", n_sink, minimum=0)
     if n_sink and n_sink >= budget:
         raise ValueError(
-            f"{prefix}n_sink must be < {prefix}budget ({budget}) so that a token can be evicted, "
-            f"got {n_sink}"
+            f"n_sink must be < budget ({budget}) so that a token can be evicted, got {n_sink}"
         )
 
 
-def check_tensor(name: str, x: Any, *, ndim: int, layout: str) -> Any:
-    """An ``mx.array`` of ``ndim`` axes and a floating dtype, or quantized rows
-    (:class:`~velox_cache_core.store.token_rows.QRows`, 4 axes) where ``ndim`` is 4."""
-    if isinstance(x, QUANTIZED) and ndim == 4:
-        return x
+def check_tensor(name: str, x: Any, layout: str) -> None:
+    """An ``mx.array`` of 4 axes (``layout``) and a floating dtype, or quantized rows
+    (:data:`~velox_cache_core.store.rows.QUANTIZED`)."""
+    if isinstance(x, QUANTIZED):
+        return
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array {layout}, got {type(x).__name__}")
-    if x.ndim != ndim:
+    if x.ndim != 4:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
     if not mx.issubdtype(x.dtype, mx.floating):
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-    return x
 
 
 def check_kv(
@@ -65,8 +63,8 @@ def check_kv(
     """keys ``[B, H_kv, L, D]`` and values ``[B, H_kv, L, D_v]``, one dtype; ``expect`` =
     (B, H_kv, D) and ``value_dim`` = D_v, fixed by the state. Values may be narrower or wider
     than keys (latent attention caches a latent and a RoPE part of different widths)."""
-    check_tensor("keys", keys, ndim=4, layout="[B, H_kv, L, D]")
-    check_tensor("values", values, ndim=4, layout="[B, H_kv, L, D_v]")
+    check_tensor("keys", keys, "[B, H_kv, L, D]")
+    check_tensor("values", values, "[B, H_kv, L, D_v]")
     if keys.shape[:3] != values.shape[:3]:
         raise ValueError(
             f"values must be [B, H_kv, L, D_v] with the B, H_kv, L of keys {tuple(keys.shape)}, "
@@ -98,7 +96,7 @@ def check_kv(
 
 def check_queries(queries: Any, keys: Any) -> mx.array:
     """queries ``[B, H_q, L, D]`` matching keys ``[B, H_kv, L, D]`` with ``H_q % H_kv == 0``."""
-    check_tensor("queries", queries, ndim=4, layout="[B, H_q, L, D]")
+    check_tensor("queries", queries, "[B, H_q, L, D]")
     B, H_kv, L, D = keys.shape
     qB, H_q, qL, qD = queries.shape
     if (qB, qL, qD) != (B, L, D):
