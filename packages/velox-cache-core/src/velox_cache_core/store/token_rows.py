@@ -34,11 +34,8 @@ KEY_LAYOUTS = ("token", "channel")
 def check_member(name: str, value: Any, choices: tuple[Any, ...]) -> None:
     """``value`` must be one of ``choices`` (``ValueError``), and an int (not a bool) where
     they are ints (``TypeError``)."""
-    if (
-        choices
-        and isinstance(choices[0], int)
-        and (isinstance(value, bool) or not isinstance(value, int))
-    ):
+    ints = bool(choices) and isinstance(choices[0], int)
+    if ints and (isinstance(value, bool) or not isinstance(value, int)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
