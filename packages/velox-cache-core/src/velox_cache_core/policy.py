@@ -224,7 +224,7 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-_HINTS: dict[str, Any] = {}
+_HINTS: dict[str, Any] = typing.get_type_hints(Policy)
 
 
 def check(policy: Any) -> None:
@@ -233,8 +233,6 @@ def check(policy: Any) -> None:
     another (a capability that needs one the record does not declare)."""
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(Policy))
     for f in fields(Policy):
         value = getattr(policy, f.name)
         if not _matches(value, _HINTS[f.name]):
