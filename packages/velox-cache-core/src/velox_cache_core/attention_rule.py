@@ -49,24 +49,32 @@ class Rule:
         return out
 
 
-def _rows(history: History | None, probe: mx.array, call: Call) -> tuple[mx.array, mx.array]:
-    if history is None:
-        return probe, call.positions()
-    return (
-        mx.concatenate([history.probes, probe], axis=2),
-        mx.concatenate([history.positions, call.positions()]),
-    )
+def _probe_logits(
+    rule: Rule, call: Call, candidates: KVSlots, history: History | None, last: int = 0
+) -> tuple[mx.array, mx.array]:
+    """(logits ``[B, G, H_d, R, n]`` of the probe rows over the candidates, their positions
+    ``[R]``): ``history``'s rows, then the call's (the ``last`` ones only when given)."""
+    rows, row_positions = call.probe(rule.signal), call.positions()
+    if history is not None:
+        rows = mx.concatenate([history.probes, rows], axis=2)
+        row_positions = mx.concatenate([history.positions, row_positions])
+    if last:
+        rows, row_positions = rows[:, :, -last:], row_positions[-last:]
+    return grouped_logits(rows, candidates.keys, call.scale, rule.scope), row_positions
 
 
 def _fused_weights(
-    logits: mx.array, positions: mx.array, row_positions: mx.array, fusion: str, scope: Scope
-) -> mx.array:
-    """``[B, G, H_d, R, n]`` logits of rows that all see every candidate they precede ->
-    fused ``[B, G, n]`` weights (heads averaged by :func:`decision_mean`)."""
+    rule: Rule, logits: mx.array, positions: mx.array, row_positions: mx.array
+) -> tuple[mx.array, mx.array]:
+    """``[B, G, H_d, R, n]`` logits of probe rows at ``row_positions`` -> (fused ``[B, G, n]``
+    weights, heads averaged by :func:`decision_mean`; per-row weights ``[B, G, H_d, R, n]``).
+    Earlier rows (MorphKV) do not see the candidates that came after them."""
     if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA exactly)
-        return decision_mean(softmax(logits.astype(mx.float32)), 2, scope)[:, :, 0]
+        row_weights = softmax(logits.astype(mx.float32))
+        return decision_mean(row_weights, 2, rule.scope)[:, :, 0], row_weights
     visible = row_visibility(positions, row_positions)[:, :, None]
-    return fuse_rows(decision_mean(masked_softmax(logits, visible), 2, scope), fusion)
+    row_weights = masked_softmax(logits, visible)
+    return fuse_rows(decision_mean(row_weights, 2, rule.scope), rule.fusion), row_weights
 
 
 def align_scores(scores: mx.array, slots: KVSlots, groups: int, new: int) -> mx.array:
@@ -106,22 +114,6 @@ def decide_by_weights(
     return _decide_oneshot(rule, call, candidates, history, scores)
 
 
-def _step_weights(
-    rule: Rule, call: Call, candidates: KVSlots, history: History | None
-) -> tuple[mx.array, mx.array]:
-    """A decode step's (weights ``[B, G, n]``, per-row weights ``[B, G, H_d, R, n]``)."""
-    rows, row_positions = _rows(history, call.probe(rule.signal), call)
-    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-    if logits.shape[3] == 1:  # one row sees every candidate: plain softmax (TOVA)
-        row_weights = softmax(logits.astype(mx.float32))
-        return decision_mean(row_weights, 2, rule.scope)[:, :, 0], row_weights
-    # earlier rows (MorphKV) do not see the candidates that came after them
-    positions = candidates.positions[:, : rule.groups(call.shape[1])]
-    visible = row_visibility(positions, row_positions)[:, :, None]
-    row_weights = masked_softmax(logits, visible)
-    return fuse_rows(decision_mean(row_weights, 2, rule.scope), rule.fusion), row_weights
-
-
 def _decide_step(
     rule: Rule,
     call: Call,
@@ -134,7 +126,9 @@ def _decide_step(
     evict = n > rule.budget
     if not evict and scores is None:
         return Decision(candidates), scores
-    weights, row_weights = _step_weights(rule, call, candidates, history)
+    positions = candidates.positions[:, : rule.groups(call.shape[1])]
+    logits, row_positions = _probe_logits(rule, call, candidates, history)
+    weights, row_weights = _fused_weights(rule, logits, positions, row_positions)
     probs = None
     if rule.signal == "query":
         # The newest row is the model's own query, which sees every candidate: its softmax is
@@ -145,10 +139,18 @@ def _decide_step(
         scores = weights = scores + weights
     kept = candidates
     if evict:
-        positions = candidates.positions[:, : rule.groups(call.shape[1])]
         excluded = rule.protected(positions, call.newest())
         kept = candidates.with_free(lowest_weight(weights, positions, excluded))
     return Decision(kept, probs=probs), scores
+
+
+def _keep(
+    candidates: KVSlots, keep: mx.array, scores: mx.array | None
+) -> tuple[KVSlots, mx.array | None]:
+    """The candidates at indices ``keep`` ``[B, G, budget]``, with their running scores."""
+    if scores is not None:
+        scores = mx.take_along_axis(scores, keep, axis=-1)
+    return candidates.take(keep), scores
 
 
 def _decide_sequential(
@@ -161,8 +163,7 @@ def _decide_sequential(
     """A chunk decided token by token, as if fed one at a time (masks say who saw whom)."""
     L, n = call.length, candidates.n_slots
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
-    rows, row_positions = _rows(history, call.probe(rule.signal), call)
-    logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
+    logits, row_positions = _probe_logits(rule, call, candidates, history)
     evict_step, scores = eviction_steps(
         logits,
         row_positions,
@@ -172,7 +173,7 @@ def _decide_sequential(
         budget=rule.budget,
         n_sink=rule.n_sink,
         pins=rule.pins,
-        n_history=rows.shape[2] - L,
+        n_history=logits.shape[3] - L,
         window=rule.window,
         fusion=rule.fusion,
         scores=scores,
@@ -184,10 +185,7 @@ def _decide_sequential(
     if n > rule.budget:
         cols = mx.arange(n)
         order = mx.argsort(mx.where(evict_step == L, cols, n + cols), axis=-1)
-        survivors = order[..., : rule.budget]
-        kept = candidates.take(survivors)
-        if scores is not None:
-            scores = mx.take_along_axis(scores, survivors, axis=-1)
+        kept, scores = _keep(candidates, order[..., : rule.budget], scores)
     return Decision(kept, mask), scores
 
 
@@ -199,24 +197,19 @@ def _decide_oneshot(
     scores: mx.array | None,
 ) -> tuple[Decision, mx.array | None]:
     """A chunk attended causally, then cut once by the last rows' (or accumulated) weights."""
-    probe = call.probe(rule.signal)
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     if scores is not None:
         # Every chunk query attends causally; each adds its weights to the running sums.
-        logits = grouped_logits(probe, candidates.keys, call.scale, rule.scope)
+        logits = grouped_logits(call.probe(rule.signal), candidates.keys, call.scale, rule.scope)
         visible = row_visibility(positions, call.positions())[:, :, None]
         weights = decision_mean(masked_softmax(logits, visible), 2, rule.scope).sum(2)
         scores = weights = scores + weights
     else:
-        rows, row_positions = _rows(history, probe, call)
-        rows, row_positions = rows[:, :, -rule.window :], row_positions[-rule.window :]
-        logits = grouped_logits(rows, candidates.keys, call.scale, rule.scope)
-        weights = _fused_weights(logits, positions, row_positions, rule.fusion, rule.scope)
+        logits, row_positions = _probe_logits(rule, call, candidates, history, rule.window)
+        weights = _fused_weights(rule, logits, positions, row_positions)[0]
     kept = candidates
     if candidates.n_slots > rule.budget:
         protected = rule.protected(positions, call.newest())
         keep = highest_weights(weights, positions, protected, rule.budget)
-        kept = candidates.take(keep)
-        if scores is not None:
-            scores = mx.take_along_axis(scores, keep, axis=-1)
+        kept, scores = _keep(candidates, keep, scores)
     return Decision(kept, None), scores
