@@ -9,7 +9,9 @@ window never do.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -20,6 +22,39 @@ from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, soft
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
 from velox_cache_core.store.slots import KVSlots
+from velox_cache_core.validation import check_choice
+
+SIGNALS = ("query", "key")
+SCOPES = ("layer", "head")
+PREFILLS = ("sequential", "oneshot")
+
+
+def rule_choices(
+    signal: Any, scope: Any, prefill: Any, defaults: Mapping[str, str]
+) -> dict[str, Any]:
+    """``signal``, ``scope`` and ``prefill`` (``None``: the one ``defaults`` gives, if any)
+    checked against their choices, as state fields."""
+    given = {"signal": (signal, SIGNALS), "scope": (scope, SCOPES), "prefill": (prefill, PREFILLS)}
+    return {
+        name: check_choice(name, defaults.get(name) if value is None else value, options)
+        for name, (value, options) in given.items()
+    }
+
+
+def extended(
+    history: History | None, probes: mx.array, positions: mx.array, keep: int
+) -> History | None:
+    """``history`` (``None``: empty) with ``probes`` ``[B, H_p, L, D]`` at ``positions``
+    ``[L]`` appended, its last ``keep`` rows kept (``None`` for ``keep=0``)."""
+    past = history or History(probes[:, :, :0], positions[:0])
+    return past.extend(probes, positions, keep)
+
+
+def record_probes(state: Any, call: Call, candidates: KVSlots, keep: int) -> Decision:
+    """Keep every candidate; remember the last ``keep`` probe rows (by the state's ``signal``)
+    and the call's scale: a prompt held whole for a cut at its end (SnapKV, KVzip)."""
+    history = extended(state.history, call.probe(state.signal), call.positions(), keep)
+    return Decision(candidates, changes={"history": history, "scale": call.scale})
 
 
 @dataclass(frozen=True)

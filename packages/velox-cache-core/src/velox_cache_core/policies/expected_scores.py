@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.attention_rule import History
+from velox_cache_core.attention_rule import History, extended
 from velox_cache_core.engine import Call
 from velox_cache_core.store import rows
 
@@ -171,7 +171,6 @@ def remember(state: Any, call: Call) -> History:
     latest = call.queries[:, :, -state.n_queries :].astype(mx.float32)
     positions = call.positions()[-state.n_queries :]
     unrotated = state.rope(D).unrotate(latest, positions)
-    past = state.queries or History(unrotated[:, :, :0], positions[:0])
-    window = past.extend(unrotated, positions, state.n_queries)
+    window = extended(state.queries, unrotated, positions, state.n_queries)
     assert window is not None
     return window

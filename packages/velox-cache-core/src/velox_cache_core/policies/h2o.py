@@ -23,7 +23,13 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
-from velox_cache_core.attention_rule import History, Rule, align_scores, decide_by_weights
+from velox_cache_core.attention_rule import (
+    History,
+    Rule,
+    align_scores,
+    decide_by_weights,
+    rule_choices,
+)
 from velox_cache_core.declarations import (
     PolicyState,
     Prefill,
@@ -34,11 +40,11 @@ from velox_cache_core.declarations import (
 )
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import Lanes
-from velox_cache_core.policies.tova import PREFILLS, SCOPES, SIGNALS
+from velox_cache_core.policies.tova import allocation_fields
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import sinks
 from velox_cache_core.store.slots import KVSlots
-from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
+from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,12 +104,7 @@ def init_h2o_state(
     ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
     ``head`` or ``global`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    shares.check_allocation(allocation, allocation_floor)
-    if allocation != "uniform" and scope != "head":
-        raise ValueError(
-            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
-            f"(got scope={scope!r})"
-        )
+    allocated = allocation_fields(allocation, allocation_floor, scope)
     recent = budget // 2 if recent is None else recent
     check_int("recent", recent, minimum=0)
     if n_sink + recent > budget:
@@ -115,11 +116,8 @@ def init_h2o_state(
         budget=budget,
         n_sink=n_sink,
         recent=recent,
-        signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
-        scope=check_choice("scope", scope, SCOPES),  # type: ignore[arg-type]
-        prefill=check_choice("prefill", prefill, PREFILLS),  # type: ignore[arg-type]
-        allocation=allocation,
-        allocation_floor=float(allocation_floor),
+        **rule_choices(signal, scope, prefill, {}),
+        **allocated,
     )
 
 

@@ -45,7 +45,13 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from velox_cache_core.allocation import shares
-from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.attention_rule import (
+    SIGNALS,
+    History,
+    Rule,
+    decide_by_weights,
+    record_probes,
+)
 from velox_cache_core.declarations import (
     Compressor,
     PolicyState,
@@ -57,7 +63,6 @@ from velox_cache_core.declarations import (
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import Lanes, cut
 from velox_cache_core.masks import chunk_causal
-from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
 from velox_cache_core.selection import highest_weights, sinks
@@ -146,10 +151,7 @@ def kvzip_rule(state: KVzipState, call: Call, slots: KVSlots, candidates: KVSlot
         if state.after == "tova":
             return decide_by_weights(state.rule, call, candidates)[0]
         return Decision(candidates)
-    probe = call.probe(state.signal)
-    past = state.history or History(probe[:, :, :0], call.positions()[:0])
-    history = past.extend(probe, call.positions(), 1)
-    return Decision(candidates, changes={"history": history, "scale": call.scale})
+    return record_probes(state, call, candidates, 1)
 
 
 def _context(state: KVzipState) -> KVSlots:

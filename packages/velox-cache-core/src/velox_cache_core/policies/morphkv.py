@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.attention_rule import History, Rule, decide_by_weights, extended, rule_choices
 from velox_cache_core.declarations import (
     PolicyState,
     Prefill,
@@ -23,7 +23,7 @@ from velox_cache_core.declarations import (
     running,
 )
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.policies.tova import PREFILLS, PRESETS, SCOPES, SIGNALS
+from velox_cache_core.policies.tova import PRESETS
 from velox_cache_core.policy import Policy
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice, check_int
@@ -78,15 +78,12 @@ def init_morphkv_state(
             f"evicted, got {window}"
         )
     check_choice("fusion", fusion, FUSIONS)
-    defaults = PRESETS["tova"]
     return MorphKVState(
         budget=budget,
         n_sink=n_sink,
         window=window,
         fusion=fusion,
-        signal=check_choice("signal", signal or defaults["signal"], SIGNALS),  # type: ignore[arg-type]
-        scope=check_choice("scope", scope or defaults["scope"], SCOPES),  # type: ignore[arg-type]
-        prefill=check_choice("prefill", prefill or defaults["prefill"], PREFILLS),  # type: ignore[arg-type]
+        **rule_choices(signal or None, scope or None, prefill or None, PRESETS["tova"]),
     )
 
 
@@ -98,9 +95,7 @@ def _recent_rows(state: MorphKVState) -> int:
 def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
     """TOVA's rule over the fused window; the state keeps the last ``window - 1`` probe rows."""
     decision = decide_by_weights(state.rule, call, candidates, history=state.history)[0]
-    probe = call.probe(state.signal)
-    past = state.history or History(probe[:, :, :0], call.positions()[:0])
-    history = past.extend(probe, call.positions(), state.window - 1)
+    history = extended(state.history, call.probe(state.signal), call.positions(), state.window - 1)
     return replace(decision, changes={"history": history})
 
 

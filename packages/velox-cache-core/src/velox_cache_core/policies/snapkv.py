@@ -24,11 +24,10 @@ from operator import attrgetter
 import mlx.core as mx
 
 from velox_cache_core.allocation import shares
-from velox_cache_core.attention_rule import History
+from velox_cache_core.attention_rule import SIGNALS, History, record_probes
 from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import GlobalRule, Lanes
-from velox_cache_core.policies.tova import SIGNALS
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.selection import pinned
@@ -107,10 +106,7 @@ def snapkv_rule(state: SnapKVState, call: Call, slots: KVSlots, candidates: KVSl
     """Keep everything; until the prompt is compressed, remember the last probe rows."""
     if state.compressed:
         return Decision(candidates)
-    probe = call.probe(state.signal)
-    past = state.history or History(probe[:, :, :0], call.positions()[:0])
-    history = past.extend(probe, call.positions(), state.window)
-    return Decision(candidates, changes={"history": history, "scale": call.scale})
+    return record_probes(state, call, candidates, state.window)
 
 
 def _cut_scores(state: SnapKVState) -> tuple[KVSlots, mx.array, mx.array] | None:

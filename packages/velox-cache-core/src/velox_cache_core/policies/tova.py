@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
-from velox_cache_core.attention_rule import History, Rule, decide_by_weights
+from velox_cache_core.attention_rule import History, Rule, decide_by_weights, rule_choices
 from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.lanes import Lanes
@@ -33,9 +33,6 @@ from velox_cache_core.selection import sinks
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_choice
 
-SIGNALS = ("query", "key")
-SCOPES = ("layer", "head")
-PREFILLS = ("sequential", "oneshot")
 PRESETS: dict[str, dict[str, str]] = {
     # Paper-faithful: true-query weights averaged over the layer's heads (Table 3's best).
     "tova": {"signal": "query", "scope": "layer", "prefill": "sequential"},
@@ -96,27 +93,25 @@ def init_tova_state(
     module doc); ``0 <= allocation_floor <= 1``."""
     check_choice("preset", preset, PRESETS)
     check_budget_and_sinks(budget, n_sink)
-    shares.check_allocation(allocation, allocation_floor)
-    chosen = {**PRESETS[preset]}
-    for name, value, options in (
-        ("signal", signal, SIGNALS),
-        ("scope", scope, SCOPES),
-        ("prefill", prefill, PREFILLS),
-    ):
-        if value is not None:
-            chosen[name] = check_choice(name, value, options)
-    if allocation != "uniform" and chosen["scope"] != "head":
-        raise ValueError(
-            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
-            f"(got scope={chosen['scope']!r})"
-        )
+    chosen = rule_choices(signal, scope, prefill, PRESETS[preset])
     return TovaState(
         budget=budget,
         n_sink=n_sink,
-        allocation=allocation,
-        allocation_floor=float(allocation_floor),
-        **chosen,  # type: ignore[arg-type]
+        **chosen,
+        **allocation_fields(allocation, allocation_floor, chosen["scope"]),
     )
+
+
+def allocation_fields(allocation: Any, floor: Any, scope: Any) -> dict[str, Any]:
+    """``allocation`` and ``allocation_floor`` checked, as state fields: ``head``/``global``
+    share rows across KV heads, so they need scope ``head``."""
+    shares.check_allocation(allocation, floor)
+    if allocation != "uniform" and scope != "head":
+        raise ValueError(
+            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
+            f"(got scope={scope!r})"
+        )
+    return {"allocation": allocation, "allocation_floor": float(floor)}
 
 
 def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
