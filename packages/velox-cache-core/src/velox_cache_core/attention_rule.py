@@ -84,6 +84,12 @@ class Rule:
         return out
 
 
+def protect_recent(state: Any, positions: mx.array, newest: Any) -> mx.array:
+    """bool: a state's sinks, pinned spans and ``recent`` newest positions (``newest``: the
+    newest one, int or int ``[B, 1, 1]``); H2O's and Expected Attention's ``protect``."""
+    return sinks(positions, state.n_sink, state.pins) | (positions > newest - state.recent)
+
+
 def _probe_logits(
     rule: Rule, call: Call, candidates: KVSlots, history: History | None, last: int = 0
 ) -> tuple[mx.array, mx.array]:

@@ -46,8 +46,8 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.allocation import shares
-from velox_cache_core.attention_rule import History, align_scores
-from velox_cache_core.declarations import PolicyState, Scope, Signal, Traits, running
+from velox_cache_core.attention_rule import History, align_scores, protect_recent
+from velox_cache_core.declarations import PolicyState, Traits, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import GlobalRule, Lanes
 from velox_cache_core.policies.expected_lanes import EA_LANES
@@ -107,10 +107,7 @@ class ExpectedAttentionState(PolicyState):
     # lanes' fresh scores, ``[B, N, W]``), None otherwise
     refreshed_at: int | None = running()
 
-    def protect(self, positions: mx.array, newest: Any) -> mx.array:
-        """bool: sinks, pinned spans and the ``recent`` newest positions (``newest``: the
-        newest one)."""
-        return sinks(positions, self.n_sink, self.pins) | (positions > newest - self.recent)
+    protect = protect_recent
 
     def rope(self, head_dim: int) -> RoPE:
         """The model's RoPE for heads of ``head_dim`` features; ``ValueError`` when it was
@@ -316,25 +313,33 @@ def expected_attention_compress(state: ExpectedAttentionState) -> ExpectedAttent
     return _cut(state, None)
 
 
-def _cut_scores(state: ExpectedAttentionState) -> tuple[KVSlots, mx.array, mx.array] | None:
-    """The prompt's rows, their expected scores and the rows the cut spares (sinks, the
-    ``recent`` newest), or ``None`` when nothing is to cut."""
-    if state.slots is None or state.queries is None or state.n_kept <= state.budget:
+def _prompt(state: ExpectedAttentionState) -> tuple[KVSlots, dict[str, Any]] | None:
+    """The prompt's rows and what re-scoring them changes (:func:`_rescore`), or ``None`` when
+    nothing was fed."""
+    if state.slots is None or state.queries is None:
         return None
     assert state.scale is not None
     live = state.slots.compact()
-    scores = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)["scores"]
-    return live, scores, state.protect(live.positions, state.offset - 1)
+    return live, _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)
+
+
+def _cut_scores(state: ExpectedAttentionState) -> tuple[KVSlots, mx.array, mx.array] | None:
+    """The prompt's rows, their expected scores and the rows the cut spares (sinks, the
+    ``recent`` newest), or ``None`` when nothing is to cut."""
+    found = None if state.n_kept <= state.budget else _prompt(state)
+    if found is None:
+        return None
+    live, changes = found
+    return live, changes["scores"], state.protect(live.positions, state.offset - 1)
 
 
 def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionState:
     """The prompt's cut (``total``: the layer's rows under ``global``; ``None``: its own)."""
     done = replace(state, compressed=True)
-    if state.slots is None or state.queries is None:
+    found = _prompt(state)
+    if found is None:
         return done
-    assert state.scale is not None
-    live = state.slots.compact()
-    changes = _rescore(state, state.queries, live, offset=state.offset, scale=state.scale)
+    live, changes = found
     scores = changes.pop("scores")
     if live.n_slots > state.budget and state.allocation != "uniform":
         newest = state.offset - 1
@@ -368,14 +373,6 @@ EA_GLOBAL = GlobalRule(
 )
 
 
-def _query_signal(state: Any) -> Signal:
-    return "query"
-
-
-def _per_head(state: Any) -> Scope:
-    return "head"
-
-
 EXPECTED_ATTENTION = Policy(
     "expected_attention",
     ExpectedAttentionState,
@@ -384,8 +381,8 @@ EXPECTED_ATTENTION = Policy(
     prompt_end=expected_attention_compress,
     # The true queries feed the statistics: there is no key stand-in.
     traits=Traits(
-        signal=_query_signal,
-        scope=_per_head,
+        signal=lambda state: "query",
+        scope=lambda state: "head",
         budget=attrgetter("budget"),
         n_sink=attrgetter("n_sink"),
         reserved=attrgetter("recent"),

@@ -28,6 +28,7 @@ from velox_cache_core.attention_rule import (
     Rule,
     align_scores,
     decide_by_weights,
+    protect_recent,
     rule_choices,
 )
 from velox_cache_core.declarations import (
@@ -42,7 +43,6 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import Lanes
 from velox_cache_core.policies.tova import allocation_fields
 from velox_cache_core.policy import Policy
-from velox_cache_core.selection import sinks
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
@@ -73,9 +73,7 @@ class H2OState(PolicyState):
         """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
         return holding(self)
 
-    def protect(self, positions: mx.array, newest: Any) -> mx.array:
-        """bool: sinks and the ``recent`` newest positions (``newest``: the newest one)."""
-        return sinks(positions, self.n_sink, self.pins) | (positions > newest - self.recent)
+    protect = protect_recent
 
     @property
     def rule(self) -> Rule:
@@ -129,12 +127,11 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     if scores is None:
         scores = mx.zeros((B, G, 0), dtype=mx.float32)
     scores = align_scores(scores, slots, G, L)
-    if state.holds_prompt:  # the sums accumulate over the whole prompt: nothing goes yet
-        held = replace(state.rule, budget=_NEVER)
-        decision, scores = decide_by_weights(held, call, candidates, scores=scores)
-        return replace(decision, changes={"scores": scores, "history": last_probe(state, call)})
-    decision, scores = decide_by_weights(state.rule, call, candidates, scores=scores)
-    return replace(decision, changes={"scores": scores})
+    held = state.holds_prompt  # the sums accumulate over the whole prompt: nothing goes yet
+    rule = replace(state.rule, budget=_NEVER) if held else state.rule
+    decision, scores = decide_by_weights(rule, call, candidates, scores=scores)
+    changes = {"scores": scores, "history": last_probe(state, call)} if held else {"scores": scores}
+    return replace(decision, changes=changes)
 
 
 _NEVER = 2**30  # a budget no prompt reaches
@@ -146,18 +143,13 @@ def _h2o_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.a
     return sums, sums
 
 
-def _prompt_sums(state: H2OState, live: KVSlots) -> mx.array:
-    assert state.scores is not None
-    return state.scores
-
-
 # ``head``/``global`` allocation: the held prompt is cut by its attention sums, which the lanes
 # carry on, and every later step evicts each head's lowest sum (velox_cache_core.allocation)
 H2O_ALLOCATION = HeldPrompt(
     name="h2o",
     ready=lambda state: state.scores is not None,
-    prompt_scores=_prompt_sums,
-    protect=lambda state, positions, newest: state.protect(positions, newest),
+    prompt_scores=lambda state, live: state.scores,
+    protect=protect_recent,
     step_scores=_h2o_score,
     keep_scores=True,
     cleared={"scores": None},
