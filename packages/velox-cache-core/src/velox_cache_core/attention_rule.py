@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.declarations import PolicyState, Prefill, Signal, running
 from velox_cache_core.distributed import decision_mean
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.history import History
@@ -27,6 +28,24 @@ from velox_cache_core.validation import check_choice
 SIGNALS = ("query", "key")
 SCOPES = ("layer", "head")
 PREFILLS = ("sequential", "oneshot")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuleState(PolicyState):
+    """What every state deciding by :func:`decide_by_weights` holds (TOVA, H2O, MorphKV): the
+    rule's settings and the probe rows it keeps (MorphKV's last ``window - 1``; while an
+    adaptive allocation holds the prompt, its last row; else ``None``)."""
+
+    budget: int
+    n_sink: int
+    signal: Signal
+    scope: Scope
+    prefill: Prefill
+    history: History | None = running()
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(self.budget, self.n_sink, self.signal, self.scope, self.prefill, pins=self.pins)
 
 
 def rule_choices(

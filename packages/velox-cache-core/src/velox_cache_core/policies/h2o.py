@@ -24,15 +24,14 @@ import mlx.core as mx
 
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
 from velox_cache_core.attention_rule import (
-    History,
     Rule,
+    RuleState,
     align_scores,
     decide_by_weights,
     protect_recent,
     rule_choices,
 )
 from velox_cache_core.declarations import (
-    PolicyState,
     Prefill,
     Scope,
     Signal,
@@ -48,25 +47,17 @@ from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
-class H2OState(PolicyState):
+class H2OState(RuleState):
     """H2O layer state. scores: float32 ``[B, G, S]`` running attention sums, slot-aligned
     (``G`` = 1 for scope ``layer``, ``H_kv`` for ``head``)."""
 
-    budget: int
-    n_sink: int
     recent: int
-    signal: Signal
-    scope: Scope
-    prefill: Prefill
     allocation: str = "uniform"
     allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: Lanes | None = running()
     scores: mx.array | None = running()
-    # the last probe row while an adaptive allocation holds the prompt (a marker: None once
-    # the prompt is cut, or always with the uniform allocation)
-    history: History | None = running()
 
     @property
     def holds_prompt(self) -> bool:
@@ -77,15 +68,7 @@ class H2OState(PolicyState):
 
     @property
     def rule(self) -> Rule:
-        return Rule(
-            self.budget,
-            self.n_sink,
-            self.signal,
-            self.scope,
-            self.prefill,
-            recent=self.recent,
-            pins=self.pins,
-        )
+        return replace(super().rule, recent=self.recent)
 
 
 def init_h2o_state(

@@ -13,14 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from velox_cache_core.attention_rule import History, Rule, decide_by_weights, extended, rule_choices
+from velox_cache_core.attention_rule import (
+    Rule,
+    RuleState,
+    decide_by_weights,
+    extended,
+    rule_choices,
+)
 from velox_cache_core.declarations import (
-    PolicyState,
     Prefill,
     Scope,
     Signal,
     read_settings,
-    running,
 )
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PRESETS
@@ -33,31 +37,15 @@ Fusion = Literal["mean", "max"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class MorphKVState(PolicyState):
+class MorphKVState(RuleState):
     """MorphKV layer state: TOVA's plus the last ``window - 1`` probe rows."""
 
-    budget: int
-    n_sink: int
     window: int
     fusion: Fusion
-    signal: Signal
-    scope: Scope
-    prefill: Prefill
-    history: History | None = running()
 
     @property
     def rule(self) -> Rule:
-        return Rule(
-            self.budget,
-            self.n_sink,
-            self.signal,
-            self.scope,
-            self.prefill,
-            window=self.window,
-            fusion=self.fusion,
-            recent=self.window - 1,
-            pins=self.pins,
-        )
+        return replace(super().rule, window=self.window, fusion=self.fusion, recent=self.window - 1)
 
 
 def init_morphkv_state(

@@ -23,8 +23,8 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.allocation import HeldPrompt, holding, last_probe, shares
-from velox_cache_core.attention_rule import History, Rule, decide_by_weights, rule_choices
-from velox_cache_core.declarations import PolicyState, Prefill, Signal, read_settings, running
+from velox_cache_core.attention_rule import RuleState, decide_by_weights, rule_choices
+from velox_cache_core.declarations import Prefill, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision, Step
 from velox_cache_core.lanes import Lanes
 from velox_cache_core.policy import Policy
@@ -42,25 +42,18 @@ PRESETS: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class TovaState(PolicyState):
+class TovaState(RuleState):
     """One layer's TOVA cache: settings, retained slots and counters.
 
     ``slots`` is ``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and dtype. Views:
     ``keys``, ``values``, ``positions``, ``n_kept``, ``nbytes``, ``compression_ratio``.
     """
 
-    budget: int
-    n_sink: int
-    signal: Signal
-    scope: Scope
-    prefill: Prefill
     allocation: str = "uniform"
     allocation_floor: float = shares.FLOOR
     # the rows a head/global allocation shared out, heads holding different counts
     # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
     lanes: Lanes | None = running()
-    # the last probe row while an adaptive allocation holds the prompt (None otherwise)
-    history: History | None = running()
     # the attention scale of the held prompt's calls (for a cut outside a call: global)
     scale: float | None = running()
 
@@ -68,10 +61,6 @@ class TovaState(PolicyState):
     def holds_prompt(self) -> bool:
         """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
         return holding(self)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(self.budget, self.n_sink, self.signal, self.scope, self.prefill, pins=self.pins)
 
 
 TovaStep = Step
