@@ -10,7 +10,7 @@ window never do.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +21,13 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.history import History
 from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.sequential import alive_mask, eviction_steps, fuse_rows, row_visibility
+from velox_cache_core.sequential import (
+    Rule,
+    alive_mask,
+    eviction_steps,
+    fuse_rows,
+    row_visibility,
+)
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_choice
 
@@ -74,33 +80,6 @@ def record_probes(state: Any, call: Call, candidates: KVSlots, keep: int) -> Dec
     and the call's scale: a prompt held whole for a cut at its end (SnapKV, KVzip)."""
     history = extended(state.history, call.probe(state.signal), call.positions(), keep)
     return Decision(candidates, changes={"history": history, "scale": call.scale})
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How a policy turns attention weights into evictions."""
-
-    budget: int
-    n_sink: int
-    signal: str
-    scope: Scope
-    prefill: str
-    window: int = 1  # probe rows fused per decision (MorphKV)
-    fusion: str = "mean"
-    recent: int = 0  # newest positions never evicted (H2O)
-    # the state's pinned spans, int32 [B, P, 2] (velox_cache_core.pins), never evicted
-    pins: mx.array | None = field(default=None, compare=False)
-
-    def groups(self, n_kv_heads: int) -> int:
-        return 1 if self.scope == "layer" else n_kv_heads
-
-    def protected(self, positions: mx.array, newest: int | mx.array) -> mx.array:
-        """bool: sinks, pinned spans, and the ``recent`` newest positions when the newest is
-        ``newest``."""
-        out = sinks(positions, self.n_sink, self.pins)
-        if self.recent:
-            out = out | (positions > newest - self.recent)
-        return out
 
 
 def protect_recent(state: Any, positions: mx.array, newest: Any) -> mx.array:
@@ -225,20 +204,7 @@ def _decide_sequential(
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
     logits, row_positions = _probe_logits(rule, call, candidates, history)
     evict_step, scores = eviction_steps(
-        logits,
-        row_positions,
-        positions,
-        start=call.start,
-        length=L,
-        budget=rule.budget,
-        n_sink=rule.n_sink,
-        pins=rule.pins,
-        n_history=logits.shape[3] - L,
-        window=rule.window,
-        fusion=rule.fusion,
-        scores=scores,
-        recent=rule.recent,
-        scope=rule.scope,
+        logits, row_positions, positions, rule, start=call.start, length=L, scores=scores
     )
     mask = alive_mask(evict_step, positions, call.start, L)
     kept = candidates

@@ -8,14 +8,42 @@ decisions run in order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
 
 from velox_cache_core.distributed import decision_group, head_mean
-from velox_cache_core.scoring import exp
+from velox_cache_core.scoring import Scope, exp
 from velox_cache_core.selection import lowest_weight, sinks
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a policy turns attention weights into evictions."""
+
+    budget: int
+    n_sink: int
+    signal: str
+    scope: Scope
+    prefill: str
+    window: int = 1  # probe rows fused per decision (MorphKV)
+    fusion: str = "mean"
+    recent: int = 0  # newest positions never evicted (H2O)
+    # the state's pinned spans, int32 [B, P, 2] (velox_cache_core.pins), never evicted
+    pins: mx.array | None = field(default=None, compare=False)
+
+    def groups(self, n_kv_heads: int) -> int:
+        return 1 if self.scope == "layer" else n_kv_heads
+
+    def protected(self, positions: mx.array, newest: int | mx.array) -> mx.array:
+        """bool: sinks, pinned spans, and the ``recent`` newest positions when the newest is
+        ``newest``."""
+        out = sinks(positions, self.n_sink, self.pins)
+        if self.recent:
+            out = out | (positions > newest - self.recent)
+        return out
 
 
 def fuse_rows(weights: mx.array, fusion: str) -> mx.array:
@@ -76,41 +104,35 @@ def eviction_steps(
     logits: mx.array,
     row_positions: mx.array,
     positions: mx.array,
+    rule: Rule,
     *,
     start: int,
     length: int,
-    budget: int,
-    n_sink: int,
-    pins: mx.array | None = None,
-    n_history: int = 0,
-    window: int = 1,
-    fusion: str = "mean",
-    scores: mx.array | None = None,
-    recent: int = 0,
-    scope: str = "head",
+    scores: mx.array | None,
 ) -> tuple[mx.array, mx.array | None]:
     """Step at which each candidate is evicted (``length`` if it survives the chunk).
 
-    logits: ``[B, G, H_d, R, n]`` probe logits over the candidates, ``R = n_history + length``
-    rows at ``row_positions`` (int ``[R]``): earlier probes, then the chunk's. Step ``i`` of the
-    chunk (position ``start + i``) fuses its own row and up to ``window - 1`` rows before it.
-    positions: int32 ``[B, G, n]``; sinks (``< n_sink``) and ``pins`` (int32 ``[B, P, 2]``
-    spans, :mod:`velox_cache_core.pins`) are never evicted. ``scores`` (``[B, G, n]``), if
-    given, accumulate every step's weights and decide instead of them. ``scope``: the
-    decision's scope; a layer-wide one averages over every rank's heads under tensor
-    parallelism (one ``all_sum`` per step, :func:`velox_cache_core.distributed.decision_group`).
+    logits: ``[B, G, H_d, R, n]`` probe logits over the candidates, rows at ``row_positions``
+    (int ``[R]``): earlier probes, then the chunk's ``length``. Step ``i`` of the chunk
+    (position ``start + i``) fuses its own row and up to ``rule.window - 1`` rows before it.
+    positions: int32 ``[B, G, n]``; sinks, pinned spans (:mod:`velox_cache_core.pins`) and
+    the ``rule.recent`` newest are never evicted. ``scores`` (``[B, G, n]``), if given,
+    accumulate every step's weights and decide instead of them. A layer-wide decision
+    (``rule.scope``) averages over every rank's heads under tensor parallelism (one ``all_sum``
+    per step, :func:`velox_cache_core.distributed.decision_group`).
     Returns int32 ``[B, G, n]`` and the final scores.
     """
+    n_history = int(row_positions.shape[0]) - length
     B, G, _, _, n = logits.shape
-    over = decision_group(scope)
+    over = decision_group(rule.scope)
     n_live = n - length  # candidates are the live rows, then the chunk
-    assert scores is None or window == 1, "accumulating rules fuse one row per step"
+    assert scores is None or rule.window == 1, "accumulating rules fuse one row per step"
     visible = row_visibility(positions, row_positions)[:, :, None]  # [B, G, 1, R, n]
     row_max = mx.where(visible, logits, -mx.inf).max(axis=-1, keepdims=True)
     exp_rows = exp(logits - row_max) * visible
     evict_step = mx.full((B, G, n), length, dtype=mx.int32)
-    protected = sinks(positions, n_sink, pins)
-    first = max(0, budget - n_live)
+    protected = sinks(positions, rule.n_sink, rule.pins)
+    first = max(0, rule.budget - n_live)
     accumulate = scores is not None
     if accumulate and first:
         # Before the first eviction nothing is missing: every row sees all it could.
@@ -119,7 +141,7 @@ def eviction_steps(
         scores = scores + head_mean(e / e.sum(axis=-1, keepdims=True), 2, over).sum(axis=2)
     if scores is None:
         scores = mx.zeros((1,))
-    decide = _compiled(fusion, accumulate, recent, over)
+    decide = _compiled(rule.fusion, accumulate, rule.recent, over)
     # The scan is a long chain of small steps: evaluating the shared inputs first and the chain
     # every few steps keeps each step's graph small (measured 5x faster on CPU than one big graph).
     mx.eval(exp_rows, positions, protected, evict_step, scores)
@@ -128,7 +150,7 @@ def eviction_steps(
             mx.eval(evict_step, scores)
         row = n_history + i
         evict_step, scores = decide(
-            exp_rows[:, :, :, max(0, row + 1 - window) : row + 1],
+            exp_rows[:, :, :, max(0, row + 1 - rule.window) : row + 1],
             evict_step,
             scores,
             mx.array(i, dtype=mx.int32),
