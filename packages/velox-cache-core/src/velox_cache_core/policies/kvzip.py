@@ -165,15 +165,6 @@ def _context(state: KVzipState) -> KVSlots:
     return state.slots.compact()
 
 
-def latest_scores(state: KVzipState) -> mx.array:
-    """float32 ``[B, H_kv, n]``: the last context probe row's softmax over the context,
-    averaged within each GQA group (TOVA's current-step weights, scope ``head``)."""
-    live = _context(state)
-    assert state.history is not None and state.scale is not None
-    logits = grouped_logits(state.history.probes, rows.dense(live.keys), state.scale, "head")
-    return decision_weights(logits)[:, :, 0]
-
-
 def reconstruction_scores(
     state: KVzipState,
     queries: mx.array,
@@ -251,9 +242,7 @@ def kvzip_compress(
     if scores is not None and tuple(scores.shape) != (B, H, n):
         raise ValueError(f"scores must be [B, H_kv, n] = {(B, H, n)}, got {tuple(scores.shape)}")
     if scores is not None and state.allocation != "uniform":
-        if total is None:  # a layer alone: "global" over this one layer is "head"
-            total = state.budget * H
-        if total < 0:
+        if total is not None and total < 0:  # None: a layer alone, "global" over it is "head"
             raise ValueError(f"total must be >= 0, got {total}")
         if n <= state.budget:
             return done
@@ -268,8 +257,10 @@ def kvzip_compress(
         return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     if n <= state.budget:
         return done
-    if scores is None:
-        scores = latest_scores(state)
+    if scores is None:  # the last probe row's weights, per KV head (TOVA's, scope "head")
+        assert state.history is not None and state.scale is not None
+        logits = grouped_logits(state.history.probes, rows.dense(live.keys), state.scale, "head")
+        scores = decision_weights(logits)[:, :, 0]
     positions = live.positions
     keep = highest_weights(scores, positions, _protected(state, positions), state.budget)
     return replace(done, slots=live.take(keep))
@@ -316,10 +307,6 @@ def _check_whole(state: KVzipState) -> None:
     _context(state)
 
 
-def _needs_pass(state: KVzipState) -> bool:
-    return state.probe == "reconstruct"
-
-
 def _shares(scores: list[mx.array], state: KVzipState) -> list[int | None]:
     """One threshold over every layer for ``allocation="global"``; else each layer alone."""
     if state.allocation != "global":
@@ -337,7 +324,7 @@ KVZIP = Policy(
     traits=read_settings("signal", "budget", "scope", "n_sink"),
     upgrade=upgrade_saved,
     compressor=Compressor(
-        needs_pass=_needs_pass,
+        needs_pass=lambda state: state.probe == "reconstruct",
         check=_check_whole,
         score=reconstruction_scores,
         cut=kvzip_compress,
