@@ -92,9 +92,7 @@ class ExpectedAttentionState(PolicyState):
     rope_scale: float
     allocation: str = "uniform"
     allocation_floor: float = shares.FLOOR
-    # the rows a head/global allocation shared out, heads holding different counts
-    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: Lanes | None = running()
+    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()

@@ -90,9 +90,7 @@ class KVzipState(PolicyState):
     after: After
     allocation: Allocation = "global"
     allocation_floor: float = shares.FLOOR
-    # the rows a head/global allocation shared out, heads holding different counts
-    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: Lanes | None = running()
+    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)

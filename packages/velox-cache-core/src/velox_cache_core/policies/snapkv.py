@@ -47,9 +47,7 @@ class SnapKVState(PolicyState):
     signal: Signal
     allocation: str = "uniform"
     allocation_floor: float = shares.FLOOR
-    # the rows a head/global allocation shared out, heads holding different counts
-    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: Lanes | None = running()
+    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)

@@ -51,16 +51,11 @@ class TovaState(RuleState):
 
     allocation: str = "uniform"
     allocation_floor: float = shares.FLOOR
-    # the rows a head/global allocation shared out, heads holding different counts
-    # (velox_cache_core.lanes; ``slots`` then holds the rows after the cut), else None
-    lanes: Lanes | None = running()
+    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     # the attention scale of the held prompt's calls (for a cut outside a call: global)
     scale: float | None = running()
 
-    @property
-    def holds_prompt(self) -> bool:
-        """Whether the prompt is held whole for an adaptive cut at its end (not cut yet)."""
-        return holding(self)
+    holds_prompt = property(holding)  # held whole for an adaptive cut at its end
 
 
 TovaStep = Step
