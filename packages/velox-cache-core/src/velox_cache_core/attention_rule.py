@@ -89,14 +89,14 @@ def protect_recent(state: Any, positions: mx.array, newest: Any) -> mx.array:
 
 
 def _probe_logits(
-    rule: Rule, call: Call, candidates: KVSlots, history: History | None, last: int = 0
+    rule: Rule, call: Call, candidates: KVSlots, last: int = 0
 ) -> tuple[mx.array, mx.array]:
     """(logits ``[B, G, H_d, R, n]`` of the probe rows over the candidates, their positions
-    ``[R]``): ``history``'s rows, then the call's (the ``last`` ones only when given)."""
+    ``[R]``): ``rule.history``'s rows, then the call's (the ``last`` ones only when given)."""
     rows, row_positions = call.probe(rule.signal), call.positions()
-    if history is not None:
-        rows = mx.concatenate([history.probes, rows], axis=2)
-        row_positions = mx.concatenate([history.positions, row_positions])
+    if rule.history is not None:
+        rows = mx.concatenate([rule.history.probes, rows], axis=2)
+        row_positions = mx.concatenate([rule.history.positions, row_positions])
     if last:
         rows, row_positions = rows[:, :, -last:], row_positions[-last:]
     return grouped_logits(rows, candidates.keys, call.scale, rule.scope), row_positions
@@ -133,7 +133,6 @@ def decide_by_weights(
     rule: Rule,
     call: Call,
     candidates: KVSlots,
-    history: History | None = None,
     scores: mx.array | None = None,
 ) -> tuple[Decision, mx.array | None]:
     """Evict ``candidates`` down to ``rule.budget`` by the probe rows' attention weights.
@@ -145,19 +144,18 @@ def decide_by_weights(
     One function per path: a decode step, a sequential chunk, a oneshot chunk.
     """
     if call.length == 1:
-        return _decide_step(rule, call, candidates, history, scores)
+        return _decide_step(rule, call, candidates, scores)
     if candidates.n_slots <= rule.budget and scores is None:
         return Decision(candidates), scores
     if rule.prefill == "sequential":
-        return _decide_sequential(rule, call, candidates, history, scores)
-    return _decide_oneshot(rule, call, candidates, history, scores)
+        return _decide_sequential(rule, call, candidates, scores)
+    return _decide_oneshot(rule, call, candidates, scores)
 
 
 def _decide_step(
     rule: Rule,
     call: Call,
     candidates: KVSlots,
-    history: History | None,
     scores: mx.array | None,
 ) -> tuple[Decision, mx.array | None]:
     """One token: evict the lowest weight (or accumulated score) when over budget."""
@@ -166,7 +164,7 @@ def _decide_step(
     if not evict and scores is None:
         return Decision(candidates), scores
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
-    logits, row_positions = _probe_logits(rule, call, candidates, history)
+    logits, row_positions = _probe_logits(rule, call, candidates)
     weights, row_weights = _fused_weights(rule, logits, positions, row_positions)
     probs = None
     if rule.signal == "query":
@@ -196,13 +194,12 @@ def _decide_sequential(
     rule: Rule,
     call: Call,
     candidates: KVSlots,
-    history: History | None,
     scores: mx.array | None,
 ) -> tuple[Decision, mx.array | None]:
     """A chunk decided token by token, as if fed one at a time (masks say who saw whom)."""
     L, n = call.length, candidates.n_slots
     positions = candidates.positions[:, : rule.groups(call.shape[1])]
-    logits, row_positions = _probe_logits(rule, call, candidates, history)
+    logits, row_positions = _probe_logits(rule, call, candidates)
     evict_step, scores = eviction_steps(
         logits, row_positions, positions, rule, start=call.start, length=L, scores=scores
     )
@@ -219,7 +216,6 @@ def _decide_oneshot(
     rule: Rule,
     call: Call,
     candidates: KVSlots,
-    history: History | None,
     scores: mx.array | None,
 ) -> tuple[Decision, mx.array | None]:
     """A chunk attended causally, then cut once by the last rows' (or accumulated) weights."""
@@ -231,7 +227,7 @@ def _decide_oneshot(
         weights = decision_mean(masked_softmax(logits, visible), 2, rule.scope).sum(2)
         scores = weights = scores + weights
     else:
-        logits, row_positions = _probe_logits(rule, call, candidates, history, rule.window)
+        logits, row_positions = _probe_logits(rule, call, candidates, rule.window)
         weights = _fused_weights(rule, logits, positions, row_positions)[0]
     kept = candidates
     if candidates.n_slots > rule.budget:

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.distributed import decision_group, head_mean
+from velox_cache_core.history import History
 from velox_cache_core.scoring import Scope, exp
 from velox_cache_core.selection import lowest_weight, sinks
 
@@ -33,6 +34,8 @@ class Rule:
     recent: int = 0  # newest positions never evicted (H2O)
     # the state's pinned spans, int32 [B, P, 2] (velox_cache_core.pins), never evicted
     pins: mx.array | None = field(default=None, compare=False)
+    # earlier probe rows fused with the call's (MorphKV's last ``window - 1``)
+    history: History | None = field(default=None, compare=False)
 
     def groups(self, n_kv_heads: int) -> int:
         return 1 if self.scope == "layer" else n_kv_heads

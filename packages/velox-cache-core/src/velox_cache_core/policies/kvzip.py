@@ -72,7 +72,6 @@ from velox_cache_core.validation import check_budget_and_sinks, check_choice, ch
 
 PROBES = ("reconstruct", "latest")
 AFTERS = ("append", "tova")
-ALLOCATIONS = shares.ALLOCATIONS
 Probe = Literal["reconstruct", "latest"]
 After = Literal["append", "tova"]
 Allocation = Literal["uniform", "head", "global"]
@@ -215,6 +214,14 @@ def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
     return shares.global_totals(scores, positions, protected, state.budget, least, width)
 
 
+def _latest_weights(state: KVzipState, live: KVSlots) -> mx.array:
+    """float32 ``[B, H_kv, n]``: the last context probe row's softmax over the context rows
+    ``live``, averaged within each GQA group (TOVA's current-step weights, scope ``head``)."""
+    assert state.history is not None and state.scale is not None
+    logits = grouped_logits(state.history.probes, rows.dense(live.keys), state.scale, "head")
+    return decision_weights(logits)[:, :, 0]
+
+
 def kvzip_compress(
     state: KVzipState, scores: mx.array | None = None, total: int | None = None
 ) -> KVzipState:
@@ -255,10 +262,8 @@ def kvzip_compress(
         return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
     if n <= state.budget:
         return done
-    if scores is None:  # the last probe row's weights, per KV head (TOVA's, scope "head")
-        assert state.history is not None and state.scale is not None
-        logits = grouped_logits(state.history.probes, rows.dense(live.keys), state.scale, "head")
-        scores = decision_weights(logits)[:, :, 0]
+    if scores is None:
+        scores = _latest_weights(state, live)
     positions = live.positions
     keep = highest_weights(scores, positions, _protected(state, positions), state.budget)
     return replace(done, slots=live.take(keep))

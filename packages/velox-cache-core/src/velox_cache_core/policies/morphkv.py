@@ -45,7 +45,13 @@ class MorphKVState(RuleState):
 
     @property
     def rule(self) -> Rule:
-        return replace(super().rule, window=self.window, fusion=self.fusion, recent=self.window - 1)
+        return replace(
+            super().rule,
+            window=self.window,
+            fusion=self.fusion,
+            recent=self.window - 1,
+            history=self.history,
+        )
 
 
 def init_morphkv_state(
@@ -82,7 +88,7 @@ def _recent_rows(state: MorphKVState) -> int:
 
 def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
     """TOVA's rule over the fused window; the state keeps the last ``window - 1`` probe rows."""
-    decision = decide_by_weights(state.rule, call, candidates, history=state.history)[0]
+    decision = decide_by_weights(state.rule, call, candidates)[0]
     history = extended(state.history, call.probe(state.signal), call.positions(), state.window - 1)
     return replace(decision, changes={"history": history})
 
