@@ -21,13 +21,7 @@ from velox_cache_core.engine import Call, Decision
 from velox_cache_core.history import History
 from velox_cache_core.scoring import Scope, grouped_logits, masked_softmax, softmax
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
-from velox_cache_core.sequential import (
-    Rule,
-    alive_mask,
-    eviction_steps,
-    fuse_rows,
-    row_visibility,
-)
+from velox_cache_core.sequential import Rule, alive_mask, eviction_steps, fuse_rows, row_visibility
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_choice
 

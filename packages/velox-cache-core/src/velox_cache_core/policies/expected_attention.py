@@ -30,10 +30,8 @@ at least ``allocation_floor`` of its uniform share), held as lanes with one dead
 arrival, and each head's lowest evictable row becomes the next dead row. The statistics are
 refreshed every ``refresh_every`` tokens as before, every held row re-scored, the softmax
 normalised per head across its lanes (a chunk over lanes runs token by token; its refresh, when
-due, comes with its first token). ``global`` shares the model's ``budget`` rows per head on
-average across every head of every layer by the same scores: each layer's prompt end only
-arrives, and the last layer's cuts them all (:class:`~velox_cache_core.model_shares.
-ModelShares`, linked by ``velox_mlx_lm``'s builder); decode then runs as under ``head``.
+due, comes with its first token). ``global`` shares every layer's rows, the last layer's
+prompt end cutting them all (:mod:`velox_cache_core.allocation`); decode runs as under ``head``.
 """
 
 from __future__ import annotations

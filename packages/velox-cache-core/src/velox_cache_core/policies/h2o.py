@@ -4,14 +4,11 @@ Every retained token accumulates the attention it receives from every query that
 prompt's too); the lowest running sum is evicted, except sinks and the ``recent`` newest
 tokens. Inertial where TOVA is memoryless: the state carries the scores.
 
-``allocation="head"`` (AdaKV; scope ``head``): the prompt is held whole while its sums
-accumulate, then cut at its end (the first single-token call) into per-head shares by those
-sums, each head keeping its sinks, its recent window and at least ``allocation_floor`` of the
-uniform share (:mod:`velox_cache_core.lanes`); decode steps then evict within each head's share,
-the sums carried on the lanes. ``global`` (scope ``head``) shares the model's ``budget`` rows
-per head on average across every head of every layer by the same sums: the first single-token
-call of any layer cuts them all (:class:`~velox_cache_core.model_shares.ModelShares`, linked by
-``velox_mlx_lm``'s builder).
+``allocation="head"`` (AdaKV) or ``"global"``, with scope ``head``: the prompt is held whole
+while its sums accumulate, then cut at the first single-token call, by those sums, into
+per-head shares of the layer's rows (``global``: of every layer's;
+:mod:`velox_cache_core.allocation`), each head keeping its sinks and recent window; decode
+steps then evict within each head's share, the sums carried on the lanes.
 """
 
 from __future__ import annotations
@@ -31,13 +28,7 @@ from velox_cache_core.attention_rule import (
     protect_recent,
     rule_choices,
 )
-from velox_cache_core.declarations import (
-    Prefill,
-    Scope,
-    Signal,
-    read_settings,
-    running,
-)
+from velox_cache_core.declarations import Prefill, Scope, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import Lanes
 from velox_cache_core.policies.tova import allocation_fields
@@ -101,14 +92,12 @@ def h2o_rule(state: H2OState, call: Call, slots: KVSlots, candidates: KVSlots) -
     """Add this call's weights to the running sums; evict the lowest sum."""
     B, H_kv, L, _ = call.shape
     G = state.rule.groups(H_kv)
-    scores = state.scores
-    if scores is None:
-        scores = mx.zeros((B, G, 0), dtype=mx.float32)
+    scores = mx.zeros((B, G, 0), dtype=mx.float32) if state.scores is None else state.scores
     scores = align_scores(scores, slots, G, L)
     held = state.holds_prompt  # the sums accumulate over the whole prompt: nothing goes yet
     rule = replace(state.rule, budget=_NEVER) if held else state.rule
-    decision, scores = decide_by_weights(rule, call, candidates, scores=scores)
-    changes = {"scores": scores, "history": last_probe(state, call)} if held else {"scores": scores}
+    decision, sums = decide_by_weights(rule, call, candidates, scores=scores)
+    changes = {"scores": sums, "history": last_probe(state, call)} if held else {"scores": sums}
     return replace(decision, changes=changes)
 
 

@@ -45,13 +45,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from velox_cache_core.allocation import shares
-from velox_cache_core.attention_rule import (
-    SIGNALS,
-    History,
-    Rule,
-    decide_by_weights,
-    record_probes,
-)
+from velox_cache_core.attention_rule import SIGNALS, History, Rule, decide_by_weights, record_probes
 from velox_cache_core.declarations import (
     Compressor,
     PolicyState,
@@ -226,13 +220,12 @@ def kvzip_compress(
     state: KVzipState, scores: mx.array | None = None, total: int | None = None
 ) -> KVzipState:
     """Cut the context by ``scores`` (``[B, H_kv, n]``, one per context row in slot order):
-    ``budget`` rows per KV head with ``allocation="head"`` (the sinks, then the highest scores,
-    ties lost by the oldest); ``total`` rows across the layer's heads with ``global``/``layer``
-    (default ``budget * H_kv``; for ``global``, the ``total`` :func:`global_totals` gives the
-    layer, or the default for a layer compressed alone), held as lanes (heads keep different
-    counts, :mod:`velox_cache_core.lanes`). Without ``scores``
-    (``probe="latest"`` only) the last probe row's weights decide, per head. A no-op on a
-    compressed state."""
+    ``budget`` rows per KV head with ``allocation="uniform"`` (the sinks, then the highest
+    scores, ties lost by the oldest); ``total`` rows across the layer's heads with
+    ``head``/``global`` (default ``budget * H_kv``; under ``global``, what
+    :func:`global_totals` gives the layer), held as lanes (:mod:`velox_cache_core.lanes`).
+    Without ``scores`` (``probe="latest"`` only) the last probe row's weights decide, per head.
+    A no-op on a compressed state."""
     if not isinstance(state, KVzipState):
         raise TypeError(f"state must be a KVzipState, got {type(state).__name__}")
     if state.compressed:

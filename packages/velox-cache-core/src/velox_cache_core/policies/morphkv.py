@@ -20,12 +20,7 @@ from velox_cache_core.attention_rule import (
     extended,
     rule_choices,
 )
-from velox_cache_core.declarations import (
-    Prefill,
-    Scope,
-    Signal,
-    read_settings,
-)
+from velox_cache_core.declarations import Prefill, Scope, Signal, read_settings
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.policies.tova import PRESETS
 from velox_cache_core.policy import Policy

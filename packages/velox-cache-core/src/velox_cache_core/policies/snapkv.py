@@ -8,12 +8,9 @@ While the prompt streams in nothing is evicted; the last ``window`` probe rows a
 to ``budget`` per KV head. Afterwards the cache grows: decode tokens are never evicted.
 
 ``allocation="head"`` (AdaKV) shares the layer's ``budget * H_kv`` rows across its heads by
-the same scores instead, every head keeping its window and at least ``allocation_floor`` of
-its uniform share; the kept rows are then held as lanes (:mod:`velox_cache_core.lanes`), so the
-layer holds no more bytes than the uniform cut. ``global`` shares the model's ``budget`` rows
-per head on average across every head of every layer by the same scores: each layer's prompt
-end only arrives, and the last layer's cuts them all
-(:class:`~velox_cache_core.model_shares.ModelShares`, linked by ``velox_mlx_lm``'s builder).
+the same scores instead (every head keeping its window), held as lanes so that the layer holds
+no more bytes than the uniform cut; ``global`` shares every layer's rows, the last layer's
+prompt end cutting them all (:mod:`velox_cache_core.allocation`).
 """
 
 from __future__ import annotations

@@ -4,15 +4,10 @@ At every step the model attends over ``retained + new``; if that exceeds ``budge
 with the lowest current-step attention weight is dropped (sinks excepted, the newest token
 included). Nothing is carried between steps: the state holds no scores.
 
-``allocation="head"`` (AdaKV), with scope ``head``: the prompt is held whole
-(as SnapKV holds it) and cut at its end by its last token's weights, the layer's
-``budget * H_kv`` rows shared across its heads by score, each keeping at least
-``allocation_floor`` of the uniform share (:mod:`velox_cache_core.lanes`); every decode step
-then evicts within each head's share (the engine's lanes path). The cut happens at the first
-single-token call, so the prompt's last token is already decided over the shares. ``global``
-(scope ``head``) shares the model's ``budget`` rows per head on average across every head of
-every layer by the same weights: the first single-token call of any layer cuts them all
-(:class:`~velox_cache_core.model_shares.ModelShares`, linked by ``velox_mlx_lm``'s builder).
+``allocation="head"`` (AdaKV) or ``"global"``, with scope ``head``: the prompt is held whole
+and cut at the first single-token call (so its last token is decided over the shares), by its
+last token's weights, into per-head shares of the layer's rows (``global``: of every layer's;
+:mod:`velox_cache_core.allocation`); every decode step then evicts within its head's share.
 """
 
 from __future__ import annotations
