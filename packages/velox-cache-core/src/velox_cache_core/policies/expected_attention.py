@@ -360,15 +360,6 @@ def _cut(state: ExpectedAttentionState, total: int | None) -> ExpectedAttentionS
     return replace(done, slots=live, scores=scores, **changes)
 
 
-EA_GLOBAL = GlobalRule(
-    pending=lambda state: not state.compressed,
-    scores=_cut_scores,
-    cut=_cut,
-    spare=2,
-    when="prompt_end",
-)
-
-
 EXPECTED_ATTENTION = Policy(
     "expected_attention",
     ExpectedAttentionState,
@@ -384,7 +375,13 @@ EXPECTED_ATTENTION = Policy(
         reserved=attrgetter("recent"),
     ),
     lane_rule=EA_LANES,
-    global_rule=EA_GLOBAL,
+    global_rule=GlobalRule(
+        pending=lambda state: not state.compressed,
+        scores=_cut_scores,
+        cut=_cut,
+        spare=2,
+        when="prompt_end",
+    ),
     summary={
         "expected_attention": "keeps the tokens that future queries, modelled from the recent "
         "ones, are expected to attend to most (Expected Attention)",

@@ -166,15 +166,6 @@ def snapkv_compress(state: SnapKVState) -> SnapKVState:
     return _cut(state, None)
 
 
-SNAPKV_GLOBAL = GlobalRule(
-    pending=lambda state: not state.compressed,
-    scores=_cut_scores,
-    cut=_cut,
-    spare=0,
-    when="prompt_end",
-)
-
-
 SNAPKV = Policy(
     "snapkv",
     SnapKVState,
@@ -184,7 +175,13 @@ SNAPKV = Policy(
     grows_after_prompt_end=True,
     appends_now=lambda state: state.compressed,
     traits=read_settings("signal", "budget", reserved=attrgetter("window")),
-    global_rule=SNAPKV_GLOBAL,
+    global_rule=GlobalRule(
+        pending=lambda state: not state.compressed,
+        scores=_cut_scores,
+        cut=_cut,
+        spare=0,
+        when="prompt_end",
+    ),
     summary={
         "snapkv": "cuts the prompt once, at its end, by what its last tokens attend to (SnapKV)",
     },
