@@ -76,11 +76,6 @@ def init_morphkv_state(
     )
 
 
-def _recent_rows(state: MorphKVState) -> int:
-    """The newest ``window - 1`` rows, which the fused window's rows still read (never evicted)."""
-    return state.window - 1
-
-
 def morphkv_rule(state: MorphKVState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
     """TOVA's rule over the fused window; the state keeps the last ``window - 1`` probe rows."""
     decision = decide_by_weights(state.rule, call, candidates)[0]
@@ -94,7 +89,10 @@ MORPHKV = Policy(
     init_morphkv_state,
     morphkv_rule,
     compiled_decode=True,
-    traits=read_settings("signal", "scope", "prefill", "budget", "n_sink", reserved=_recent_rows),
+    # reserved: the newest window - 1 rows, which the fused window's rows still read
+    traits=read_settings(
+        "signal", "scope", "prefill", "budget", "n_sink", reserved=lambda state: state.window - 1
+    ),
     summary={
         "morphkv": "drops the token the last few queries attend to least (MorphKV)",
     },
