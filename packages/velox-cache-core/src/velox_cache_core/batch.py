@@ -106,7 +106,7 @@ class BatchState:
 
     def row(self, index: int) -> tuple[Any, UndoLog | None]:
         """Row ``index``'s single-sequence state and undo log (``IndexError`` if absent)."""
-        b = check_index(index, self.batch_size, "index")
+        b = check_index(index, self.batch_size, "row")
         return self.rows[b], self.logs[b]
 
     def keep(self, indices: Sequence[int]) -> BatchState:
