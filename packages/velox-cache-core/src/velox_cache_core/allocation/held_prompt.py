@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from velox_cache_core import lanes
 from velox_cache_core.allocation import shares
-from velox_cache_core.attention_rule import History
 from velox_cache_core.engine import Call
+from velox_cache_core.history import History
 from velox_cache_core.store.slots import KVSlots
 
 

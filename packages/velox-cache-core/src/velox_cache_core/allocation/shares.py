@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
 import mlx.core as mx
 
+from velox_cache_core.declarations import PolicyState, running
 from velox_cache_core.lanes import Lanes, cut, ranks, victims
 from velox_cache_core.store.slots import KVSlots
 
@@ -162,6 +163,29 @@ def check_allocation(allocation: object, floor: object) -> None:
         raise TypeError(f"allocation_floor must be a float in [0, 1], got {floor!r}")
     if not 0.0 <= float(floor) <= 1.0:
         raise ValueError(f"allocation_floor must be in [0, 1], got {floor!r}")
+
+
+def allocation_fields(allocation: Any, floor: Any, scope: Any = "head") -> dict[str, Any]:
+    """``allocation`` and ``allocation_floor`` checked (:func:`check_allocation`), as state
+    fields: ``head``/``global`` share rows across KV heads, so they need scope ``head``."""
+    check_allocation(allocation, floor)
+    if allocation != "uniform" and scope != "head":
+        raise ValueError(
+            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
+            f"(got scope={scope!r})"
+        )
+    return {"allocation": allocation, "allocation_floor": float(floor)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllocationState(PolicyState):
+    """What a state offering ``head``/``global`` allocation declares (TOVA, H2O, SnapKV,
+    KVzip, Expected Attention): the two settings and the lanes, in place of
+    :class:`~velox_cache_core.declarations.PolicyState`'s answers."""
+
+    allocation: str = "uniform"
+    allocation_floor: float = FLOOR
+    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
 
 
 def allot(

@@ -45,9 +45,9 @@ import mlx.core as mx
 
 from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import History, align_scores, protect_recent
-from velox_cache_core.declarations import PolicyState, Traits, running
+from velox_cache_core.declarations import Traits, running
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.lanes import GlobalRule, Lanes
+from velox_cache_core.lanes import GlobalRule
 from velox_cache_core.policies.expected_lanes import EA_LANES
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
@@ -66,7 +66,7 @@ from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExpectedAttentionState(PolicyState):
+class ExpectedAttentionState(shares.AllocationState):
     """Expected Attention layer state; ``compressed`` once the prompt has been cut.
 
     queries: the last ``n_queries`` queries, un-rotated (``probes`` ``[B, H_q, w, D]``);
@@ -88,9 +88,6 @@ class ExpectedAttentionState(PolicyState):
     rope_dims: int | None
     rope_traditional: bool
     rope_scale: float
-    allocation: str = "uniform"
-    allocation_floor: float = shares.FLOOR
-    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     queries: History | None = running()
     mean: mx.array | None = running()
     cov: mx.array | None = running()
@@ -171,7 +168,7 @@ def init_expected_attention_state(
     ``rope_scale > 0``; ``allocation`` ``uniform``, ``head`` or ``global`` (see the module
     doc), ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    shares.check_allocation(allocation, allocation_floor)
+    allocated = shares.allocation_fields(allocation, allocation_floor)
     recent = min(RECENT, budget - n_sink - 1) if recent is None else recent
     check_int("recent", recent, minimum=0)
     if recent >= budget - n_sink:
@@ -207,8 +204,7 @@ def init_expected_attention_state(
         rope_dims=rope_dims,
         rope_traditional=rope_traditional,
         rope_scale=rope_scale,
-        allocation=allocation,
-        allocation_floor=float(allocation_floor),
+        **allocated,
     )
 
 

@@ -31,21 +31,17 @@ from velox_cache_core.attention_rule import (
 from velox_cache_core.declarations import Prefill, Scope, Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
 from velox_cache_core.lanes import Lanes
-from velox_cache_core.policies.tova import allocation_fields
 from velox_cache_core.policy import Policy
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.validation import check_budget_and_sinks, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
-class H2OState(RuleState):
+class H2OState(RuleState, shares.AllocationState):
     """H2O layer state. scores: float32 ``[B, G, S]`` running attention sums, slot-aligned
     (``G`` = 1 for scope ``layer``, ``H_kv`` for ``head``)."""
 
     recent: int
-    allocation: str = "uniform"
-    allocation_floor: float = shares.FLOOR
-    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     scores: mx.array | None = running()
 
     holds_prompt = property(holding)  # held whole for an adaptive cut at its end
@@ -71,7 +67,7 @@ def init_h2o_state(
     ``n_sink + recent <= budget``; ``allocation`` ``uniform`` or, with scope ``head``,
     ``head`` or ``global`` (see the module doc); ``0 <= allocation_floor <= 1``."""
     check_budget_and_sinks(budget, n_sink)
-    allocated = allocation_fields(allocation, allocation_floor, scope)
+    allocated = shares.allocation_fields(allocation, allocation_floor, scope)
     recent = budget // 2 if recent is None else recent
     check_int("recent", recent, minimum=0)
     if n_sink + recent > budget:

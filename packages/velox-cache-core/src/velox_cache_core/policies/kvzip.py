@@ -48,14 +48,13 @@ from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import SIGNALS, History, Rule, decide_by_weights, record_probes
 from velox_cache_core.declarations import (
     Compressor,
-    PolicyState,
     Scope,
     Signal,
     read_settings,
     running,
 )
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.lanes import Lanes, cut
+from velox_cache_core.lanes import cut
 from velox_cache_core.masks import chunk_causal
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import decision_weights, grouped_logits, masked_softmax
@@ -73,7 +72,7 @@ PAD = 2**30  # position of a pad slot in prompt caches saved before lanes (see u
 
 
 @dataclass(frozen=True, kw_only=True)
-class KVzipState(PolicyState):
+class KVzipState(shares.AllocationState):
     """KVzip layer state; ``compressed`` once the context has been cut to ``budget``."""
 
     budget: int
@@ -82,8 +81,6 @@ class KVzipState(PolicyState):
     signal: Signal
     after: After
     allocation: Allocation = "global"
-    allocation_floor: float = shares.FLOOR
-    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     history: History | None = running()  # the last probe row (probe "latest")
     scale: float | None = running()
     compressed: bool = running(False)
@@ -118,7 +115,7 @@ def init_kvzip_state(
     check_choice("after", after, AFTERS)
     if allocation is None:
         allocation = "uniform" if after == "tova" else "global"
-    shares.check_allocation(allocation, allocation_floor)
+    allocated = shares.allocation_fields(allocation, allocation_floor)
     if after == "tova" and allocation != "uniform":
         raise ValueError(
             f"after='tova' keeps exactly budget rows per KV head: it needs "
@@ -130,8 +127,7 @@ def init_kvzip_state(
         probe=check_choice("probe", probe, PROBES),  # type: ignore[arg-type]
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
         after=after,
-        allocation=allocation,
-        allocation_floor=float(allocation_floor),
+        **allocated,
     )
 
 

@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from velox_cache_core.allocation import shares
 from velox_cache_core.attention_rule import SIGNALS, History, record_probes
-from velox_cache_core.declarations import PolicyState, Signal, read_settings, running
+from velox_cache_core.declarations import Signal, read_settings, running
 from velox_cache_core.engine import Call, Decision
-from velox_cache_core.lanes import GlobalRule, Lanes
+from velox_cache_core.lanes import GlobalRule
 from velox_cache_core.policy import Policy
 from velox_cache_core.scoring import grouped_logits, masked_softmax
 from velox_cache_core.selection import pinned
@@ -35,16 +35,13 @@ from velox_cache_core.validation import check_choice, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
-class SnapKVState(PolicyState):
+class SnapKVState(shares.AllocationState):
     """SnapKV layer state; ``compressed`` once the prompt has been cut to ``budget``."""
 
     budget: int
     window: int
     kernel: int
     signal: Signal
-    allocation: str = "uniform"
-    allocation_floor: float = shares.FLOOR
-    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     history: History | None = running()
     scale: float | None = running()
     compressed: bool = running(False)
@@ -65,7 +62,7 @@ def init_snapkv_state(
     small budget needs no window of its own), odd ``kernel >= 1``; ``allocation``
     ``uniform``, ``head`` or ``global`` (see the module doc), ``0 <= allocation_floor <=
     1``."""
-    shares.check_allocation(allocation, allocation_floor)
+    allocated = shares.allocation_fields(allocation, allocation_floor)
     check_int("budget", budget, minimum=2)
     if window is None:
         window = min(WINDOW, budget - 1)
@@ -80,8 +77,7 @@ def init_snapkv_state(
         window=window,
         kernel=kernel,
         signal=check_choice("signal", signal, SIGNALS),  # type: ignore[arg-type]
-        allocation=allocation,
-        allocation_floor=float(allocation_floor),
+        **allocated,
     )
 
 

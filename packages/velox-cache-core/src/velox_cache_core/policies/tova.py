@@ -37,16 +37,13 @@ PRESETS: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class TovaState(RuleState):
+class TovaState(RuleState, shares.AllocationState):
     """One layer's TOVA cache: settings, retained slots and counters.
 
     ``slots`` is ``None`` until the first call fixes ``B``, ``H_kv``, ``D`` and dtype. Views:
     ``keys``, ``values``, ``positions``, ``n_kept``, ``nbytes``, ``compression_ratio``.
     """
 
-    allocation: str = "uniform"
-    allocation_floor: float = shares.FLOOR
-    lanes: Lanes | None = running()  # a head/global allocation's rows (PolicyState.lanes)
     # the attention scale of the held prompt's calls (for a cut outside a call: global)
     scale: float | None = running()
 
@@ -77,20 +74,8 @@ def init_tova_state(
         budget=budget,
         n_sink=n_sink,
         **chosen,
-        **allocation_fields(allocation, allocation_floor, chosen["scope"]),
+        **shares.allocation_fields(allocation, allocation_floor, chosen["scope"]),
     )
-
-
-def allocation_fields(allocation: Any, floor: Any, scope: Any) -> dict[str, Any]:
-    """``allocation`` and ``allocation_floor`` checked, as state fields: ``head``/``global``
-    share rows across KV heads, so they need scope ``head``."""
-    shares.check_allocation(allocation, floor)
-    if allocation != "uniform" and scope != "head":
-        raise ValueError(
-            f"allocation={allocation!r} shares rows across KV heads: it needs scope='head' "
-            f"(got scope={scope!r})"
-        )
-    return {"allocation": allocation, "allocation_floor": float(floor)}
 
 
 def tova_rule(state: TovaState, call: Call, slots: KVSlots, candidates: KVSlots) -> Decision:
