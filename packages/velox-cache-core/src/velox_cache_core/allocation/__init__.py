@@ -13,7 +13,7 @@ A policy takes part by declaring what its scores are, not by carrying the cut it
   (:mod:`~velox_cache_core.allocation.held_prompt`), which gives its record's ``lane_rule``
   and ``global_rule``;
 - a policy whose cut runs at its prompt end (SnapKV, Expected Attention, KVzip) calls
-  :func:`~velox_cache_core.allocation.shares.allot` or
+  :func:`~velox_cache_core.allocation.shares.cut_into_lanes` or
   :func:`~velox_cache_core.allocation.shares.cut_evicting` from its own cut and declares a
   ``GlobalRule`` for its scores.
 

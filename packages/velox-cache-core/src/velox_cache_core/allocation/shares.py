@@ -212,6 +212,18 @@ def allot(
     return cut(live, scores, protected, counts, width, keep_scores)
 
 
+def cut_into_lanes(
+    state: Any, live: KVSlots, scores: mx.array, protected: mx.array, total: int | None
+) -> Any:
+    """``state`` with its rows ``live`` cut into lanes by :func:`allot` (its ``budget`` and
+    ``allocation_floor``, ``total`` rows), the slot store emptied for what comes after: the
+    cut of a policy whose cut runs at its prompt end (SnapKV, KVzip)."""
+    lanes = allot(
+        live, scores, protected, budget=state.budget, floor=state.allocation_floor, total=total
+    )
+    return replace(state, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
+
+
 def linked_total(state: Any, total: int | None, name: str) -> int | None:
     """``total`` (a layer's rows under a model-wide cut) for a cut about to share rows out:
     under ``allocation="global"`` it must come from the linked layers (``ValueError``

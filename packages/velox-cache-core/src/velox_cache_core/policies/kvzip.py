@@ -240,15 +240,8 @@ def kvzip_compress(
             raise ValueError(f"total must be >= 0, got {total}")
         if n <= state.budget:
             return done
-        lanes = shares.allot(
-            live,
-            scores.astype(mx.float32),
-            _protected(state, live.positions),
-            budget=state.budget,
-            floor=state.allocation_floor,
-            total=total,
-        )
-        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
+        protected = _protected(state, live.positions)
+        return shares.cut_into_lanes(done, live, scores.astype(mx.float32), protected, total)
     if n <= state.budget:
         return done
     if scores is None:

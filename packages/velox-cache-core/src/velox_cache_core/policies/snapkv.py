@@ -135,15 +135,8 @@ def _cut(state: SnapKVState, total: int | None) -> SnapKVState:
         return done
     live, full, window_rows = found
     if state.allocation != "uniform":
-        lanes = shares.allot(
-            live,
-            full,
-            window_rows,
-            budget=state.budget,
-            floor=state.allocation_floor,
-            total=shares.linked_total(state, total, "snapkv"),
-        )
-        return replace(done, slots=KVSlots.empty_like(live.keys, live.values), lanes=lanes)
+        total = shares.linked_total(state, total, "snapkv")
+        return shares.cut_into_lanes(done, live, full, window_rows, total)
     n, W = live.n_slots, state.window
     top = mx.argsort(-full[..., : n - W], axis=-1)[..., : state.budget - W]
     B, H = full.shape[:2]
