@@ -199,8 +199,7 @@ def global_totals(scores: list[mx.array], state: KVzipState) -> list[int]:
     width = shares.lane_width(state.budget)
     positions = [mx.broadcast_to(mx.arange(n, dtype=mx.int32), s.shape) for s in scores]
     protected = [_protected(state, p) for p in positions]
-    held = max(int(p.astype(mx.int32).sum(axis=-1).max().item()) for p in protected)  # type: ignore[arg-type]
-    least = shares.floor_rows(state.budget, state.allocation_floor, held, width)
+    least = shares.least_rows(state.budget, state.allocation_floor, protected)
     return shares.global_totals(scores, positions, protected, state.budget, least, width)
 
 
