@@ -52,11 +52,12 @@ from velox_cache_core.policies.expected_lanes import EA_LANES
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
     RoPE,
+    arrival_scores,
     expected_logits,
     log_normalizer,
-    query_stats,
     remember,
     scores_from_logits,
+    window_stats,
 )
 from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
@@ -214,15 +215,7 @@ def _rescore(
     """Fresh statistics from ``window`` (the future starting at ``offset``) and every slot
     re-scored with them: the running fields that change."""
     keys = rows.dense(slots.keys)
-    stats = query_stats(
-        window.probes,
-        window.positions,
-        n_sink=state.n_sink,
-        rope=state.rope(int(keys.shape[3])),
-        start=offset,
-        n_future=state.n_future,
-        use_covariance=state.use_covariance,
-    )
+    stats = window_stats(state, window, int(keys.shape[3]), offset)
     logits = expected_logits(stats, keys, scale)
     log_norm = log_normalizer(logits, ~sinks(slots.positions, state.n_sink))
     scores = scores_from_logits(
@@ -244,15 +237,8 @@ def _scores_with_new(
     """float32 ``[B, H_kv, n]`` aligned with ``candidates``: the kept scores, and the call's
     keys scored with the current statistics and the last scoring's normalizer."""
     assert state.scores is not None and state.log_norm is not None
-    B, H, L, _ = call.shape
-    logits = expected_logits(state.stats, rows.dense(call.keys), call.scale)
-    fresh = scores_from_logits(
-        logits,
-        state.log_norm.reshape(B, H, -1, 1),
-        call.values,
-        use_vnorm=state.use_vnorm,
-        epsilon=state.epsilon,
-    )
+    _, H, L, _ = call.shape
+    fresh = arrival_scores(state, call.keys, call.values, call.scale)
     kept = align_scores(state.scores, slots, H, L)
     if L == 1:  # the new token sits in the dead slot or after the live ones
         return mx.where(candidates.positions == call.newest(), fresh, kept)

@@ -19,10 +19,11 @@ from velox_cache_core.engine import Call
 from velox_cache_core.lanes import LaneRule, Lanes, put_rows, rows_at, write
 from velox_cache_core.policies.expected_scores import (
     QueryStats,
+    arrival_scores,
     expected_logits,
-    query_stats,
     remember,
     scores_from_logits,
+    window_stats,
 )
 from velox_cache_core.selection import sinks
 from velox_cache_core.store import rows
@@ -41,15 +42,7 @@ def rescore_lanes(
     softmax normalised per head across its lanes (non-sinks counted): the fields that change."""
     keys = rows.dense(lanes.keys)  # [B, N, W, D]
     B, D = int(keys.shape[0]), int(keys.shape[3])
-    stats = query_stats(
-        window.probes,
-        window.positions,
-        n_sink=state.n_sink,
-        rope=state.rope(D),
-        start=offset,
-        n_future=state.n_future,
-        use_covariance=state.use_covariance,
-    )
+    stats = window_stats(state, window, D, offset)
     H_q, H = int(stats.mean.shape[1]), kv_heads(state)
     G, N = H_q // H, lanes.n_lanes
     # each lane's owner's statistics, so the lanes are scored as N heads
@@ -108,13 +101,7 @@ def lane_score(state: Any, lanes: Lanes, weights: mx.array | None) -> tuple[mx.a
     mine = lanes.row_member(H) & (flat == newest)[:, None]
     idx = mx.argmax(mx.where(mine, 1, 0), axis=-1).astype(mx.int32)  # [B, H]
     new = rows_at(lanes, idx)  # [B, H, 1, D]
-    fresh = scores_from_logits(
-        expected_logits(state.stats, rows.dense(new.keys), state.scale),
-        state.log_norm.reshape(B, H, -1, 1),
-        new.values,
-        use_vnorm=state.use_vnorm,
-        epsilon=state.epsilon,
-    )  # [B, H, 1]
+    fresh = arrival_scores(state, new.keys, new.values, state.scale)  # [B, H, 1]
     scores = put_rows(lanes.scores, idx, fresh)
     if state.refreshed_at is not None and state.scores is not None:
         scores = mx.where(newest.reshape(B, 1, 1) == state.refreshed_at, state.scores, scores)

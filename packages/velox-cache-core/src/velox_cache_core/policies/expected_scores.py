@@ -164,6 +164,34 @@ def expected_scores(
     return scores_from_logits(logits, log_norm, values, use_vnorm=use_vnorm, epsilon=epsilon)
 
 
+def window_stats(state: Any, window: History, head_dim: int, offset: int) -> QueryStats:
+    """:func:`query_stats` of the query ``window`` with ``state``'s settings (heads of
+    ``head_dim`` features), turned to the future starting at ``offset``."""
+    return query_stats(
+        window.probes,
+        window.positions,
+        n_sink=state.n_sink,
+        rope=state.rope(head_dim),
+        start=offset,
+        n_future=state.n_future,
+        use_covariance=state.use_covariance,
+    )
+
+
+def arrival_scores(state: Any, keys: rows.Rows, values: rows.Rows, scale: float) -> mx.array:
+    """float32 ``[B, H_kv, n]``: new ``keys`` ``[B, H_kv, n, D]`` (and ``values``) scored on
+    arrival with ``state``'s current statistics and its last scoring's normalizer."""
+    k = rows.dense(keys)
+    B, H = k.shape[:2]
+    return scores_from_logits(
+        expected_logits(state.stats, k, scale),
+        state.log_norm.reshape(B, H, -1, 1),
+        values,
+        use_vnorm=state.use_vnorm,
+        epsilon=state.epsilon,
+    )
+
+
 def remember(state: Any, call: Call) -> History:
     """The query window after ``call``: its queries un-rotated at their positions, appended."""
     assert call.queries is not None
