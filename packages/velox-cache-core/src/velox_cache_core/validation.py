@@ -24,6 +24,13 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` must be a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     check_member(name, value, tuple(choices))
     return str(value)

@@ -63,7 +63,7 @@ from velox_cache_core.policy import Policy
 from velox_cache_core.selection import highest_weights, lowest_weight, sinks
 from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
-from velox_cache_core.validation import check_budget_and_sinks, check_int
+from velox_cache_core.validation import check_bool, check_budget_and_sinks, check_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,12 +136,6 @@ def _check_float(name: str, value: Any, *, minimum: float, strict: bool = False)
     return float(value)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 RECENT = 16  # the default recent window, when the budget has room for it
 
 
@@ -180,8 +174,8 @@ def init_expected_attention_state(
     check_int("n_queries", n_queries, minimum=1)
     check_int("refresh_every", refresh_every, minimum=1)
     check_int("n_future", n_future, minimum=1)
-    _check_bool("use_covariance", use_covariance)
-    _check_bool("use_vnorm", use_vnorm)
+    check_bool("use_covariance", use_covariance)
+    check_bool("use_vnorm", use_vnorm)
     epsilon = _check_float("epsilon", epsilon, minimum=0.0)
     if rope_base is not None:
         rope_base = _check_float("rope_base", rope_base, minimum=1.0, strict=True)
@@ -189,7 +183,7 @@ def init_expected_attention_state(
         check_int("rope_dims", rope_dims, minimum=0)
         if rope_dims % 2:
             raise ValueError(f"rope_dims must be even (features turn in pairs), got {rope_dims}")
-    _check_bool("rope_traditional", rope_traditional)
+    check_bool("rope_traditional", rope_traditional)
     rope_scale = _check_float("rope_scale", rope_scale, minimum=0.0, strict=True)
     return ExpectedAttentionState(
         budget=budget,

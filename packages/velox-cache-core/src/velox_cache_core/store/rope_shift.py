@@ -45,6 +45,7 @@ from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.tier import Tier
 from velox_cache_core.store.token_rows import QRows
+from velox_cache_core.validation import check_bool
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,7 @@ class Rope:
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if not isinstance(self.traditional, bool):
-            raise TypeError(f"traditional must be a bool, got {type(self.traditional).__name__}")
+        check_bool("traditional", self.traditional)
 
 
 def rotate(x: mx.array, shift: int | mx.array, rope: Rope) -> mx.array:
