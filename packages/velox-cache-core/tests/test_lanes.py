@@ -140,7 +140,7 @@ def test_attend_matches_reference(
         visible = np.repeat(per_kv, g, axis=1)
         mask = mx.array(per_kv)
     sinks = rng.standard_normal(H * g).astype(np.float32) if with_sinks else None
-    got = LN.attend(
+    got, _ = LN.attend_weights(
         mx.array(q),
         lanes,
         mx.array(tk),
@@ -166,7 +166,7 @@ def test_attend_quantized_lanes_reads_the_packed_rows() -> None:
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(1))
     tk = quant.quantize(mx.random.normal((B, H, 1, D), key=mx.random.key(2)))
     tv = quant.quantize(mx.random.normal((B, H, 1, D), key=mx.random.key(3)))
-    got = LN.attend(q, lanes, tk, tv, None, 0.125)
+    got, _ = LN.attend_weights(q, lanes, tk, tv, None, 0.125)
     want = _reference_attention(
         np.array(q),
         lanes.per_head(H),

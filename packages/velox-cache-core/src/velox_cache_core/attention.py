@@ -29,12 +29,15 @@ def attend(queries: mx.array, step: Step, scale: float, sinks: mx.array | None =
     the values, or scores, mask, softmax and values, as mlx-lm's quantized attention computes them).
     ``sinks``: per-head attention sink logits ``[H_q]`` of models that have them (gpt-oss).
     A step with :attr:`~velox_cache_core.engine.Step.lanes` (heads keeping different row
-    counts) attends over them and the step's rows together (:func:`velox_cache_core.lanes.attend`).
+    counts) attends over them and the step's rows together
+    (:func:`velox_cache_core.lanes.attend_weights`).
     """
     if step.out is not None:  # the decision attended already (a step over evicting lanes)
         return step.out
     if step.lanes is not None:  # heads with different row counts: lanes plus the tail
-        return lanes.attend(queries, step.lanes, step.keys, step.values, step.mask, scale, sinks)
+        return lanes.attend_weights(
+            queries, step.lanes, step.keys, step.values, step.mask, scale, sinks
+        )[0]
     quantized = isinstance(step.values, QRows)
     if step.probs is not None and sinks is None and (quantized or mx.default_device() == mx.cpu):
         return weights_times_values(step.probs, step.values, queries.dtype)

@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.scoring import exp
+from velox_cache_core.selection import _NO_POSITION
 from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import LANES_REFUSED, KRows
 from velox_cache_core.store.rows import QUANTIZED, Rows
@@ -248,9 +249,6 @@ def _victims(
     return mx.argmin(age, axis=-1).astype(mx.int32)
 
 
-_NO_POSITION = 2**31 - 1
-
-
 def write(lanes: Lanes, keys: Rows, values: Rows, position: int | mx.array) -> Lanes:
     """One new token per head (keys ``[B, H, 1, D]``, values ``[B, H, 1, D_v]``, at
     ``position``, an int or int ``[B]``) written into each head's dead row, in place; its
@@ -334,20 +332,6 @@ def _matmul(x: mx.array, rows: Rows, transpose: bool) -> mx.array:
     else:
         out = x.astype(rows.dtype) @ (rows.swapaxes(-1, -2) if transpose else rows)
     return out.astype(mx.float32)
-
-
-def attend(
-    queries: mx.array,
-    lanes: Lanes,
-    keys: Rows,
-    values: Rows,
-    mask: mx.array | None,
-    scale: float,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """Attention over lanes and a tail (see :func:`attend_weights`, which also returns the
-    lanes' weights)."""
-    return attend_weights(queries, lanes, keys, values, mask, scale, sinks)[0]
 
 
 def attend_weights(
