@@ -10,7 +10,7 @@
   hides what it evicted.
 
 A policy scoring by the true queries without a ``signal`` setting (Expected Attention) has no
-stand-in: :func:`refuse_without_queries` raises instead.
+stand-in: both refuse instead (:func:`decide_keyed`).
 """
 
 from __future__ import annotations
@@ -45,25 +45,41 @@ def attend_rows(
     model's additive ``scores`` ``[B?, H?, L, n]`` (latent attention's RoPE part). The
     call is decided with signal ``key`` (the policy's scoring cannot read these queries),
     with a warning once; the policy's mask hides what it evicted."""
+    model = layer.serves or "the model"
     if layer.demote is not None:
         raise ValueError(
-            f"{layer.serves or 'the model'} derives its own rows from the cache's, which a "
-            "demoted tier's quantized rows cannot follow: use demote_bits=None with this model"
+            f"{model} derives its own rows from the cache's, which a demoted tier's quantized "
+            "rows cannot follow: use demote_bits=None with this model"
         )
-    step = decide_for_rows(layer)
+    pending, layer.pending = layer.pending, None
+    if isinstance(pending, Decided):
+        layer.state = layer._after_call(pending.step.state, pending.length)
+        step = layer.last = pending.step
+    elif isinstance(pending, Waiting):
+        name = layer.policy.name
+        who = layer.serves or name
+        why = f"{who} attends over keys, values or scores of its own, not the cache's"
+        warning = f"{why}: the {name} cache scores with signal 'key' there."
+        step = decide_keyed(layer, pending, why, _warned_rows, who, warning)
+        layer.last = replace(step, state=layer.state)
+    else:
+        layer.pending = pending
+        if layer.last is None:
+            raise RuntimeError("attend() called before update_and_fetch()")
+        step = layer.last  # a layer sharing this one's keys and values
     n = int(step.keys.shape[2])
     if keys.shape[2] != n or values.shape[2] != n:
         raise ValueError(
-            f"{layer.serves or 'the model'} attends over {keys.shape[2]} rows, but this "
-            f"cache returned {n}: Velox cannot tell which rows it evicted there"
+            f"{model} attends over {keys.shape[2]} rows, but this cache returned {n}: Velox "
+            "cannot tell which rows it evicted there"
         )
     visible = step.mask
     if visible is not None and visible.shape[1] not in (1, queries.shape[1]):
         if keys.shape[1] != step.keys.shape[1]:
             raise ValueError(
-                f"{layer.serves or 'the model'} regroups the cache's {step.keys.shape[1]} KV "
-                f"heads into {keys.shape[1]} before attention, and this "
-                f"{layer.policy.name} cache evicts per head: use scope='layer'"
+                f"{model} regroups the cache's {step.keys.shape[1]} KV heads into "
+                f"{keys.shape[1]} before attention, and this {layer.policy.name} cache evicts "
+                "per head: use scope='layer'"
             )
         visible = mx.repeat(visible, queries.shape[1] // visible.shape[1], axis=1)
     mask = scores
@@ -73,42 +89,6 @@ def attend_rows(
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
-
-
-def decide_for_rows(layer: Any) -> Step:
-    """Settle the call in flight for :meth:`attend_rows` (signal ``key`` for ``query``)."""
-    pending, layer.pending = layer.pending, None
-    if isinstance(pending, Decided):
-        layer.state = layer._after_call(pending.step.state, pending.length)
-        layer.last = pending.step
-        return pending.step
-    if not isinstance(pending, Waiting):
-        layer.pending = pending
-        if layer.last is not None:  # a layer sharing this one's keys and values
-            return layer.last
-        raise RuntimeError("attend() called before update_and_fetch()")
-    state = layer.state
-    query = layer.policy.traits.signal(state) == "query"
-    if query:
-        who = layer.serves or layer.policy.name
-        refuse_without_queries(
-            layer, pending, f"{who} attends over keys, values or scores of its own, not the cache's"
-        )
-        if who not in _warned_rows:
-            _warned_rows.add(who)
-            warnings.warn(
-                f"{who} attends over keys, values or scores of its own, not the cache's: "
-                f"the {layer.policy.name} cache scores with signal 'key' there.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        state = replace(state, signal="key")
-    L = int(pending.keys.shape[2])
-    step = layer._feed(state, keys=pending.keys, values=pending.values)
-    after = replace(step.state, signal="query") if query else step.state
-    layer.state = layer._after_call(after, L)
-    layer.last = replace(step, state=layer.state)
-    return step
 
 
 def settle(layer: Any, pending: Decided | Waiting) -> None:
@@ -138,44 +118,41 @@ def settle(layer: Any, pending: Decided | Waiting) -> None:
     if isinstance(pending, Decided):  # attention never came back
         layer.state = layer._after_call(layer.state, pending.length)
         return
-    decide_unseen(layer, pending)
-
-
-def decide_unseen(layer: Any, pending: Waiting) -> None:
-    L = int(pending.keys.shape[2])
-    if layer.policy.traits.signal(layer.state) != "query":  # decided as the hook would have
-        step = layer._feed(layer.state, keys=pending.keys, values=pending.values)
-        layer.state = layer._after_call(step.state, L)
-        return
-    refuse_without_queries(
-        layer,
-        pending,
-        f"a call of {layer.serves or 'this layer'} came without them: the attention hook "
-        "never saw it "
-        "(KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
-        "attention by hand)",
+    why = (
+        f"a call of {layer.serves or 'this layer'} came without them: the attention hook never "
+        "saw it (KVCacheBuilder.for_model installs it; it cannot reach a model that computes "
+        "attention by hand)"
     )
-    if layer.policy.name not in _warned_no_hook:
-        _warned_no_hook.add(layer.policy.name)
-        warnings.warn(
-            f"a {layer.policy.name} cache was used without the attention hook "
-            "(KVCacheBuilder.for_model installs it): eviction fell back to signal 'key'.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    keyed = replace(layer.state, signal="key")
-    step = layer._feed(keyed, keys=pending.keys, values=pending.values)
-    layer.state = layer._after_call(replace(step.state, signal="query"), L)
-
-
-def refuse_without_queries(layer: Any, pending: Waiting, why: str) -> None:
-    """A policy scoring by the true queries without a ``signal`` setting has no key
-    stand-in (Expected Attention's statistics are the queries'): ``ValueError`` saying
-    ``why`` the queries are missing; the call stays pending."""
-    if "signal" in layer.state.settings:
-        return
-    layer.pending = pending
-    raise ValueError(
-        f"{layer.policy.name} needs the true queries (it has no signal='key' stand-in), "
-        f"but {why}; serve this model with another method"
+    warning = (
+        f"a {name} cache was used without the attention hook (KVCacheBuilder.for_model "
+        "installs it): eviction fell back to signal 'key'."
     )
+    decide_keyed(layer, pending, why, _warned_no_hook, name, warning)
+
+
+def decide_keyed(
+    layer: Any, pending: Waiting, why: str, warned: set[str], key: str, warning: str
+) -> Step:
+    """Decide ``pending`` without its queries (:func:`attend_rows`, :func:`settle`). A state
+    scoring by the true queries is decided with signal ``key`` standing in (``warning`` once
+    per ``key`` in ``warned``), unless its policy has no stand-in (no ``signal`` setting:
+    Expected Attention's statistics are the queries'): ``ValueError`` saying ``why`` the
+    queries are missing, the call left pending."""
+    state = layer.state
+    query = layer.policy.traits.signal(state) == "query"
+    if query:
+        if "signal" not in state.settings:
+            layer.pending = pending
+            raise ValueError(
+                f"{layer.policy.name} needs the true queries (it has no signal='key' "
+                f"stand-in), but {why}; serve this model with another method"
+            )
+        if key not in warned:
+            warned.add(key)
+            # at attend_rows's caller's caller, or at Layer.settle's caller
+            warnings.warn(warning, RuntimeWarning, stacklevel=4)
+        state = replace(state, signal="key")
+    step = layer._feed(state, keys=pending.keys, values=pending.values)
+    after = replace(step.state, signal="query") if query else step.state
+    layer.state = layer._after_call(after, int(pending.keys.shape[2]))
+    return step
