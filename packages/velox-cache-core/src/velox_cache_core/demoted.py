@@ -43,23 +43,6 @@ from velox_cache_core.store.channel_keys import KRows
 from velox_cache_core.store.slots import KVSlots
 from velox_cache_core.store.tier import Tier, TierSpec, demote, demote_one
 
-NEEDS_HOOK = (
-    "this {name} cache demotes evicted rows into a tier that only the attention hook attends "
-    "(velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model does), and the "
-    "last call ran without it"
-)
-
-NO_TRIM = (
-    "cannot trim {n} tokens of a {name} cache with a demoted tier (demote_bits): a trim reaches "
-    "back within the last call only ({reach} tokens now; speculative decoding's trims always "
-    "do), as the tier keeps its state before that call and no per-row log"
-)
-NO_STEP_SUMS = (
-    "a layer with a demoted tier (demote_bits) decides every call with its queries, summing "
-    "over its group there (one all_sum per layer and call): it cannot defer a decode step to "
-    "shared step sums (StepSums)"
-)
-
 
 @dataclass(frozen=True, eq=False)
 class TierUndo:
@@ -112,9 +95,10 @@ def attend(
     n = int(main.shape[-1])
     if step.mask is not None:
         main = mx.where(grouped_mask(step.mask, H_q, H_kv), main, mx.finfo(mx.float32).min)
+    if tier is not None and not tier.n_rows:
+        tier = None
     parts = [main]
-    T = 0 if tier is None else tier.n_rows
-    if tier is not None and T:
+    if tier is not None:
         parts.append(grouped_logits(queries, tier.keys, scale, "head"))
     if sinks is not None:
         sink = sinks.astype(mx.float32).reshape(1, H_kv, g, 1, 1)
@@ -124,8 +108,8 @@ def attend(
     p_main = probs[..., :n]
     out = times_values(p_main.astype(step.values.dtype), step.values)
     p_tier = None
-    if tier is not None and T:
-        p_tier = probs[..., n : n + T]
+    if tier is not None:
+        p_tier = probs[..., n : n + tier.n_rows]
         out = out + times_values(p_tier.astype(tier.values.dtype), tier.values)
     D_v = int(out.shape[-1])
     return out.reshape(B, H_q, L, D_v).astype(queries.dtype), p_main, p_tier
@@ -149,34 +133,31 @@ def victims(
     """The rows ``before`` held and the call's new ``keys``/``values`` (positions ``start``
     on) that ``after`` does not: full-precision keys, values ``[B, H_kv, V, D]`` and positions
     ``[B, H_kv, V]`` in the order they came; ``None`` when nothing went."""
-    ks, vs, ps = [], [], []
+    parts: list[tuple[mx.array, mx.array, mx.array]] = []
     if before is not None:
         live = before.compact()
-        ks.append(rows.dense(live.keys))
-        vs.append(rows.dense(live.values))
-        ps.append(live.positions)
+        parts.append((rows.dense(live.keys), rows.dense(live.values), live.positions))
     if keys is not None and values is not None and int(keys.shape[2]):
         B, H, L = (int(s) for s in keys.shape[:3])
-        ks.append(rows.dense(keys))
-        vs.append(rows.dense(values))
-        ps.append(mx.broadcast_to(start + mx.arange(L, dtype=mx.int32), (B, H, L)))
-    if not ps:
+        new = mx.broadcast_to(start + mx.arange(L, dtype=mx.int32), (B, H, L))
+        parts.append((rows.dense(keys), rows.dense(values), new))
+    if not parts:
         return None
-    positions = ps[0] if len(ps) == 1 else mx.concatenate(ps, axis=2)
+    key_rows, value_rows, positions = (
+        parts[0]
+        if len(parts) == 1
+        else (mx.concatenate(list(xs), axis=2) for xs in zip(*parts, strict=True))
+    )
     N = int(positions.shape[2])
-    kept_n = 0 if after is None else after.n_kept
-    V = N - kept_n
+    V = N - (0 if after is None else after.n_kept)
     if V <= 0:
         return None
-    if after is None:
-        gone = mx.ones(positions.shape, dtype=mx.bool_)
-    else:
-        held = after.compact().positions
-        gone = ~(positions[..., :, None] == held[..., None, :]).any(axis=-1)
+    if after is None:  # every row went
+        return key_rows, value_rows, positions
+    held = after.compact().positions
+    gone = ~(positions[..., :, None] == held[..., None, :]).any(axis=-1)
     index = mx.arange(N, dtype=mx.int32)
     order = mx.argsort(mx.where(gone, index, index + N), axis=-1)[..., :V]
-    key_rows = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-    value_rows = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
     return (
         mx.take_along_axis(key_rows, order[..., None], axis=2),
         mx.take_along_axis(value_rows, order[..., None], axis=2),
@@ -299,7 +280,12 @@ def trim(layer: Any, n: int) -> None:
     back = reach(layer)
     undo: TierUndo | None = layer.tier_undo
     if undo is None or n > back:
-        raise ValueError(NO_TRIM.format(n=n, name=layer.policy.name, reach=back))
+        raise ValueError(
+            f"cannot trim {n} tokens of a {layer.policy.name} cache with a demoted tier "
+            f"(demote_bits): a trim reaches back within the last call only ({back} tokens now; "
+            "speculative decoding's trims always do), as the tier keeps its state before that "
+            "call and no per-row log"
+        )
     with summing_over(layer.group):
         state, log = layer.policy.trim(layer.state, layer.log, undo.length)
     layer.state, layer.log, layer.tier = state, log, undo.tier

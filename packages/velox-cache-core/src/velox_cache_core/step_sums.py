@@ -15,7 +15,6 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.attention import attend as attend_step
-from velox_cache_core.demoted import NO_STEP_SUMS
 from velox_cache_core.distributed import Group, Recorder, Replay, StepSums, summing_over
 from velox_cache_core.engine import decide, prepare
 from velox_cache_core.in_flight import Deferred, Mode, Waiting
@@ -84,7 +83,11 @@ def share_step_sums(layer: Any, sums: StepSums | None, index: int = 0) -> None:
     group) as layer ``index`` (``None``: back to ``QUERIES``)."""
     if sums is not None:
         if layer.demote is not None:
-            raise ValueError(NO_STEP_SUMS)
+            raise ValueError(
+                "a layer with a demoted tier (demote_bits) decides every call with its queries, "
+                "summing over its group there (one all_sum per layer and call): it cannot defer "
+                "a decode step to shared step sums (StepSums)"
+            )
         if not isinstance(sums, StepSums):
             raise TypeError(f"sums must be a StepSums, got {type(sums).__name__}")
         if sums.group is not layer.group:

@@ -21,7 +21,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_cache_core.demoted import NEEDS_HOOK
 from velox_cache_core.engine import Step
 from velox_cache_core.in_flight import Decided, Waiting
 
@@ -105,7 +104,11 @@ def settle(layer: Any, pending: Decided | Waiting) -> None:
             "with the model's other uses of it; serve this model with method='full'"
         )
     if layer.demote is not None:
-        raise RuntimeError(NEEDS_HOOK.format(name=name))
+        raise RuntimeError(
+            f"this {name} cache demotes evicted rows into a tier that only the attention hook "
+            "attends (velox_mlx_lm.install_attention_hook(model); KVCacheBuilder.for_model "
+            "does), and the last call ran without it"
+        )
     if layer.policy.traits.hides_rows(layer.state) or layer.state.lanes is not None:
         # The model attended by itself: over rows only the hook's masks hide, or without the
         # rows an adaptive allocation keeps per head (lanes), which only it reads.
