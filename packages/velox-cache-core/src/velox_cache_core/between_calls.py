@@ -115,10 +115,8 @@ def restore(layer: Any, state: Any, log: UndoLog | None) -> None:
     """Take ``state`` and ``log`` as this layer's (a row unpacked from a batch, a loaded prompt
     cache); nothing stays pending."""
     layer.state, layer.log = state, log
-    layer.tier_undo = None
-    layer.pending = None
-    layer.phase = None
-    layer.fetched = layer.last = None
+    layer.tier_undo = layer.pending = layer.phase = None
+    forget_call(layer)
     layer.stepped = []
 
 

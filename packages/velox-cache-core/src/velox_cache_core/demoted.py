@@ -36,7 +36,7 @@ import mlx.core as mx
 from velox_cache_core.attention import grouped_mask, times_values
 from velox_cache_core.distributed import summing_over
 from velox_cache_core.engine import Step
-from velox_cache_core.in_flight import STEPPED_CHUNK, SUBCHUNK, Waiting
+from velox_cache_core.in_flight import STEPPED_CHUNK, SUBCHUNK, Mode, Waiting
 from velox_cache_core.scoring import grouped_logits
 from velox_cache_core.store import rows
 from velox_cache_core.store.channel_keys import KRows
@@ -62,7 +62,7 @@ class TierUndo:
         return int(self.queries.shape[2])
 
 
-def check(policy: Any, state: Any, mode: Any, spec: TierSpec | None) -> TierSpec | None:
+def check(policy: Any, state: Any, mode: Mode, spec: TierSpec | None) -> TierSpec | None:
     """``spec`` ranking rows as ``policy`` declares (``Policy.demote_scoring``);
     ``TypeError``/``ValueError`` unless a layer of ``policy`` in ``mode`` can hold it
     (``None``: no tier)."""
@@ -76,7 +76,7 @@ def check(policy: Any, state: Any, mode: Any, spec: TierSpec | None) -> TierSpec
             f"allocation={state.allocation!r} ({policy.name}): heads keeping different row "
             "counts have no tier yet"
         )
-    if mode.name == "AT_ONCE":
+    if mode is Mode.AT_ONCE:
         raise ValueError("a demoted tier is attended by the hook: mode AT_ONCE cannot hold one")
     return replace(spec, scoring=policy.demote_scoring)
 

@@ -21,9 +21,13 @@ from velox_cache_core.store import rows
 # attention on ``retained + SUBCHUNK`` keys, not ``retained + L``.
 SUBCHUNK = 256
 
+# A chunk of at most this many tokens, at the budget on the decode path, runs as decode steps
+# (velox_cache_core.decode: a speculative verify chunk).
+STEPPED_CHUNK = 16
+
 
 class Mode(enum.Enum):
-    """Where a layer's decisions are taken (see the module docstring)."""
+    """Where a layer's decisions are taken (:mod:`velox_cache_core.layer` describes each)."""
 
     AT_ONCE = "at_once"
     QUERIES = "queries"
@@ -36,11 +40,6 @@ class Waiting:
 
     keys: rows.Rows
     values: rows.Rows
-
-
-# A chunk of at most this many tokens, at the budget on the decode path, runs as decode steps
-# (velox_cache_core.decode: a speculative verify chunk).
-STEPPED_CHUNK = 16
 
 
 @dataclass(frozen=True)
