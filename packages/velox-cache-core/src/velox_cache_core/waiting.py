@@ -59,33 +59,20 @@ def decide(
     if layer.demote is not None:
         return demoted.decide(layer, pending, queries, scale, sinks)
     if L > SUBCHUNK and layer.policy.traits.prefill(layer.state) == "sequential":
-        return subchunks(layer, pending, queries, scale, sinks)
+        # SUBCHUNK queries at a time: the same decisions, the scan and the attention over
+        # retained + SUBCHUNK keys instead of retained + L
+        outs = []
+        for s in range(0, L, SUBCHUNK):
+            part = slice(s, s + SUBCHUNK)
+            q, k, v = queries[:, :, part], keys[:, :, part], values[:, :, part]
+            step = layer._feed(layer.state, keys=k, values=v, queries=q, scale=scale)
+            layer.state = step.state
+            outs.append(attend_step(q, step, scale, sinks))
+        layer.state = layer._after_call(layer.state, L)
+        return mx.concatenate(outs, axis=2)
     if L == 1 and layer.mode is Mode.STEP_SUMS:
         return step_sums.attend_deferring(layer, pending, queries, scale, sinks)
     step = layer._feed(layer.state, keys=keys, values=values, queries=queries, scale=scale)
     layer.state = layer._after_call(step.state, L)
     layer.last = step
     return attend_step(queries, step, scale, sinks)
-
-
-def subchunks(
-    layer: Any, pending: Waiting, queries: mx.array, scale: float, sinks: mx.array | None
-) -> mx.array:
-    """A long sequential chunk decided ``SUBCHUNK`` queries at a time (the same decisions,
-    the scan and attention over ``retained + SUBCHUNK`` keys instead of ``retained + L``)."""
-    outs = []
-    L = int(pending.keys.shape[2])
-    for s in range(0, L, SUBCHUNK):
-        part = slice(s, s + SUBCHUNK)
-        q = queries[:, :, part]
-        step = layer._feed(
-            layer.state,
-            keys=pending.keys[:, :, part],
-            values=pending.values[:, :, part],
-            queries=q,
-            scale=scale,
-        )
-        layer.state = step.state
-        outs.append(attend_step(q, step, scale, sinks))
-    layer.state = layer._after_call(layer.state, L)
-    return mx.concatenate(outs, axis=2)
