@@ -54,8 +54,7 @@ def forget_call(layer: Any) -> None:
     """Drop what the last call attended over: after a cut outside a forward pass it is the
     whole uncut context, which nothing reads any more (a layer sharing these keys reads them
     within the same pass)."""
-    layer.fetched = None
-    layer.last = None
+    layer.fetched = layer.last = None
 
 
 def release(layer: Any) -> None:

@@ -267,9 +267,7 @@ def reach(layer: Any) -> int:
     """How many of the last tokens a layer with a tier can take back now."""
     undo: TierUndo | None = layer.tier_undo
     log = layer.log
-    if undo is None or log is None:
-        return 0
-    return min(undo.length, log.tokens)
+    return 0 if undo is None or log is None else min(undo.length, log.tokens)
 
 
 def trim(layer: Any, n: int) -> None:
