@@ -283,7 +283,6 @@ class Layer:
     # a call waiting for its queries (velox_cache_core.waiting)
     _waits = waiting.waits
     _wait = waiting.wait
-    _with_new = waiting.with_new
 
     # -- 2. settle with the queries ------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -387,7 +386,6 @@ class Layer:
     # (velox_cache_core.between_calls)
     take_cut = between_calls.take_cut
     _end_prompt = between_calls.end_prompt_now
-    _forget_call = between_calls.forget_call
     release = between_calls.release
     end_prompt = between_calls.end_prompt
     pin = between_calls.pin

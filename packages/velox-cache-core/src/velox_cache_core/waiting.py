@@ -31,15 +31,9 @@ def waits(layer: Any, length: int) -> bool:
 
 def wait(layer: Any, keys: rows.Rows, values: rows.Rows) -> tuple[rows.Rows, rows.Rows]:
     """Leave the call pending and return ``retained + new``."""
-    check_fits(layer.state.slots, keys, values)
-    layer.pending = Waiting(keys, values)
-    return with_new(layer, keys, values)
-
-
-def with_new(layer: Any, keys: rows.Rows, values: rows.Rows) -> tuple[rows.Rows, rows.Rows]:
-    """``retained + new``: what ``lay_out`` returns for a call that waits for its queries
-    (``keys``/``values`` already checked against the store)."""
     slots = layer.state.slots
+    check_fits(slots, keys, values)
+    layer.pending = Waiting(keys, values)
     if slots is None:
         return keys, values
     if keys.shape[2] == 1 and slots.free is not None:
