@@ -42,7 +42,7 @@ from velox_cache_core.history import History, pushed_out
 from velox_cache_core.policy import Policy
 from velox_cache_core.store import rows
 from velox_cache_core.store.slots import KVSlots
-from velox_cache_core.undo import _gather, running_names
+from velox_cache_core.undo import running_names
 
 Kernel = Callable[..., Any]
 
@@ -328,9 +328,9 @@ def state_type(state: Any) -> Any:
 
 
 def _rows_at(slots: KVSlots, slot: mx.array) -> list[mx.array]:
-    """Row ``slot`` (int ``[B, H_kv]``) of every head, as the undo log's ``_gather`` takes it:
-    keys, values ``[B, H_kv, 1, *]`` and positions ``[B, H_kv, 1]``."""
-    return _gather(slots, slot[..., None]).arrays()
+    """Row ``slot`` (int ``[B, H_kv]``) of every head, as the undo log takes it
+    (``KVSlots.take``): keys, values ``[B, H_kv, 1, *]`` and positions ``[B, H_kv, 1]``."""
+    return slots.take(slot[..., None]).arrays()
 
 
 def slots_of(

@@ -199,10 +199,6 @@ def new_log(window: int) -> UndoLog | None:
     return UndoLog(window) if window else None
 
 
-# rows ``idx`` (int ``[B, H_kv, m]``) of a store, dead slot or not (the name fast_step imports)
-_gather = KVSlots.take
-
-
 def _permute(rows: KVSlots, order: mx.array) -> KVSlots:
     """Rows placed so that row ``i`` of ``rows`` lands at index ``order[..., i]``."""
     return rows.take(mx.argsort(order, axis=-1).astype(mx.int32))
