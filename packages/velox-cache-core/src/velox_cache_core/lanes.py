@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_cache_core.scoring import exp
-from velox_cache_core.selection import _NO_POSITION
+from velox_cache_core.selection import NO_POSITION
 from velox_cache_core.store import rows as store_rows
 from velox_cache_core.store.channel_keys import LANES_REFUSED, KRows
 from velox_cache_core.store.rows import QUANTIZED, Rows
@@ -245,7 +245,7 @@ def _victims(
     )
     w = mx.where(mine & ~protected, scores, mx.inf)
     tied = mine & (w == w.min(axis=-1, keepdims=True))
-    age = mx.where(tied, positions, _NO_POSITION)
+    age = mx.where(tied, positions, NO_POSITION)
     return mx.argmin(age, axis=-1).astype(mx.int32)
 
 

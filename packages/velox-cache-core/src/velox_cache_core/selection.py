@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-_NO_POSITION = 2**31 - 1
+# beyond every real position: what a row out of the running takes when ties break by age
+NO_POSITION = 2**31 - 1
 
 
 def lowest_weight(weights: mx.array, positions: mx.array, excluded: mx.array) -> mx.array:
@@ -20,7 +21,7 @@ def lowest_weight(weights: mx.array, positions: mx.array, excluded: mx.array) ->
     """
     w = mx.where(excluded, mx.inf, weights)
     tied = w == w.min(axis=-1, keepdims=True)
-    oldest = mx.where(tied, positions, _NO_POSITION)
+    oldest = mx.where(tied, positions, NO_POSITION)
     return mx.argmin(oldest, axis=-1).astype(mx.int32)
 
 
